@@ -140,13 +140,13 @@ def zero_step(param, grads: Sequence, states: Sequence, t: int, lr: float = 1e-2
             f"zero_step: got {len(grads)} gradients but {len(states)} worker states; "
             f"pass one gradient per worker and states from init_states(n, {len(grads)})"
         )
-    g_all = np.stack([np.asarray(g, dtype=np.float64) for g in grads])
-    if g_all.shape != (len(grads), n):
-        bad = next(i for i, g in enumerate(grads) if np.shape(g) != (n,))
-        raise ValueError(
-            f"zero_step: grads[{bad}] has shape {np.shape(grads[bad])}, expected ({n},): "
-            f"every worker's local gradient covers the full parameter vector"
-        )
+    grads = [np.asarray(g, dtype=np.float64) for g in grads]
+    for i, g in enumerate(grads):
+        if g.shape != (n,):
+            raise ValueError(
+                f"zero_step: grads[{i}] has shape {g.shape}, expected ({n},): every "
+                f"worker's local gradient covers the full parameter vector"
+            )
     ranges = shard_ranges(n, len(grads))
     for i, ((a, b), st) in enumerate(zip(ranges, states)):
         if len(st) != 2:
@@ -161,7 +161,14 @@ def zero_step(param, grads: Sequence, states: Sequence, t: int, lr: float = 1e-2
 
     new_shards, new_states = [], []
     for (a, b), (m, v) in zip(ranges, states):  # a loop over workers, not parameters
-        g_shard = g_all[:, a:b].mean(axis=0)  # reduce-scatter (op=AVG)
+        # Reduce-scatter (op=AVG): worker i receives only its slice of the mean. The
+        # sum runs over workers in rank order, then divides by N, so the result is
+        # bitwise sum(grads) / N whatever the slice (np.mean's order depends on the
+        # memory layout and can differ by an ulp).
+        g_shard = grads[0][a:b].copy()
+        for g in grads[1:]:
+            g_shard += g[a:b]
+        g_shard /= len(grads)
         p_shard, m, v = adam_update(p[a:b], g_shard, m, v, t, lr=lr)
         new_shards.append(p_shard)
         new_states.append((m, v))
