@@ -1,0 +1,12 @@
+"""zero_triton: fused, ZeRO-sharded Adam/AdamW for PyTorch.
+
+FusedAdam / FusedAdamW: drop-in torch.optim.Adam / AdamW, one fused kernel per flat
+buffer. ZeroAdam / ZeroAdamW: the same step with optimizer state sharded over a
+torch.distributed process group (ZeRO-1).
+"""
+from zero_triton.flat import FlatLayout, flatten_params, unflatten_into
+from zero_triton.optim import FusedAdam, FusedAdamW
+
+__version__ = "0.1.0"
+
+__all__ = ["FusedAdam", "FusedAdamW", "FlatLayout", "flatten_params", "unflatten_into", "__version__"]

@@ -1,0 +1,77 @@
+"""The three collectives of a ZeRO-1 step, over one explicit process group.
+
+``LocalComm`` is world size 1: each rank's shard is the whole buffer, so reduce-scatter
+and all-gather have nothing to move. ``GroupComm`` wraps a torch.distributed group.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def phase(name: str, cuda: bool):
+    """A profiler range (and an NVTX range on CUDA) around one phase of the step."""
+    with torch.profiler.record_function(name):
+        if cuda:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.nvtx.range_pop()
+
+
+class LocalComm:
+    world_size = 1
+    rank = 0
+    group = None
+
+    def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor) -> None:
+        if shard.data_ptr() != flat.data_ptr():
+            shard.copy_(flat)
+
+    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        if shard.data_ptr() != flat.data_ptr():
+            flat.copy_(shard)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        pass
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+
+class GroupComm:
+    """Collectives over ``group`` (None: the world group)."""
+
+    _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+    def __init__(self, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ZeroAdam needs an initialised torch.distributed process group: launch with "
+                "`torchrun --nproc_per_node=N script.py` and call "
+                "torch.distributed.init_process_group('nccl' or 'gloo') first, or use "
+                "zero_triton.FusedAdam for a single process")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.backend = dist.get_backend(group)
+
+    def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor) -> None:
+        # In place when shard is this rank's slice of flat: no extra buffer.
+        dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.AVG, group=self.group)
+
+    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        dist.all_gather_into_tensor(flat, shard, group=self.group)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        dist.all_reduce(t, op=self._OPS[op], group=self.group)
+
+    def all_gather_object(self, obj):
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
