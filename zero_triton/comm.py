@@ -44,6 +44,11 @@ class LocalComm:
         return [obj]
 
 
+# torch 2.13 renamed the tensor collectives; older torch (>= 2.4) has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class GroupComm:
     """Collectives over ``group`` (None: the world group)."""
 
@@ -63,10 +68,10 @@ class GroupComm:
 
     def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor) -> None:
         # In place when shard is this rank's slice of flat: no extra buffer.
-        dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.AVG, group=self.group)
+        _reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group)
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(flat, shard, group=self.group)
+        _all_gather(flat, shard, group=self.group)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         dist.all_reduce(t, op=self._OPS[op], group=self.group)

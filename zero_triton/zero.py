@@ -1,0 +1,149 @@
+"""ZeroAdam / ZeroAdamW: ZeRO-1 over torch.distributed around the same fused step.
+
+The model is replicated on every rank and not wrapped in DDP; ``step()`` does the
+gradient sync itself. For every flat buffer (``FlatShard`` in ``zero_triton.optim``):
+
+    reduce_scatter_tensor(grad[shard], grad, AVG)     # zero_triton.reduce_scatter
+    fused Adam kernel on this rank's shard only       # zero_triton.adam_step
+    all_gather_into_tensor(param, param[shard])       # zero_triton.all_gather
+
+fp32 master, exp_avg and exp_avg_sq exist for the shard only: 12 bytes per parameter
+divided by the world size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero_triton.comm import GroupComm
+from zero_triton.optim import FusedAdam
+
+
+def _signature(param_groups) -> list:
+    """What every rank must agree on: per group, each parameter's shape and dtype."""
+    sig = []
+    for gi, group in enumerate(param_groups):
+        params = group["params"] if isinstance(group, dict) else group
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        for pi, p in enumerate(params):
+            if isinstance(p, tuple):
+                p = p[1]
+            sig.append((gi, pi, tuple(p.shape), str(p.dtype), bool(p.requires_grad)))
+    return sig
+
+
+def _first_mismatch(mine: list, theirs: list):
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return a, b
+    if len(mine) != len(theirs):
+        return (f"{len(mine)} parameters", f"{len(theirs)} parameters")
+    return None
+
+
+class ZeroAdam(FusedAdam):
+    """FusedAdam with its state sharded over ``process_group`` (ZeRO stage 1).
+
+    Extra args:
+        process_group: the group to shard over (default: the world group).
+        reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
+            grads); default the gradient's own dtype.
+
+    Construction is collective: ranks compare parameter shapes and dtypes and raise on
+    every rank at the first mismatch. Use ``zero_triton.ZeroGradScaler`` (not
+    torch.amp.GradScaler) so that every rank agrees on skipped steps and the scale.
+    After ``step()`` the grad buffers hold this rank's averaged shard and its own local
+    gradients elsewhere; ``zero_grad()`` clears them.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
+                 master_weights=None, backend="auto", process_group=None, reduce_dtype=None):
+        comm = GroupComm(process_group)
+        params = list(params)
+        if not params:
+            raise ValueError("ZeroAdam got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        for g in groups:  # materialise generators once: we read them twice
+            if not isinstance(g["params"], torch.Tensor):
+                g["params"] = list(g["params"])
+        self._check_same_model(comm, groups)
+        super().__init__(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=decoupled_weight_decay,
+                         master_weights=master_weights, backend=backend, _comm=comm,
+                         _reduce_dtype=reduce_dtype)
+        self._constructed = True
+
+    @staticmethod
+    def _check_same_model(comm, groups):
+        mine = _signature(groups)
+        every = comm.all_gather_object(mine)
+        for rank, theirs in enumerate(every):
+            mismatch = _first_mismatch(mine, theirs)
+            if mismatch is not None:
+                a, b = mismatch
+                raise RuntimeError(
+                    f"ZeroAdam: ranks disagree on the model: rank {comm.rank} has {_describe(a)}, "
+                    f"rank {rank} has {_describe(b)}; every rank must build the same model "
+                    "(same parameters, shapes, dtypes and param groups) before the optimizer")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Collective when called after construction: every rank must add the same group."""
+        if getattr(self, "_constructed", False):
+            if not isinstance(param_group["params"], torch.Tensor):
+                param_group["params"] = list(param_group["params"])
+            self._check_same_model(self._comm, [param_group])
+        super().add_param_group(param_group)
+
+    @property
+    def process_group(self):
+        return self._comm.group
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+
+def _describe(entry) -> str:
+    if isinstance(entry, tuple) and len(entry) == 5:
+        gi, pi, shape, dtype, rg = entry
+        return f"group {gi} parameter {pi} of shape {list(shape)} {dtype}" + ("" if rg else " (frozen)")
+    return str(entry)
+
+
+class ZeroAdamW(ZeroAdam):
+    """ZeroAdam with decoupled weight decay (default 1e-2), as torch.optim.AdamW."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, master_weights=None, backend="auto",
+                 process_group=None, reduce_dtype=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True, master_weights=master_weights,
+                         backend=backend, process_group=process_group, reduce_dtype=reduce_dtype)
+
+
+class ZeroGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler whose inf/nan check is agreed over the process group.
+
+    Under ZeRO the gradients are averaged inside ``step()``, after GradScaler has looked
+    at them: a plain GradScaler on a rank whose local gradients are finite would keep
+    its scale while another rank backs off, and the next averages would mix scales.
+    This one takes the max of found_inf over the group wherever it records it, so all
+    ranks skip together and keep one scale (what FSDP's ShardedGradScaler does).
+    """
+
+    def __init__(self, device="cpu", *, process_group=None, **kwargs):
+        super().__init__(device, **kwargs)
+        self.process_group = process_group
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if dist.is_available() and dist.is_initialized():
+            for flag in per_device.values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return per_device
