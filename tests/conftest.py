@@ -1,0 +1,29 @@
+"""Shared test setup.
+
+Triton kernels run on CPU tensors only under the interpreter, which Triton reads when
+a kernel is decorated: set it before anything imports zero_triton.kernels. A GPU run
+that wants compiled kernels sets TRITON_INTERPRET=0 explicitly (bench/gpu_check.sh).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def cuda_present() -> bool:
+    return torch.cuda.is_available()
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+
+
+def devices():
+    """cpu always, cuda when there."""
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
