@@ -76,8 +76,11 @@ def _triton_why_not(device: torch.device) -> str | None:
 
 
 def _native_why_not(device: torch.device) -> str | None:
-    from zero_triton import _ext
-    mod = _ext.load()
+    try:
+        from zero_triton import _ext
+        mod = _ext.load()
+    except ImportError as exc:
+        return f"zero_triton._ext cannot be imported ({exc})"
     if mod is None:
         return f"the native extension zero_triton._C is unavailable: {_ext.unavailable_reason()}"
     if device.type == "cuda" and not _ext.cuda_available():

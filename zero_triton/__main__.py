@@ -1,0 +1,5 @@
+import sys
+
+from zero_triton.cli import main
+
+sys.exit(main())

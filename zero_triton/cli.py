@@ -1,0 +1,70 @@
+"""python -m zero_triton demo | memory | bench | info | checkpoint"""
+from __future__ import annotations
+
+import platform
+import sys
+
+USAGE = """usage: python -m zero_triton COMMAND [options]
+
+commands:
+  demo        train the seed's MLP with ZeroAdam on N ranks (default 4, gloo on CPU)
+  memory      memory per rank of DDP and ZeRO-1/2/3 for mixed-precision Adam
+  bench       time one optimizer step against torch and the memory limit
+  info        versions, devices, and which backends are usable here (and why not)
+  checkpoint  inspect | consolidate a sharded checkpoint
+
+`python -m zero_triton COMMAND --help` for each command's options."""
+
+
+def info() -> int:
+    import torch
+
+    from zero_triton import __version__, backends
+    print(f"zero_triton {__version__}")
+    print(f"python      {platform.python_version()} ({platform.machine()})")
+    print(f"torch       {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    try:
+        import triton
+        print(f"triton      {triton.__version__}")
+    except ImportError:
+        print("triton      not installed")
+    devices = ["cpu"] + [f"cuda:{i} {torch.cuda.get_device_name(i)}"
+                         for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
+    print(f"devices     {', '.join(devices)}")
+    import os
+    print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    print()
+    print(f"{'backend':8s} {'device':6s} usable")
+    for name, device, reason in backends.availability():
+        print(f"{name:8s} {device:6s} {'yes' if reason is None else 'no: ' + reason}")
+    print()
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        try:
+            print(f"backend='auto' on {device} -> {backends.resolve('auto', torch.device(device))}")
+        except Exception as exc:
+            print(f"backend='auto' on {device} -> error: {exc}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from zero_triton.demo import main as demo
+        return demo(rest)
+    if command == "memory":
+        from zero_triton.memory import main as memory
+        return memory(rest)
+    if command == "bench":
+        from zero_triton.bench import main as bench
+        return bench(rest)
+    if command == "info":
+        return info()
+    if command == "checkpoint":
+        from zero_triton.checkpoint import main as checkpoint
+        return checkpoint(rest)
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
