@@ -1,0 +1,188 @@
+// zero_triton._C entry point: argument checks shared by every device, then the CPU or
+// CUDA launcher. Every check runs before anything is written, so a refused call leaves
+// all tensors untouched.
+#include "adam.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <sstream>
+#include <vector>
+
+namespace zero_triton {
+namespace {
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << " tensor of shape " << t.sizes() << " on " << t.device();
+  if (t.layout() != at::kStrided) os << " with layout " << t.layout();
+  else if (!t.is_contiguous()) os << ", strides " << t.strides() << " (not contiguous)";
+  return os.str();
+}
+
+std::string dtype_list(const std::vector<at::ScalarType>& dtypes) {
+  std::ostringstream os;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    if (i) os << (i + 1 == dtypes.size() ? " or " : ", ");
+    os << dtypes[i];
+  }
+  return os.str();
+}
+
+// A flat 1-D buffer: the right dtype, dense, contiguous (in-place targets are never
+// copied to make them contiguous: the update would land in the copy).
+void check_flat(const at::Tensor& t, const char* name, const std::vector<at::ScalarType>& dtypes,
+                const at::Tensor& param) {
+  bool ok_dtype = false;
+  for (auto d : dtypes) ok_dtype |= t.scalar_type() == d;
+  TORCH_CHECK_TYPE(ok_dtype && t.layout() == at::kStrided && t.is_contiguous(), "`", name,
+                   "` must be ", dtype_list(dtypes), " and contiguous, got ", describe(t));
+  TORCH_CHECK(t.dim() == 1, "`", name, "` must be a flat 1-D tensor, got ", describe(t),
+              "; pass t.view(-1)");
+  TORCH_CHECK(t.device() == param.device(), "`", name, "` is on ", t.device(),
+              " but `param` is on ", param.device(), "; all tensors must be on one device");
+  TORCH_CHECK(t.numel() == param.numel(), "`", name, "` has ", t.numel(),
+              " elements but `param` has ", param.numel(), "; they must match");
+}
+
+// A 1-element float32 device scalar (lr, step, ...), read by the kernel itself.
+void check_scalar(const at::Tensor& t, const char* name, const at::Tensor& param) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat && t.layout() == at::kStrided && t.numel() == 1,
+                   "`", name, "` must be a 1-element float32 tensor, got ", describe(t));
+  TORCH_CHECK(t.device() == param.device(), "`", name, "` is on ", t.device(),
+              " but `param` is on ", param.device(),
+              "; keep it on the parameter's device (it is read there, without a host sync)");
+}
+
+void check_no_overlap(const std::vector<std::pair<const char*, const at::Tensor*>>& written,
+                      const std::vector<std::pair<const char*, const at::Tensor*>>& all) {
+  for (const auto& w : written) {
+    const auto* wb = static_cast<const char*>(w.second->const_data_ptr());
+    const auto* we = wb + w.second->nbytes();
+    for (const auto& o : all) {
+      if (o.second == w.second || o.second->numel() == 0 || w.second->numel() == 0) continue;
+      const auto* ob = static_cast<const char*>(o.second->const_data_ptr());
+      const auto* oe = ob + o.second->nbytes();
+      TORCH_CHECK(we <= ob || oe <= wb, "`", w.first, "` and `", o.first,
+                  "` share memory; each state tensor needs its own storage");
+    }
+  }
+}
+
+void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+               std::optional<at::Tensor> max_exp_avg_sq, std::optional<at::Tensor> param_lp,
+               at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw, bool amsgrad, bool maximize,
+               std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
+               std::optional<at::Tensor> clip_coef) {
+  TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
+                       param.is_contiguous(),
+                   "`param` must be float32 and contiguous, got ", describe(param),
+                   "; keep an fp32 master copy for low-precision parameters");
+  TORCH_CHECK(param.dim() == 1, "`param` must be a flat 1-D tensor, got ", describe(param),
+              "; pass t.view(-1)");
+  const auto dev = param.device().type();
+#ifdef ZERO_TRITON_WITH_CUDA
+  TORCH_CHECK(dev == at::kCPU || dev == at::kCUDA, "`param` is on ", param.device(),
+              "; zero_triton._C runs on cpu and cuda tensors");
+#else
+  TORCH_CHECK(dev == at::kCPU, "`param` is on ", param.device(),
+              "; this build of zero_triton._C has CPU kernels only (rebuild with "
+              "ZERO_TRITON_BUILD_EXT=1 on a machine with nvcc for CUDA)");
+#endif
+  check_flat(grad, "grad", {at::kFloat, at::kHalf, at::kBFloat16}, param);
+  check_flat(exp_avg, "exp_avg", {at::kFloat}, param);
+  check_flat(exp_avg_sq, "exp_avg_sq", {at::kFloat}, param);
+  if (amsgrad) {
+    TORCH_CHECK(max_exp_avg_sq.has_value(),
+                "`max_exp_avg_sq` is required with amsgrad=True; pass a float32 tensor like "
+                "`exp_avg_sq`, zero-initialised");
+    check_flat(*max_exp_avg_sq, "max_exp_avg_sq", {at::kFloat}, param);
+  } else {
+    TORCH_CHECK(!max_exp_avg_sq.has_value(),
+                "`max_exp_avg_sq` was given but amsgrad=False; pass None or set amsgrad=True");
+  }
+  if (param_lp) check_flat(*param_lp, "param_lp", {at::kHalf, at::kBFloat16}, param);
+  check_scalar(step, "step", param);
+  check_scalar(lr, "lr", param);
+  if (grad_scale) check_scalar(*grad_scale, "grad_scale", param);
+  if (found_inf) check_scalar(*found_inf, "found_inf", param);
+  if (clip_coef) check_scalar(*clip_coef, "clip_coef", param);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "`beta1` must be in [0, 1), got ", beta1);
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "`beta2` must be in [0, 1), got ", beta2);
+  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "`eps` must be >= 0 and finite, got ",
+                    eps);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
+                    "`weight_decay` must be >= 0 and finite, got ", weight_decay);
+
+  std::vector<std::pair<const char*, const at::Tensor*>> written = {
+      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  if (amsgrad) written.push_back({"max_exp_avg_sq", &*max_exp_avg_sq});
+  if (param_lp) written.push_back({"param_lp", &*param_lp});
+  auto all = written;
+  all.push_back({"grad", &grad});
+  check_no_overlap(written, all);
+
+  AdamStep s;
+  s.param = param;
+  s.grad = grad;
+  s.exp_avg = exp_avg;
+  s.exp_avg_sq = exp_avg_sq;
+  s.max_exp_avg_sq = max_exp_avg_sq;
+  s.param_lp = param_lp;
+  s.step = step;
+  s.lr = lr;
+  s.grad_scale = grad_scale;
+  s.found_inf = found_inf;
+  s.clip_coef = clip_coef;
+  s.beta1 = beta1;
+  s.beta2 = beta2;
+  s.eps = eps;
+  s.weight_decay = weight_decay;
+  s.adamw = adamw;
+  s.amsgrad = amsgrad;
+  s.maximize = maximize;
+#ifdef ZERO_TRITON_WITH_CUDA
+  if (dev == at::kCUDA) {
+    adam_step_cuda(s);
+    return;
+  }
+#endif
+  adam_step_cpu(s);
+}
+
+}  // namespace
+}  // namespace zero_triton
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "zero_triton native kernels: one fused Adam/AdamW step per call";
+  m.def("adam_step", &zero_triton::adam_step, py::arg("param"), py::arg("grad"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"),
+        py::arg("param_lp"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+        py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale") = py::none(),
+        py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
+        // The step touches no Python objects; let other threads run meanwhile.
+        py::call_guard<py::gil_scoped_release>(),
+        R"doc(One fused Adam/AdamW step, in place, one launch (CPU or CUDA).
+
+param: float32 [n] (fp32 master or parameter), updated.
+grad: float32/float16/bfloat16 [n], read only.
+exp_avg, exp_avg_sq: float32 [n], updated.
+max_exp_avg_sq: float32 [n] iff amsgrad, else None; updated.
+param_lp: float16/bfloat16 [n] or None; receives param rounded to nearest even.
+step: float32 [1], the step number t already incremented; lr: float32 [1].
+grad_scale, found_inf, clip_coef: float32 [1] or None. g = g / grad_scale * clip_coef;
+a nonzero found_inf skips the step without writing anything.
+All tensors on param's device; scalars are read there (no host sync on CUDA).)doc");
+  m.def("cpu_isa", &zero_triton::cpu_isa,
+        "Instruction-set variant used by the CPU kernel: 'avx512', 'avx2' or 'default'.");
+  m.def("_set_cpu_isa", &zero_triton::set_cpu_isa, py::arg("isa"),
+        "Test hook: force a CPU variant ('default', 'avx2', 'avx512'); '' = automatic.");
+#ifdef ZERO_TRITON_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

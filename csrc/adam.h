@@ -1,0 +1,41 @@
+// zero_triton._C: one fused Adam/AdamW step, stateless, in place, one launch per call.
+// The Python-facing entry point (adam.cpp) checks every argument once, then hands the
+// same AdamStep to the CPU or the CUDA launcher.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace zero_triton {
+
+struct AdamStep {
+  at::Tensor param;       // float32 [n], fp32 master or parameter, updated
+  at::Tensor grad;        // float32 / float16 / bfloat16 [n], read only
+  at::Tensor exp_avg;     // float32 [n], updated
+  at::Tensor exp_avg_sq;  // float32 [n], updated
+  std::optional<at::Tensor> max_exp_avg_sq;  // float32 [n] iff amsgrad, updated
+  std::optional<at::Tensor> param_lp;        // float16 / bfloat16 [n], written
+  at::Tensor step;        // float32 [1], step number t (already incremented)
+  at::Tensor lr;          // float32 [1]
+  std::optional<at::Tensor> grad_scale;  // float32 [1]: g = g / grad_scale
+  std::optional<at::Tensor> found_inf;   // float32 [1]: nonzero -> skip the step
+  std::optional<at::Tensor> clip_coef;   // float32 [1]: g = g * clip_coef
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  bool adamw = false, amsgrad = false, maximize = false;
+};
+
+// CPU launcher (cpu/adam_cpu.cpp). Inputs already checked.
+void adam_step_cpu(const AdamStep& s);
+// Name of the instruction-set variant the CPU launcher uses ("avx512", "avx2",
+// "default"), and a test hook that forces one ("" restores automatic choice).
+std::string cpu_isa();
+void set_cpu_isa(const std::string& isa);
+
+#ifdef ZERO_TRITON_WITH_CUDA
+// CUDA launcher (cuda/adam_cuda.cpp). Inputs already checked.
+void adam_step_cuda(const AdamStep& s);
+#endif
+
+}  // namespace zero_triton

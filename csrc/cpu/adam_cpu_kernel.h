@@ -1,0 +1,180 @@
+// Fused Adam/AdamW step over a range of a flat fp32 shard: the ISA-independent body.
+//
+// Torch-free on purpose: each adam_cpu_<isa>.cpp includes this file once under a
+// `#pragma GCC target(...)`, so one plain loop is compiled for several instruction
+// sets and picked at run time (no -march=native in anything built ahead of time).
+// The loop is written so that gcc auto-vectorises it: no branches that depend on
+// data, bit-exact conversions written as integer/float arithmetic, __restrict__
+// pointers, and `-fno-math-errno` (from the build flags) so sqrt is a vector
+// instruction. `-ffp-contract=off` keeps every ISA variant bit-identical.
+//
+// Include guard is deliberately absent: the file is included once per ISA
+// namespace (ZT_CPU_ISA).
+#ifndef ZT_CPU_ISA
+#error "define ZT_CPU_ISA (the namespace of this instruction-set variant) first"
+#endif
+
+#include "adam_cpu_args.h"
+
+namespace zero_triton {
+namespace cpu {
+namespace ZT_CPU_ISA {
+namespace {
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// bf16 is the top half of an fp32: widening is a shift.
+inline float bf16_to_float(uint16_t h) { return float_of(uint32_t(h) << 16); }
+
+// Round to nearest even, NaN -> canonical quiet NaN 0x7FC0: exactly what
+// c10::BFloat16(float) and torch's .to(torch.bfloat16) do on the CPU.
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = bits_of(f);
+  const uint32_t rounded = (u + UINT32_C(0x7FFF) + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
+// IEEE half <-> float without F16C, branch-free (M. Dukhan's FP16 library, which
+// c10::Half also uses), so the same code vectorises on every ISA and rounds to
+// nearest even, with subnormals, infinities and NaN handled.
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & UINT32_C(0x80000000);
+  const uint32_t two_w = w + w;
+  const uint32_t exp_offset = UINT32_C(0xE0) << 23;
+  const float exp_scale = 0x1.0p-112f;
+  const float normalized = float_of((two_w >> 4) + exp_offset) * exp_scale;
+  const uint32_t magic_mask = UINT32_C(126) << 23;
+  const float magic_bias = 0.5f;
+  const float denormalized = float_of((two_w >> 17) | magic_mask) - magic_bias;
+  const uint32_t denormalized_cutoff = UINT32_C(1) << 27;
+  const uint32_t result =
+      sign | (two_w < denormalized_cutoff ? bits_of(denormalized) : bits_of(normalized));
+  return float_of(result);
+}
+
+inline uint16_t float_to_half(float f) {
+  const float scale_to_inf = 0x1.0p+112f;
+  const float scale_to_zero = 0x1.0p-110f;
+  const uint32_t w = bits_of(f);
+  const float abs_f = float_of(w & UINT32_C(0x7FFFFFFF));
+  float base = (abs_f * scale_to_inf) * scale_to_zero;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & UINT32_C(0x80000000);
+  uint32_t bias = shl1_w & UINT32_C(0xFF000000);
+  bias = bias < UINT32_C(0x71000000) ? UINT32_C(0x71000000) : bias;
+  base = float_of((bias >> 1) + UINT32_C(0x07800000)) + base;
+  const uint32_t b = bits_of(base);
+  const uint32_t exp_bits = (b >> 13) & UINT32_C(0x00007C00);
+  const uint32_t mantissa_bits = b & UINT32_C(0x00000FFF);
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return uint16_t((sign >> 16) | (shl1_w > UINT32_C(0xFF000000) ? UINT32_C(0x7E00) : nonsign));
+}
+
+template <int DT>
+inline float load_grad(const void* __restrict__ base, int64_t i) {
+  if constexpr (DT == kFloat32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (DT == kFloat16) {
+    return half_to_float(static_cast<const uint16_t*>(base)[i]);
+  } else {
+    return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+// GRAD_DT / LP_DT / L2 / AMSGRAD are template parameters because they change which
+// memory is touched or which ops run; everything else (maximize, unscale, clip,
+// decoupled decay) is a multiply or divide by a runtime factor that is exactly 1
+// (or -1) when the feature is off, so x*1, x/1 and x*-1 are exact and nothing is
+// lost by not specialising them. L2 is specialised because 0*p is NaN for p = inf.
+// The pointers are parameters of a non-inlined function marked __restrict__ (gcc
+// drops restrict on locals and after inlining), so the loop is vectorised without
+// runtime alias checks; the launcher refuses overlapping tensors, which makes the
+// promise true.
+template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD>
+__attribute__((noinline)) void adam_loop(const AdamCpuArgs& a, float* __restrict__ p,
+                                         const void* __restrict__ g, float* __restrict__ m,
+                                         float* __restrict__ v, float* __restrict__ vmax,
+                                         uint16_t* __restrict__ lp, int64_t begin,
+                                         int64_t end) {
+  const float beta1 = a.beta1, beta2 = a.beta2;
+  const float one_minus_beta1 = a.one_minus_beta1, one_minus_beta2 = a.one_minus_beta2;
+  const float eps = a.eps, step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;
+  const float decay = a.decay, l2 = a.l2, grad_scale = a.grad_scale;
+  const float grad_factor = a.grad_factor;  // clip_coef * (maximize ? -1 : 1)
+
+  // 64-bit index: shards of more than 2^31 elements are normal for ZeRO.
+  for (int64_t i = begin; i < end; ++i) {
+    float gi = load_grad<GRAD_DT>(g, i);
+    gi = (gi / grad_scale) * grad_factor;
+    float pi = p[i];
+    if constexpr (L2) gi = gi + l2 * pi;
+    pi = pi * decay;
+    const float mi = beta1 * m[i] + one_minus_beta1 * gi;
+    const float vi = beta2 * v[i] + one_minus_beta2 * (gi * gi);
+    m[i] = mi;
+    v[i] = vi;
+    float vhat = vi;
+    if constexpr (AMSGRAD) {
+      const float old = vmax[i];
+      vhat = vi > old ? vi : old;
+      vmax[i] = vhat;
+    }
+    const float denom = __builtin_sqrtf(vhat) / bc2_sqrt + eps;
+    pi = pi - step_size * (mi / denom);
+    p[i] = pi;
+    if constexpr (LP_DT == kFloat16) lp[i] = float_to_half(pi);
+    if constexpr (LP_DT == kBFloat16) lp[i] = float_to_bf16(pi);
+  }
+}
+
+template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD>
+void adam_range_impl(const AdamCpuArgs& a, int64_t begin, int64_t end) {
+  adam_loop<GRAD_DT, LP_DT, L2, AMSGRAD>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq,
+                                         a.max_exp_avg_sq,
+                                         static_cast<uint16_t*>(a.param_lp), begin, end);
+}
+
+template <int GRAD_DT, int LP_DT>
+void dispatch_flags(const AdamCpuArgs& a, int64_t begin, int64_t end) {
+  if (a.l2_weight_decay) {
+    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, true, true>(a, begin, end);
+    else adam_range_impl<GRAD_DT, LP_DT, true, false>(a, begin, end);
+  } else {
+    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, false, true>(a, begin, end);
+    else adam_range_impl<GRAD_DT, LP_DT, false, false>(a, begin, end);
+  }
+}
+
+template <int GRAD_DT>
+void dispatch_lp(const AdamCpuArgs& a, int64_t begin, int64_t end) {
+  switch (a.param_lp_dtype) {
+    case kFloat16: dispatch_flags<GRAD_DT, kFloat16>(a, begin, end); break;
+    case kBFloat16: dispatch_flags<GRAD_DT, kBFloat16>(a, begin, end); break;
+    default: dispatch_flags<GRAD_DT, kNone>(a, begin, end); break;
+  }
+}
+
+}  // namespace
+
+void adam_range(const AdamCpuArgs& a, int64_t begin, int64_t end) {
+  switch (a.grad_dtype) {
+    case kFloat16: dispatch_lp<kFloat16>(a, begin, end); break;
+    case kBFloat16: dispatch_lp<kBFloat16>(a, begin, end); break;
+    default: dispatch_lp<kFloat32>(a, begin, end); break;
+  }
+}
+
+}  // namespace ZT_CPU_ISA
+}  // namespace cpu
+}  // namespace zero_triton
