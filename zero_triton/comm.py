@@ -40,8 +40,11 @@ class LocalComm:
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         pass
 
-    def all_gather_object(self, obj):
+    def all_gather_object(self, obj, what: str = "all_gather_object"):
         return [obj]
+
+    def gather(self, tensor: torch.Tensor, gather_list, dst: int, what: str = "gather") -> None:
+        gather_list[0].copy_(tensor)
 
 
 # torch 2.13 renamed the tensor collectives; older torch (>= 2.4) has only the old names.
@@ -66,17 +69,41 @@ class GroupComm:
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
 
+    def _failed(self, name: str, exc: BaseException) -> RuntimeError:
+        return RuntimeError(
+            f"zero_triton: {name} failed on rank {self.rank}: {exc} (a peer rank probably died "
+            "or stopped calling the collective; the process group's timeout bounds the wait)")
+
+    @contextlib.contextmanager
+    def _collective(self, name: str):
+        """Re-raise a failed collective as a RuntimeError that names the phase, so a rank
+        that died mid-step fails the others with a message, never a bare gloo error."""
+        try:
+            yield
+        except RuntimeError as exc:  # DistBackendError and gloo's errors derive from it
+            raise self._failed(name, exc) from exc
+
     def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor) -> None:
         # In place when shard is this rank's slice of flat: no extra buffer.
-        _reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group)
+        with self._collective("reduce_scatter"):
+            _reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group)
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        _all_gather(flat, shard, group=self.group)
+        with self._collective("all_gather"):
+            _all_gather(flat, shard, group=self.group)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
-        dist.all_reduce(t, op=self._OPS[op], group=self.group)
+        with self._collective("all_reduce"):
+            dist.all_reduce(t, op=self._OPS[op], group=self.group)
 
-    def all_gather_object(self, obj):
+    def all_gather_object(self, obj, what: str = "all_gather_object"):
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._collective(what):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def gather(self, tensor: torch.Tensor, gather_list, dst: int, what: str = "gather") -> None:
+        """``dist.gather`` to group rank ``dst`` (``gather_list`` only there)."""
+        with self._collective(what):
+            dist.gather(tensor, gather_list, dst=dist.get_global_rank(self.group, dst)
+                        if self.group is not None else dst, group=self.group)

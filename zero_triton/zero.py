@@ -108,6 +108,158 @@ class ZeroAdam(FusedAdam):
     def rank(self) -> int:
         return self._comm.rank
 
+    # -- full (torch.optim.Adam-format) state dicts ---------------------------------------
+    # Elements gathered per rank per round: bounds the receiver's transient buffers to
+    # world_size * this * 4 bytes on top of the one full copy it returns.
+    _GATHER_CHUNK = 4 << 20
+
+    @torch.no_grad()
+    def consolidated_state_dict(self, to_rank: int = 0):
+        """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
+        per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
+        fp16/bf16) on group rank ``to_rank``, as CPU tensors; None on the other ranks.
+
+        Collective. Gathered one chunk of one state of one flat buffer at a time, so the
+        receiver's peak memory is one full copy plus ``world_size`` chunks (not
+        ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
+        comm = self._comm
+        if not 0 <= to_rank < comm.world_size:
+            raise ValueError(f"to_rank must be in [0, {comm.world_size}), got {to_rank}")
+        me = comm.rank == to_rank
+        index, ids, groups = 0, {}, []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            for p in group["params"]:
+                ids[id(p)] = index
+                index += 1
+            groups.append(packed)
+        state = {}
+        for _, flat in self._all_flats():
+            bufs = {"exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq}
+            if flat.max_exp_avg_sq is not None:
+                bufs["max_exp_avg_sq"] = flat.max_exp_avg_sq
+            if flat.has_master:
+                bufs["master_param"] = flat.master
+            layout, shard = flat.layout, flat.layout.shard_numel
+            chunk = max(1, min(shard, self._GATHER_CHUNK))
+            recv = None
+            if me:
+                step = float(flat.step[0])
+                out = []
+                for p in flat.params:
+                    entry = {"step": torch.tensor(step, dtype=torch.float32)}
+                    entry.update({k: torch.empty(p.shape, dtype=torch.float32) for k in bufs})
+                    state[ids[id(p)]] = entry
+                    out.append(entry)
+                recv = torch.empty(comm.world_size, chunk, dtype=torch.float32, device=flat.device)
+            for key, buf in bufs.items():
+                for c in range(0, shard, chunk):
+                    n = min(chunk, shard - c)
+                    pieces = [recv[r, :n] for r in range(comm.world_size)] if me else None
+                    comm.gather(buf[c:c + n], pieces, to_rank, "consolidated_state_dict gather")
+                    if not me:
+                        continue
+                    for r in range(comm.world_size):
+                        start = r * shard + c
+                        for i, a, b in layout.ranges_in(start, start + n):
+                            o = layout.offsets[i] + a - start
+                            out[i][key].view(-1)[a:b].copy_(recv[r, o:o + b - a])
+        return {"state": state, "param_groups": groups} if me else None
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state in torch.optim.Adam's format (``consolidated_state_dict()``,
+        ``FusedAdam.state_dict()`` or torch.optim.Adam's own), given on every rank; each
+        rank keeps its shard. Collective: every rank checks everything first, and if any
+        rank rejects the state dict all raise and nothing changes. Without
+        ``master_param`` the master is the current parameter upcast."""
+        if self._comm.world_size == 1:
+            return super().load_state_dict(state_dict)
+        plan, error = None, None
+        try:
+            plan = self._plan_full_load(state_dict)
+        except (ValueError, KeyError, TypeError) as exc:
+            error = exc
+        every = self._comm.all_gather_object(
+            None if error is None else f"{type(error).__name__}: {error}", "load_state_dict")
+        if error is not None:
+            raise error
+        for r, msg in enumerate(every):
+            if msg is not None:
+                raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in saved.items():
+                if k not in ("params", "param_names"):
+                    group[k] = v
+            group.setdefault("decoupled_weight_decay", False)
+        for flat, entries, step in plan:
+            self._load_shard(flat, entries, step)
+
+    def _plan_full_load(self, state_dict) -> list:
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}; build the optimizer with the same groups")
+        ids = {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"param group {gi} has {len(group['params'])} parameters, the "
+                                 f"state dict's {len(saved['params'])}")
+            ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
+        saved_state, plan = state_dict["state"], []
+        for gi, flats in enumerate(self._flats):
+            for flat in flats:
+                entries = [saved_state.get(ids[id(p)]) for p in flat.params]
+                if all(e is None for e in entries):
+                    plan.append((flat, None, 0.0))
+                    continue
+                if any(e is None for e in entries):
+                    raise ValueError(f"the state dict has state for some parameters of param group "
+                                     f"{gi} but not for parameter {entries.index(None)}; ZeroAdam "
+                                     "steps a group's parameters together")
+                steps = {float(e["step"]) for e in entries}
+                if len(steps) != 1:
+                    raise ValueError(f"parameters of param group {gi} have different steps "
+                                     f"{sorted(steps)}; ZeroAdam keeps one step per flat buffer")
+                for i, (p, e) in enumerate(zip(flat.params, entries)):
+                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                        if key in e and tuple(e[key].shape) != tuple(p.shape):
+                            raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
+                                             f"has shape {tuple(e[key].shape)}, the parameter "
+                                             f"{tuple(p.shape)}")
+                plan.append((flat, entries, steps.pop()))
+        return plan
+
+    @torch.no_grad()
+    def _load_shard(self, flat, entries, step) -> None:
+        """Copy this rank's [lo, hi) of each full per-parameter state into the shard."""
+        flat.exp_avg.zero_()
+        flat.exp_avg_sq.zero_()
+        flat.step.fill_(step)
+        has_max = entries is not None and all("max_exp_avg_sq" in e for e in entries)
+        if has_max:
+            flat.ensure_amsgrad()
+        elif flat.max_exp_avg_sq is not None:
+            flat.max_exp_avg_sq.zero_()
+        if flat.has_master:
+            flat.master.copy_(flat.param_shard)
+        if entries is None:
+            return
+        lo, hi = flat.shard
+        targets = {"exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq,
+                   "max_exp_avg_sq": flat.max_exp_avg_sq if has_max else None,
+                   "master_param": flat.master if flat.has_master else None}
+        for i, a, b in flat.layout.ranges_in(lo, hi):
+            o = flat.layout.offsets[i] + a - lo
+            for key, buf in targets.items():
+                if buf is not None and key in entries[i]:
+                    buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
+        # Every rank decides this from the same state dict: the all-gather is collective.
+        if flat.has_master and all("master_param" in e for e in entries):
+            flat.param_shard.copy_(flat.master)
+            flat.gather_params()
+
 
 def _describe(entry) -> str:
     if isinstance(entry, tuple) and len(entry) == 5:
