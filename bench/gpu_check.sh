@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One GPU check in at most 8 minutes on one H100/H200:
+#   1. build the native extension (CUDA kernels included),
+#   2. run the CUDA tests (marked `cuda`, or with "cuda" in their names),
+#   3. run the step benchmark at GPU sizes (64M, 256M, 1B params, fp32 and bf16 +
+#      fp32 master; GPT-2 small shapes; 8192 x 4096 tensors) on --device cuda.
+# Every stage runs under `timeout`; a failing stage does not stop the next one, and a
+# summary with each stage's status closes the run. Logs, CSV, JSON and PNG go to DIR.
+#
+#   bench/gpu_check.sh DIR            the real check (needs an NVIDIA GPU)
+#   bench/gpu_check.sh DIR --dry-run  the same stages on CPU at tiny sizes, to prove
+#                                     the script runs (JIT CPU extension instead of a
+#                                     pip build; CUDA tests collected and skipped;
+#                                     bench --quick --device cpu)
+#
+# GPU stage timeouts (seconds) add up to 450, under the 480 allowed, leaving room for
+# the kill grace periods.
+set -u
+
+usage() { echo "usage: $0 DIR [--dry-run]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+OUT=$1; shift
+DRY=0
+for arg in "$@"; do
+    case $arg in
+        --dry-run) DRY=1 ;;
+        *) usage ;;
+    esac
+done
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python}
+# Compiled Triton on the GPU; conftest.py defaults to the interpreter otherwise.
+export TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1
+
+STAGES=()
+START_ALL=$(date +%s)
+
+# run_stage NAME TIMEOUT_S CMD...: runs CMD under timeout, logs to OUT/NAME.log,
+# records "NAME status seconds". pytest's exit 5 (nothing collected) is "none".
+run_stage() {
+    local name=$1 limit=$2; shift 2
+    local log="$OUT/$name.log" t0 rc status
+    t0=$(date +%s)
+    echo "== [$name] (timeout ${limit}s) $*" | tee "$log"
+    timeout --kill-after=5 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        124|137) status="TIMEOUT after ${limit}s" ;;
+        5) if [[ $name == test* ]]; then status="none collected"; else status="FAIL rc=5"; fi ;;
+        *) status="FAIL rc=$rc" ;;
+    esac
+    tail -n 25 "$log"
+    STAGES+=("$(printf '%-14s %-24s %4ss  %s' "$name" "$status" "$(( $(date +%s) - t0 ))" "$log")")
+}
+
+if [ $DRY -eq 1 ]; then
+    run_stage info 30 "$PY" -m zero_triton info
+    run_stage build 120 "$PY" -c "
+from zero_triton import _ext
+mod = _ext.load()
+print('zero_triton._C:', mod, '| reason:', _ext.unavailable_reason(), '| cuda kernels:', _ext.cuda_available())
+raise SystemExit(0 if mod is not None else 1)"
+    run_stage test-marked 90 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
+    run_stage test-named 60 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
+    run_stage bench 150 "$PY" bench/step.py --quick --device cpu --out "$OUT"
+else
+    run_stage info 20 bash -c "nvidia-smi; $PY -m zero_triton info"
+    # --no-deps: the GPU machine may be offline; torch and triton are there already.
+    run_stage build 180 env ZERO_TRITON_BUILD_EXT=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
+    run_stage test-marked 50 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
+    run_stage test-named 60 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
+    # The benchmark drops its slow multi-pass providers by itself at sizes whose
+    # buffers would not all fit in device memory.
+    run_stage bench 140 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
+        --cases fp32,bf16,gpt2,many --repeats 30 --out "$OUT"
+fi
+
+echo
+echo "== summary ($(( $(date +%s) - START_ALL ))s total, $( [ $DRY -eq 1 ] && echo dry-run || echo gpu ))" | tee "$OUT/summary.txt"
+FAILED=0
+for line in "${STAGES[@]}"; do
+    echo "$line" | tee -a "$OUT/summary.txt"
+    case $line in *FAIL*|*TIMEOUT*) FAILED=1 ;; esac
+done
+for f in "$OUT"/step_*.csv "$OUT"/step_*.json "$OUT"/step_*.png; do
+    [ -e "$f" ] && echo "result: $f" | tee -a "$OUT/summary.txt"
+done
+exit $FAILED
