@@ -15,8 +15,8 @@ TORCH_CUDA_ARCH_LIST      not used: the CUDA kernels are built for sm_80 and sm_
 MAX_JOBS                  parallel compile jobs (torch's BuildExtension, with ninja).
 
 Compiler flags of the extension: -O3 -fno-math-errno -fno-trapping-math (so gcc
-vectorises sqrt, the divides and the fp16/bf16 conversions) and -ffp-contract=off
-(every ISA variant gives the same bits). No -march: the CPU kernel is compiled for
+vectorises sqrt, the divides and the fp16/bf16 conversions), -ffp-contract=off (every
+ISA variant gives the same bits) and, on Linux, -fopenmp (at::parallel_for's threads). No -march: the CPU kernel is compiled for
 baseline, AVX2 and AVX-512 (target pragmas) and picks one at run time.
 
 A regular install copies csrc/ into the package as zero_triton/csrc (build_py), so a
@@ -32,7 +32,10 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is inlined from ATen/ParallelOpenMP.h; without it the step
+# runs on one thread.
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", *OPENMP]
 CUDA_GENCODE = ["-gencode", "arch=compute_80,code=sm_80",
                 "-gencode", "arch=compute_90,code=sm_90"]
 
@@ -81,11 +84,13 @@ def native_extensions():
         sources += ["csrc/cuda/adam_kernel.cu", "csrc/cuda/adam_cuda.cpp"]
         ext = ce.CUDAExtension(
             "zero_triton._C", sources, define_macros=[("ZERO_TRITON_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", *CUDA_GENCODE]})
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", *CUDA_GENCODE]},
+            extra_link_args=OPENMP)
         print(f"zero_triton: building zero_triton._C with CPU and CUDA kernels "
               f"(sm_80, sm_90; CUDA_HOME={ce.CUDA_HOME})", file=sys.stderr)
     else:
-        ext = ce.CppExtension("zero_triton._C", sources, extra_compile_args={"cxx": CXX_FLAGS})
+        ext = ce.CppExtension("zero_triton._C", sources, extra_compile_args={"cxx": CXX_FLAGS},
+                              extra_link_args=OPENMP)
         print(f"zero_triton: building zero_triton._C with CPU kernels only; skipped the CUDA "
               f"kernels: {why_not}", file=sys.stderr)
     build_ext = ce.BuildExtension.with_options(use_ninja=ce.is_ninja_available())

@@ -39,7 +39,10 @@ __all__ = ["load", "unavailable_reason", "cuda_available", "source_dir", "JIT_CF
 # -O3 and -fno-math-errno / -fno-trapping-math let gcc vectorise sqrt, the divides and
 # the branch-free fp16 conversions; -ffp-contract=off keeps the per-ISA variants (and
 # every machine) bit-identical. No -march: the ISA variants are chosen at run time.
-JIT_CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is inlined from ATen/ParallelOpenMP.h, and without it
+# the `#pragma omp parallel` there is ignored and the step runs on one thread.
+_OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
+JIT_CFLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", *_OPENMP]
 _JIT_NAME = "zero_triton_C"
 
 
@@ -104,7 +107,7 @@ def _compile_without_ninja(sources: list[Path], build_dir: Path) -> Path:
         objects.append(str(obj))
     libdirs = [f"-L{p}" for p in ce.library_paths()]
     tmp = build_dir / f"{_JIT_NAME}.so.{os.getpid()}"
-    subprocess.run([cxx, "-shared", *objects, *libdirs, "-lc10", "-ltorch", "-ltorch_cpu",
+    subprocess.run([cxx, "-shared", *_OPENMP, *objects, *libdirs, "-lc10", "-ltorch", "-ltorch_cpu",
                     "-ltorch_python", "-o", str(tmp)], check=True, capture_output=True,
                    text=True)
     final = build_dir / f"{_JIT_NAME}.so"
@@ -129,7 +132,8 @@ def _compile_jit() -> ModuleType:
     if ce.is_ninja_available():
         # torch's loader locks the folder, so concurrent ranks compile once.
         return ce.load(name=_JIT_NAME, sources=[str(s) for s in sources],
-                       extra_cflags=JIT_CFLAGS, build_directory=str(build_dir),
+                       extra_cflags=JIT_CFLAGS, extra_ldflags=_OPENMP,
+                       build_directory=str(build_dir),
                        verbose=False)
     if not so.exists():
         so = _compile_without_ninja(sources, build_dir)

@@ -126,6 +126,7 @@ void adam_step_cpu(const AdamStep& s) {
   a.bias_correction2_sqrt = float(std::sqrt(bias_correction2));
   a.decay = (s.adamw && s.weight_decay != 0.0) ? float(1.0 - lr * s.weight_decay) : 1.0f;
   a.l2 = float(s.weight_decay);
+  a.unscale = s.grad_scale.has_value();
   a.grad_scale = s.grad_scale ? scalar_of(*s.grad_scale) : 1.0f;
   const float clip = s.clip_coef ? scalar_of(*s.clip_coef) : 1.0f;
   a.grad_factor = s.maximize ? -clip : clip;

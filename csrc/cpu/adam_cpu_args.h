@@ -20,6 +20,7 @@ struct AdamCpuArgs {
   int param_lp_dtype;     // DType (kNone when param_lp is nullptr)
   bool amsgrad;
   bool l2_weight_decay;   // Adam's L2 (g += wd * p); AdamW's decay goes through `decay`
+  bool unscale;           // divide by grad_scale (a GradScaler scale was given)
   float beta1, beta2;
   float one_minus_beta1, one_minus_beta2;  // rounded once from double
   float eps;
@@ -27,7 +28,7 @@ struct AdamCpuArgs {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^t), computed in double
   float decay;                  // 1 - lr * wd for AdamW, exactly 1 otherwise
   float l2;                     // wd for Adam's L2 (only read when l2_weight_decay)
-  float grad_scale;             // GradScaler scale, exactly 1 when absent
+  float grad_scale;             // GradScaler scale (only read when unscale)
   float grad_factor;            // clip_coef (1 when absent), negated for maximize
 };
 

@@ -92,16 +92,17 @@ inline float load_grad(const void* __restrict__ base, int64_t i) {
   }
 }
 
-// GRAD_DT / LP_DT / L2 / AMSGRAD are template parameters because they change which
-// memory is touched or which ops run; everything else (maximize, unscale, clip,
-// decoupled decay) is a multiply or divide by a runtime factor that is exactly 1
-// (or -1) when the feature is off, so x*1, x/1 and x*-1 are exact and nothing is
-// lost by not specialising them. L2 is specialised because 0*p is NaN for p = inf.
+// GRAD_DT / LP_DT / L2 / AMSGRAD / UNSCALE are template parameters because they change
+// which memory is touched or which ops run; everything else (maximize, clip, decoupled
+// decay) is a multiply by a runtime factor that is exactly 1 (or -1) when the feature
+// is off, so x*1 and x*-1 are exact and nothing is lost by not specialising them. L2 is
+// specialised because 0*p is NaN for p = inf; UNSCALE because a vector divide costs as
+// much as the rest of the arithmetic, and most steps have no GradScaler.
 // The pointers are parameters of a non-inlined function marked __restrict__ (gcc
 // drops restrict on locals and after inlining), so the loop is vectorised without
 // runtime alias checks; the launcher refuses overlapping tensors, which makes the
 // promise true.
-template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD>
+template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
 __attribute__((noinline)) void adam_loop(const AdamCpuArgs& a, float* __restrict__ p,
                                          const void* __restrict__ g, float* __restrict__ m,
                                          float* __restrict__ v, float* __restrict__ vmax,
@@ -116,7 +117,8 @@ __attribute__((noinline)) void adam_loop(const AdamCpuArgs& a, float* __restrict
   // 64-bit index: shards of more than 2^31 elements are normal for ZeRO.
   for (int64_t i = begin; i < end; ++i) {
     float gi = load_grad<GRAD_DT>(g, i);
-    gi = (gi / grad_scale) * grad_factor;
+    if constexpr (UNSCALE) gi = gi / grad_scale;
+    gi = gi * grad_factor;
     float pi = p[i];
     if constexpr (L2) gi = gi + l2 * pi;
     pi = pi * decay;
@@ -138,30 +140,36 @@ __attribute__((noinline)) void adam_loop(const AdamCpuArgs& a, float* __restrict
   }
 }
 
-template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD>
+template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
 void adam_range_impl(const AdamCpuArgs& a, int64_t begin, int64_t end) {
-  adam_loop<GRAD_DT, LP_DT, L2, AMSGRAD>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq,
-                                         a.max_exp_avg_sq,
-                                         static_cast<uint16_t*>(a.param_lp), begin, end);
+  adam_loop<GRAD_DT, LP_DT, L2, AMSGRAD, UNSCALE>(
+      a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.max_exp_avg_sq,
+      static_cast<uint16_t*>(a.param_lp), begin, end);
+}
+
+template <int GRAD_DT, int LP_DT, bool UNSCALE>
+void dispatch_flags(const AdamCpuArgs& a, int64_t begin, int64_t end) {
+  if (a.l2_weight_decay) {
+    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, true, true, UNSCALE>(a, begin, end);
+    else adam_range_impl<GRAD_DT, LP_DT, true, false, UNSCALE>(a, begin, end);
+  } else {
+    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, false, true, UNSCALE>(a, begin, end);
+    else adam_range_impl<GRAD_DT, LP_DT, false, false, UNSCALE>(a, begin, end);
+  }
 }
 
 template <int GRAD_DT, int LP_DT>
-void dispatch_flags(const AdamCpuArgs& a, int64_t begin, int64_t end) {
-  if (a.l2_weight_decay) {
-    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, true, true>(a, begin, end);
-    else adam_range_impl<GRAD_DT, LP_DT, true, false>(a, begin, end);
-  } else {
-    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, false, true>(a, begin, end);
-    else adam_range_impl<GRAD_DT, LP_DT, false, false>(a, begin, end);
-  }
+void dispatch_scale(const AdamCpuArgs& a, int64_t begin, int64_t end) {
+  if (a.unscale) dispatch_flags<GRAD_DT, LP_DT, true>(a, begin, end);
+  else dispatch_flags<GRAD_DT, LP_DT, false>(a, begin, end);
 }
 
 template <int GRAD_DT>
 void dispatch_lp(const AdamCpuArgs& a, int64_t begin, int64_t end) {
   switch (a.param_lp_dtype) {
-    case kFloat16: dispatch_flags<GRAD_DT, kFloat16>(a, begin, end); break;
-    case kBFloat16: dispatch_flags<GRAD_DT, kBFloat16>(a, begin, end); break;
-    default: dispatch_flags<GRAD_DT, kNone>(a, begin, end); break;
+    case kFloat16: dispatch_scale<GRAD_DT, kFloat16>(a, begin, end); break;
+    case kBFloat16: dispatch_scale<GRAD_DT, kBFloat16>(a, begin, end); break;
+    default: dispatch_scale<GRAD_DT, kNone>(a, begin, end); break;
   }
 }
 
