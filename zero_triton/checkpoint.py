@@ -4,7 +4,8 @@ A checkpoint is a directory::
 
     manifest.json    format, world size, every parameter (name, shape, dtype, group,
                      flat buffer, offset), hyperparameters, steps, which rank wrote which
-                     byte range of which file, a CRC32 per file and per 4 MiB chunk
+                     byte range of which file, a CRC32 per 4 MiB chunk of every file and
+                     a per-file checksum (the CRC32 of its chunk CRCs)
     rank00000.bin    rank r's [lo, hi) of each flat buffer's fp32 master, exp_avg,
     rank00001.bin    exp_avg_sq (max_exp_avg_sq): raw little-endian float32, clipped to
     ...              the parameters' end (tail padding is never written)
@@ -78,14 +79,18 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy())
 
 
+def _file_crc(chunk_crcs) -> int:
+    """The per-file checksum: CRC32 of the chunk CRCs (one pass over the data, not two)."""
+    return zlib.crc32(np.asarray(chunk_crcs, dtype="<u4").tobytes())
+
+
 class _Writer:
-    """A file written front to back with a CRC32 of the whole and of each chunk."""
+    """A file written front to back with a CRC32 per chunk."""
 
     def __init__(self, path):
         self.path = path
         self.f = open(path, "wb")
         self.bytes = 0
-        self.crc = 0
         self.chunk_crcs = []
         self._chunk_crc = 0
         self._chunk_fill = 0
@@ -95,7 +100,6 @@ class _Writer:
         data = memoryview(data).cast("B")
         start = self.bytes
         _write_bytes(self.f, data)
-        self.crc = zlib.crc32(data, self.crc)
         pos = 0
         while pos < len(data):
             take = min(CHUNK_BYTES - self._chunk_fill, len(data) - pos)
@@ -114,7 +118,7 @@ class _Writer:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
-        return {"bytes": self.bytes, "crc32": self.crc, "chunk_bytes": CHUNK_BYTES,
+        return {"bytes": self.bytes, "crc32": _file_crc(self.chunk_crcs), "chunk_bytes": CHUNK_BYTES,
                 "chunk_crc32": self.chunk_crcs}
 
     def abort(self):
@@ -375,8 +379,8 @@ def _write_rank_files(tmp, optimizer, model, extra, rank) -> dict:
 
     blobs = {}
     if model is not None:
-        owned = {n for n, p in model.named_parameters()
-                 if any(p is q for flat in _flats(optimizer) for q in flat.params)}
+        mine = {id(q) for flat in _flats(optimizer) for q in flat.params}
+        owned = {n for n, p in model.named_parameters() if id(p) in mine}
         rest = {n: t.detach().cpu() for n, t in model.state_dict().items() if n not in owned}
         blobs[MODEL_EXTRA_FILE] = rest
     if extra is not None:
@@ -682,12 +686,14 @@ def verify(path) -> list[tuple[str, int, bool, str]]:
         if size != record["bytes"]:
             out.append((name, record["bytes"], False, f"{size} bytes on disk"))
             continue
-        crc = 0
+        crcs = []
         with open(full, "rb") as f:
-            while block := f.read(CHUNK_BYTES):
-                crc = zlib.crc32(block, crc)
-        out.append((name, record["bytes"], crc == record["crc32"], "" if crc == record["crc32"]
-                    else "checksum mismatch"))
+            while block := f.read(record["chunk_bytes"]):
+                crcs.append(zlib.crc32(block))
+        bad = [c for c, (a, b) in enumerate(zip(crcs, record["chunk_crc32"])) if a != b]
+        ok = not bad and _file_crc(crcs) == record["crc32"]
+        out.append((name, record["bytes"], ok, "" if ok else
+                    f"checksum mismatch in chunk {bad[0] if bad else '?'}"))
     return out
 
 
