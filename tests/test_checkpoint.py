@@ -294,6 +294,7 @@ def _reshard_ranks(rank, world_size, path):
     if rank < 4:
         net, opt = make(ZeroAdam, pg=subgroups[4])
         synthetic_steps(opt, 0, N_STEPS)
+        opt._GATHER_CHUNK = 5  # many rounds of the piecewise gather, chunks straddling params
         results["consolidated_at_save"] = full_state(opt)
         checkpoint.save(path, opt, net, extra={"step": N_STEPS})
         synthetic_steps(opt, N_STEPS, M_STEPS)
