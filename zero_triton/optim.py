@@ -38,6 +38,27 @@ def _check_hyperparameters(lr, betas, eps, weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")
 
 
+def _with_grads(params):
+    """(params with every group's parameters listed, [(tensor, its .grad)]). Generators
+    are consumed here, so the lists are what torch.optim.Optimizer gets."""
+    if isinstance(params, torch.Tensor):
+        return params, []  # torch.optim.Optimizer refuses it with its own message
+    params = list(params)
+    tensors = []
+    for i, item in enumerate(params):
+        if isinstance(item, dict):
+            members = item["params"]
+            members = [members] if isinstance(members, torch.Tensor) else list(members)
+            params[i] = {**item, "params": members}
+        else:
+            members = [item]
+        for m in members:
+            t = m[1] if isinstance(m, tuple) else m
+            if isinstance(t, torch.Tensor) and t.is_leaf:
+                tensors.append((t, t.grad))
+    return params, tensors
+
+
 class FlatShard:
     """One flat buffer (a param group's parameters of one dtype and device) and the
     optimizer state of this rank's shard of it."""
@@ -192,7 +213,16 @@ class FusedAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
                         **_TORCH_GROUP_KEYS)
-        super().__init__(params, defaults)
+        # Groups are added one by one, each attaching .grad views: if a later group is
+        # rejected, put the earlier groups' gradients back so that a failed constructor
+        # leaves the parameters as it found them.
+        params, grads_before = _with_grads(params)
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            for p, g in grads_before:
+                p.grad = g
+            raise
 
     # -- construction -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
