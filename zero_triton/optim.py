@@ -423,9 +423,22 @@ class FusedAdam(torch.optim.Optimizer):
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current
         parameter upcast."""
-        if self._comm.world_size > 1:
-            raise RuntimeError("load a sharded optimizer with zero_triton.checkpoint.load or "
-                               "ZeroAdam.load_state_dict")
+        plan = self._plan_full_load(state_dict)
+        self._apply_full_load(state_dict, plan)
+
+    def _apply_full_load(self, state_dict, plan) -> None:
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for k, v in saved.items():
+                if k not in ("params", "param_names"):
+                    group[k] = v
+            group.setdefault("decoupled_weight_decay", False)
+        for flat, entries, step in plan:
+            self._load_shard(flat, entries, step)
+        if self._comm.world_size == 1:
+            for _, flat in self._all_flats():
+                self._expose_state(flat)
+
+    def _plan_full_load(self, state_dict) -> list:
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
@@ -435,65 +448,59 @@ class FusedAdam(torch.optim.Optimizer):
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(f"param group {gi} has {len(group['params'])} parameters, the "
                                  f"state dict's {len(saved['params'])}")
-            for p, idx in zip(group["params"], saved["params"]):
-                ids[id(p)] = idx
-        saved_state = state_dict["state"]
-        plan = []
-        for group_index, flats in enumerate(self._flats):
+            ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
+        saved_state, plan = state_dict["state"], []
+        for gi, flats in enumerate(self._flats):
             for flat in flats:
                 entries = [saved_state.get(ids[id(p)]) for p in flat.params]
-                present = [e for e in entries if e is not None]
-                if not present:
-                    plan.append((flat, None, None))
+                if all(e is None for e in entries):
+                    plan.append((flat, None, 0.0))
                     continue
-                if len(present) != len(entries):
-                    i = entries.index(None)
+                if any(e is None for e in entries):
                     raise ValueError(f"the state dict has state for some parameters of param group "
-                                     f"{group_index} but not for parameter {i}; FusedAdam steps a "
-                                     "group's parameters together")
-                steps = {float(e["step"]) for e in present}
+                                     f"{gi} but not for parameter {entries.index(None)}; the optimizer "
+                                     "steps a group's parameters together")
+                steps = {float(e["step"]) for e in entries}
                 if len(steps) != 1:
-                    raise ValueError(f"parameters of param group {group_index} have different steps "
-                                     f"{sorted(steps)}; FusedAdam keeps one step per flat buffer")
+                    raise ValueError(f"parameters of param group {gi} have different steps "
+                                     f"{sorted(steps)}; one step is kept per flat buffer")
                 for i, (p, e) in enumerate(zip(flat.params, entries)):
                     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                         if key in e and tuple(e[key].shape) != tuple(p.shape):
-                            raise ValueError(f"state '{key}' of parameter {i} in param group "
-                                             f"{group_index} has shape {tuple(e[key].shape)}, the "
-                                             f"parameter {tuple(p.shape)}")
+                            raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
+                                             f"has shape {tuple(e[key].shape)}, the parameter "
+                                             f"{tuple(p.shape)}")
                 plan.append((flat, entries, steps.pop()))
-        # Checked: now change things.
-        for group, saved in zip(self.param_groups, saved_groups):
-            for k, v in saved.items():
-                if k not in ("params", "param_names"):
-                    group[k] = v
-            group.setdefault("decoupled_weight_decay", False)
-        with torch.no_grad():
-            for flat, entries, step in plan:
-                flat.exp_avg.zero_()
-                flat.exp_avg_sq.zero_()
-                flat.step.fill_(0 if step is None else step)
-                has_max = entries is not None and all("max_exp_avg_sq" in e for e in entries)
-                if has_max:
-                    flat.ensure_amsgrad()
-                elif flat.max_exp_avg_sq is not None:
-                    flat.max_exp_avg_sq.zero_()
-                if flat.has_master:
-                    flat.master.copy_(flat.param_shard)
-                if entries is None:
-                    continue
-                for key, buf in (("exp_avg", flat.exp_avg), ("exp_avg_sq", flat.exp_avg_sq),
-                                 ("max_exp_avg_sq", flat.max_exp_avg_sq if has_max else None),
-                                 ("master_param", flat.master if flat.has_master else None)):
-                    if buf is None:
-                        continue
-                    for view, e in zip(flat.layout.views(buf), entries):
-                        if key in e:
-                            view.copy_(e[key])
-                if flat.has_master and all("master_param" in e for e in entries):
-                    flat.param_shard.copy_(flat.master)
-        for _, flat in self._all_flats():
-            self._expose_state(flat)
+        return plan
+
+    @torch.no_grad()
+    def _load_shard(self, flat, entries, step) -> None:
+        """Copy this rank's [lo, hi) of each full per-parameter state into the shard."""
+        flat.exp_avg.zero_()
+        flat.exp_avg_sq.zero_()
+        flat.step.fill_(step)
+        has_max = entries is not None and all("max_exp_avg_sq" in e for e in entries)
+        if has_max:
+            flat.ensure_amsgrad()
+        elif flat.max_exp_avg_sq is not None:
+            flat.max_exp_avg_sq.zero_()
+        if flat.has_master:
+            flat.master.copy_(flat.param_shard)
+        if entries is None:
+            return
+        lo, hi = flat.shard
+        targets = {"exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq,
+                   "max_exp_avg_sq": flat.max_exp_avg_sq if has_max else None,
+                   "master_param": flat.master if flat.has_master else None}
+        for i, a, b in flat.layout.ranges_in(lo, hi):
+            o = flat.layout.offsets[i] + a - lo
+            for key, buf in targets.items():
+                if buf is not None and key in entries[i]:
+                    buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
+        # Every rank decides this from the same state dict: the all-gather is collective.
+        if flat.has_master and all("master_param" in e for e in entries):
+            flat.param_shard.copy_(flat.master)
+            flat.gather_params()
 
 
 class FusedAdamW(FusedAdam):
