@@ -1,0 +1,73 @@
+"""The command line: the demo (spawned ranks and torchrun), info, memory."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(args, timeout=240):
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def _check_demo_output(out, steps, world_size, dtype):
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([0-9.]+)$", out, re.M)]
+    assert len(losses) == steps, f"expected {steps} loss lines, got {len(losses)}:\n{out}"
+    assert "zero1" in out and "ddp" in out, f"no memory table:\n{out}"
+    measured = int(re.search(r"ZeRO-1 measured +([0-9,]+) bytes", out).group(1).replace(",", ""))
+    ddp = int(re.search(r"DDP formula +([0-9,]+) bytes", out).group(1).replace(",", ""))
+    # Each rank holds about 1/N of the optimizer state (plus alignment padding).
+    assert measured <= ddp / world_size * 1.1 + 2048, (measured, ddp, world_size)
+    diff = float(re.search(r"on the mean gradient\| = ([0-9.e+-]+)", out).group(1))
+    assert diff <= 1e-6, f"{dtype} on {world_size} ranks: max diff {diff} vs torch.optim.Adam"
+    return losses
+
+
+@pytest.mark.parametrize("world_size, dtype", [(2, "fp32"), (3, "bf16"), (1, "fp16")])
+def test_demo_spawns_ranks_and_matches_torch_adam(world_size, dtype):
+    out = _run([sys.executable, "-m", "zero_triton", "demo", "--world-size", str(world_size),
+                "--steps", "4", "--dtype", dtype, "--backend", "torch"])
+    _check_demo_output(out, 4, world_size, dtype)
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
+def test_demo_under_torchrun():
+    out = _run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "zero_triton", "demo",
+                "--steps", "3", "--backend", "torch"])
+    assert "2 ranks from torchrun" in out, out
+    _check_demo_output(out, 3, 2, "fp32")
+
+
+def test_demo_default_trains_four_ranks_and_the_loss_falls():
+    out = _run([sys.executable, "-m", "zero_triton", "demo"])
+    losses = _check_demo_output(out, 20, 4, "fp32")
+    assert losses[-1] < losses[0], losses
+
+
+def test_memory_command_json_and_paper_figures():
+    out = _run([sys.executable, "-m", "zero_triton", "memory", "--params", "7.5e9",
+                "--world-size", "64", "--json"])
+    stages = {s["stage"]: s["bytes_per_rank"] for s in json.loads(out)["stages"]}
+    assert stages == {"ddp": 120_000_000_000, "zero1": 31_406_250_000,
+                      "zero2": 16_640_625_000, "zero3": 1_875_000_000}
+
+
+def test_info_lists_every_backend_with_a_reason():
+    out = _run([sys.executable, "-m", "zero_triton", "info"])
+    for name in ("triton", "cuda", "cpu", "torch"):
+        assert re.search(rf"^{name} +cpu +(yes|no: .+)$", out, re.M), out
+    assert "backend='auto' on cpu ->" in out
+
+
+def test_unknown_command_says_what_exists():
+    proc = subprocess.run([sys.executable, "-m", "zero_triton", "train"], capture_output=True,
+                          text=True, env=ENV)
+    assert proc.returncode == 2
+    assert "unknown command 'train'" in proc.stderr and "demo" in proc.stderr
