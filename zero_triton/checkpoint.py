@@ -42,6 +42,8 @@ import zlib
 import numpy as np
 import torch
 
+from zero_triton.flat import unflatten_into
+
 FORMAT = "zero_triton.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -578,7 +580,8 @@ def _apply(plan, manifest, optimizer, model, directory) -> None:
     for k, flat in enumerate(_flats(optimizer)):
         saved, got = manifest["flats"][k], plan["states"][k]
         flat.step.fill_(saved["step"])
-        flat.flat_param[:flat.layout.numel].copy_(plan["params"][k])
+        # The saved flat weights go back into the parameters (views of flat_param).
+        unflatten_into(flat.params, plan["params"][k], flat.layout)
         if "max_exp_avg_sq" in got:
             flat.ensure_amsgrad()
         elif flat.max_exp_avg_sq is not None:
