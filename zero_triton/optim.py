@@ -98,6 +98,7 @@ class FlatShard:
         self.step = torch.zeros(1, **f32)
         self.lr = torch.zeros(1, **f32)
         self.skipped = torch.zeros(1, **f32)
+        self.one = torch.ones(1, **f32)  # step += one: a Python 1.0 would be wrapped in a new tensor
         self.backend = backends.resolve(backend, self.device)
         self.step_fn = backends.step_function(self.backend)
         self.scratch = torch.empty(n, **f32) if self.backend == "torch" else None
@@ -145,9 +146,9 @@ class FlatShard:
             found_inf = found_inf.to(self.device, torch.float32, non_blocking=True)
             # torch's fused Adam convention: a skipped step does not count.
             self.skipped.copy_(found_inf).clamp_(max=1.0)
-            self.step.add_(1.0).sub_(self.skipped)
+            self.step.add_(self.one).sub_(self.skipped)
         else:
-            self.step.add_(1.0)
+            self.step.add_(self.one)
         if grad_scale is not None:
             grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
         beta1, beta2 = group["betas"]

@@ -1,0 +1,55 @@
+"""The step allocates nothing and (on CUDA) never syncs the host."""
+import pytest
+import torch
+from conftest import requires_cuda
+from torch.profiler import ProfilerActivity, profile
+
+import zero_triton
+from zero_triton import backends
+
+
+def _optimizer(device, dtype, backend):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device=device).to(dtype)) for n in (1, 1000, 37)]
+    opt = zero_triton.FusedAdam(params, backend=backend, weight_decay=0.1, amsgrad=True)
+    for p in params:
+        p.grad.normal_()
+    opt.step()  # first step: compiles, loads the extension, allocates nothing later
+    # Everything a step can be handed: GradScaler's tensors and a clip coefficient.
+    opt.grad_scale = torch.tensor([2.0], device=device)
+    opt.found_inf = torch.tensor([0.0], device=device)
+    return opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_step_allocates_nothing(dtype):
+    reason = backends.why_not("cpu", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"native cpu backend unavailable: {reason}")
+    opt = _optimizer("cpu", dtype, "cpu")
+    opt.clip_grad_norm_(1.0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    allocs = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
+    assert allocs == [], f"the step allocated: {allocs}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_step_allocates_nothing_and_never_syncs(backend, dtype):
+    reason = backends.why_not(backend, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"backend {backend} unavailable: {reason}")
+    opt = _optimizer("cuda", dtype, backend)
+    opt.clip_grad_norm_(1.0)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    assert after == before, f"the step made {after - before} CUDA allocations"
