@@ -111,6 +111,17 @@ class FlatShard:
             return True
         return False
 
+    def state_views(self) -> dict:
+        """Per-parameter views of the state, keyed as torch.optim.Adam keys its state
+        (world size 1: the shard is the whole buffer)."""
+        views = {"exp_avg": self.layout.views(self.exp_avg),
+                 "exp_avg_sq": self.layout.views(self.exp_avg_sq)}
+        if self.max_exp_avg_sq is not None:
+            views["max_exp_avg_sq"] = self.layout.views(self.max_exp_avg_sq)
+        if self.has_master:
+            views["master_param"] = self.layout.views(self.master)
+        return views
+
     def sync_grads(self):
         """Point every ``.grad`` back at its view of the flat grad buffer. A ``.grad``
         that something replaced (``module.zero_grad()`` sets it to None, and autograd
@@ -280,12 +291,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _expose_state(self, flat: FlatShard):
         """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
-        views = {"exp_avg": flat.layout.views(flat.exp_avg),
-                 "exp_avg_sq": flat.layout.views(flat.exp_avg_sq)}
-        if flat.max_exp_avg_sq is not None:
-            views["max_exp_avg_sq"] = flat.layout.views(flat.max_exp_avg_sq)
-        if flat.has_master:
-            views["master_param"] = flat.layout.views(flat.master)
+        views = flat.state_views()
         for i, p in enumerate(flat.params):
             self.state[p] = {"step": flat.step, **{k: v[i] for k, v in views.items()}}
 
@@ -407,12 +413,7 @@ class FusedAdam(torch.optim.Optimizer):
                 index += 1
             groups.append(packed)
         for _, flat in self._all_flats():
-            views = {"exp_avg": flat.layout.views(flat.exp_avg),
-                     "exp_avg_sq": flat.layout.views(flat.exp_avg_sq)}
-            if flat.max_exp_avg_sq is not None:
-                views["max_exp_avg_sq"] = flat.layout.views(flat.max_exp_avg_sq)
-            if flat.has_master:
-                views["master_param"] = flat.layout.views(flat.master)
+            views = flat.state_views()
             for i, p in enumerate(flat.params):
                 # A step tensor of its own per parameter: torch.optim.Adam increments
                 # each one, a shared one would count N times per step.
