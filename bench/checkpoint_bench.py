@@ -119,6 +119,8 @@ def main():
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(prefix="ckbench-", dir=args.dir or os.getcwd())
     n = sum(p.numel() for p in build(args.params, torch.bfloat16).parameters())
     rows = []
