@@ -3,6 +3,7 @@
 // all tensors untouched.
 #include "adam.h"
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
@@ -151,6 +152,23 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   adam_step_cpu(s);
 }
 
+// Index of the first parameter whose .grad is not its view of the flat grad buffer, or
+// -1. The per-step check of FlatShard.sync_grads in one C loop: Python's `p.grad is
+// view` costs ~100 ns a tensor, which dominates a step over thousands of small tensors.
+int64_t first_foreign_grad(const pybind11::list& params, const pybind11::list& views) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  TORCH_CHECK(PyList_GET_SIZE(views.ptr()) == n, "first_foreign_grad: `params` has ", n,
+              " entries, `views` ", PyList_GET_SIZE(views.ptr()));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+    PyObject* v = PyList_GET_ITEM(views.ptr(), i);
+    if (!THPVariable_Check(p) || !THPVariable_Check(v)) return i;
+    const at::Tensor& grad = THPVariable_Unpack(p).grad();
+    if (!grad.defined() || !grad.is_same(THPVariable_Unpack(v))) return i;
+  }
+  return -1;
+}
+
 }  // namespace
 }  // namespace zero_triton
 
@@ -176,6 +194,9 @@ step: float32 [1], the step number t already incremented; lr: float32 [1].
 grad_scale, found_inf, clip_coef: float32 [1] or None. g = g / grad_scale * clip_coef;
 a nonzero found_inf skips the step without writing anything.
 All tensors on param's device; scalars are read there (no host sync on CUDA).)doc");
+  m.def("first_foreign_grad", &zero_triton::first_foreign_grad, py::arg("params"),
+        py::arg("views"),
+        "Index of the first parameter whose .grad is not views[i] (same tensor), or -1.");
   m.def("cpu_isa", &zero_triton::cpu_isa,
         "Instruction-set variant used by the CPU kernel: 'avx512', 'avx2' or 'default'.");
   m.def("_set_cpu_isa", &zero_triton::set_cpu_isa, py::arg("isa"),

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from conftest import interpreter_on, requires_cuda
-from zero_triton import FusedAdam, FusedAdamW, backends
+from zero_triton import FusedAdam, FusedAdamW, _ext, backends
 from zero_triton.reference import rne_cast, torch_adam_step_
 
 BACKENDS = ("torch", "triton", "cpu")
@@ -327,8 +327,20 @@ def test_zero_grad_keeps_views_and_autograd_accumulates(backend, dtype, rtol, at
                  rtol, atol, "the flat buffer does not hold the accumulated gradient")
 
 
+def _choose_grad_check(opt, check):
+    """'native': the C loop of zero_triton._C finds replaced grads; 'python': the loop."""
+    for flats in opt._flats:
+        for flat in flats:
+            if check == "python":
+                flat._first_foreign_grad = None
+            elif flat._first_foreign_grad is None:
+                pytest.skip("the native extension is not loaded here: "
+                            f"{_ext.unavailable_reason() or 'only the cpu backend loads it'}")
+
+
+@pytest.mark.parametrize("check", ["native", "python"])
 @pytest.mark.parametrize("backend, dtype, rtol, atol", FP32_ROWS)
-def test_module_zero_grad_set_to_none_then_backward(backend, dtype, rtol, atol):
+def test_module_zero_grad_set_to_none_then_backward(backend, dtype, rtol, atol, check):
     # model.zero_grad() sets .grad to None; autograd then allocates fresh tensors. The
     # step must pick them up and point .grad back at the flat buffer.
     require_backend(backend)
@@ -336,6 +348,7 @@ def test_module_zero_grad_set_to_none_then_backward(backend, dtype, rtol, atol):
     model = nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 2))
     tmodel = copy.deepcopy(model)
     opt = FusedAdam(model.parameters(), lr=1e-2, backend=backend)
+    _choose_grad_check(opt, check)
     topt = torch.optim.Adam(tmodel.parameters(), lr=1e-2, foreach=False)
     flat = opt._flats[0][0]
     gen = torch.Generator().manual_seed(11)
@@ -359,6 +372,26 @@ def test_module_zero_grad_set_to_none_then_backward(backend, dtype, rtol, atol):
             assert _inside(p.grad, flat.flat_grad), f"step {step}: param {i} .grad not repaired"
         compare_to_torch(opt, topt, list(model.parameters()), list(tmodel.parameters()),
                          rtol, atol, f"{backend} step {step}")
+
+
+@pytest.mark.parametrize("check", ["native", "python"])
+def test_one_replaced_grad_among_views_is_copied_in(check):
+    # Only the third parameter's .grad is replaced (and the fourth set to None): the
+    # check must find it past a run of intact views, copy it in, and zero the missing one.
+    params = [nn.Parameter(torch.randn(5)) for _ in range(5)]
+    opt = FusedAdam(params, backend="cpu" if backends.why_not("cpu", torch.device("cpu")) is None
+                    else "torch")
+    _choose_grad_check(opt, check)
+    flat = opt._flats[0][0]
+    for p in params:
+        p.grad.fill_(1.0)
+    params[2].grad = torch.full((5,), 7.0)
+    params[3].grad = None
+    flat.sync_grads()
+    for i, p in enumerate(params):
+        assert _inside(p.grad, flat.flat_grad), f"param {i}: .grad is not the flat view"
+        want = {2: 7.0, 3: 0.0}.get(i, 1.0)
+        assert torch.equal(p.grad, torch.full((5,), want)), f"param {i}: {p.grad} != {want}"
 
 
 # -- fp16 / bf16 with fp32 master -----------------------------------------------------------

@@ -167,6 +167,14 @@ def load() -> ModuleType | None:
     return _load()[0]
 
 
+def loaded_or_prebuilt() -> ModuleType | None:
+    """The extension when using it costs no build: already loaded, or built ahead of
+    time by setup.py. Never compiles (a Triton-only run should not pay for a build)."""
+    if _load.cache_info().currsize or importlib.util.find_spec("zero_triton._C") is not None:
+        return load()
+    return None
+
+
 def unavailable_reason() -> str | None:
     """Why ``load()`` returns None, or None when the extension is available."""
     return _load()[1]

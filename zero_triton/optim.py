@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from zero_triton import backends
+from zero_triton import _ext, backends
 from zero_triton.comm import LocalComm, phase
 from zero_triton.flat import flatten_params
 
@@ -70,6 +70,8 @@ class FlatShard:
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True)
         self.flat_grad = torch.zeros_like(self.flat_param)
         self.grad_views = self.layout.views(self.flat_grad)
+        native = _ext.loaded_or_prebuilt()
+        self._first_foreign_grad = getattr(native, "first_foreign_grad", None)
         with torch.no_grad():
             for p, view in zip(params, self.grad_views):
                 if p.grad is not None:
@@ -126,7 +128,13 @@ class FlatShard:
         """Point every ``.grad`` back at its view of the flat grad buffer. A ``.grad``
         that something replaced (``module.zero_grad()`` sets it to None, and autograd
         then allocates a fresh one) is copied in; a missing one counts as zero."""
-        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
+        start = 0
+        if self._first_foreign_grad is not None:  # the common case in one C loop
+            start = self._first_foreign_grad(self.params, self.grad_views)
+            if start < 0:
+                return
+        for i in range(start, len(self.params)):
+            p, view = self.params[i], self.grad_views[i]
             g = p.grad
             if g is view:
                 continue
