@@ -107,7 +107,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
         shard = sum(flat.layout.shard_numel for flats in opt._flats for flat in flats)
         print(f"  ZeRO-1 measured  {report['optimizer_state']:>12,} bytes  on rank 0 "
               f"(a shard of {shard:,} elements incl. alignment padding)")
-        print(f"  padding          {report['padding']:>12,} bytes  (params + grads, all ranks)")
+        print(f"  padding          {report['padding']:>12,} bytes  (params + grads, held by every rank)")
         print()
         print(f"max |ZeroAdam - torch.optim.Adam on the mean gradient| = {diff.item():.3e} "
               f"({'fp32 params' if dtype == torch.float32 else 'fp32 master'}, {args.steps} steps, "
