@@ -124,6 +124,9 @@ def _worker(rank, world_size, port, args, use_nccl):
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         train(args, rank, world_size, torch.device("cuda", rank) if use_nccl else torch.device("cpu"))
+        # No rank tears gloo down while a peer is still in its last collective (that
+        # aborts the process at exit: "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -161,6 +164,7 @@ def main(argv=None) -> int:
                 print(f"zero_triton demo: {world} ranks from torchrun, "
                       f"{'nccl' if use_nccl else 'gloo'}, {args.dtype}", flush=True)
             train(args, rank, world, device)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         return 0
