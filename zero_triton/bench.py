@@ -282,11 +282,18 @@ def _torch_state(opt, params):
             "v": [opt.state[p]["exp_avg_sq"] for p in params]}
 
 
-def _make_zt(backend, p0s, g0s, case):
-    from zero_triton import FusedAdam
+def _params_with_grads(p0s, g0s):
+    """Fresh copies of the parameters whose .grad is the shared, read-only gradient
+    (FusedAdam copies it into its flat grad buffer; no step writes grads)."""
     params = [p.clone().requires_grad_() for p in p0s]
     for p, g in zip(params, g0s):
-        p.grad = g            # FusedAdam copies it into its flat grad buffer
+        p.grad = g
+    return params
+
+
+def _make_zt(backend, p0s, g0s, case):
+    from zero_triton import FusedAdam
+    params = _params_with_grads(p0s, g0s)
     opt = FusedAdam(params, lr=LR, betas=BETAS, eps=EPS, backend=backend)
 
     def state():
@@ -299,9 +306,7 @@ def _make_zt(backend, p0s, g0s, case):
 
 
 def _make_torch(kind, p0s, g0s, case):
-    params = [p.clone().requires_grad_() for p in p0s]
-    for p, g in zip(params, g0s):
-        p.grad = g            # shared, read only: the step never writes grads
+    params = _params_with_grads(p0s, g0s)
     flags = {"torch-loop": dict(foreach=False), "torch-foreach": dict(foreach=True),
              "torch-fused": dict(fused=True)}[kind]
     opt = torch.optim.Adam(params, lr=LR, betas=BETAS, eps=EPS, **flags)
@@ -331,18 +336,14 @@ def _make_composite(p0s, g0s, case):
 
 def _make_deepspeed(p0s, g0s, case):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    params = [p.clone().requires_grad_() for p in p0s]
-    for p, g in zip(params, g0s):
-        p.grad = g
+    params = _params_with_grads(p0s, g0s)
     opt = DeepSpeedCPUAdam(params, lr=LR, betas=BETAS, eps=EPS, adamw_mode=False)
     return opt.step, lambda: _torch_state(opt, params)
 
 
 def _make_apex(p0s, g0s, case):
     from apex.optimizers import FusedAdam as ApexFusedAdam
-    params = [p.clone().requires_grad_() for p in p0s]
-    for p, g in zip(params, g0s):
-        p.grad = g
+    params = _params_with_grads(p0s, g0s)
     opt = ApexFusedAdam(params, lr=LR, betas=BETAS, eps=EPS, adam_w_mode=False)
     return opt.step, lambda: _torch_state(opt, params)
 

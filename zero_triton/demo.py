@@ -45,7 +45,7 @@ def _batch(step: int, rank: int, device):
 
 def train(args, rank: int, world_size: int, device) -> dict:
     """Run the demo on this rank; returns the figures rank 0 prints."""
-    from zero_triton import ZeroAdam
+    from zero_triton import ZeroAdam, flatten_params
     from zero_triton.memory import format_table, memory_table
 
     dtype = DTYPES[args.dtype]
@@ -81,12 +81,12 @@ def train(args, rank: int, world_size: int, device) -> dict:
     # Largest difference vs unsharded Adam: fp32 params directly; fp16/bf16 through the
     # fp32 master this rank owns (the parameters are its rounding).
     diff = torch.zeros((), device=device)
-    for flats, group in zip(opt._flats, opt.param_groups):
+    twin = {id(p): q for p, q in zip(model.parameters(), replica.parameters())}
+    for flats in opt._flats:
         for flat in flats:
-            ref_flat = torch.zeros(flat.layout.padded_numel, device=device)
-            by_id = {id(p): q for p, q in zip(model.parameters(), replica.parameters())}
-            for q_view, p in zip(flat.layout.views(ref_flat), flat.params):
-                q_view.copy_(by_id[id(p)].detach())
+            # The reference laid out like this flat buffer, so the shards line up.
+            ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
+                                         world_size=world_size)
             lo, hi = flat.shard
             if hi > lo:
                 diff = torch.maximum(diff, (flat.master - ref_flat[lo:hi]).abs().max())

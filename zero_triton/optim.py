@@ -113,16 +113,19 @@ class FlatShard:
             return True
         return False
 
-    def state_views(self) -> dict:
-        """Per-parameter views of the state, keyed as torch.optim.Adam keys its state
-        (world size 1: the shard is the whole buffer)."""
-        views = {"exp_avg": self.layout.views(self.exp_avg),
-                 "exp_avg_sq": self.layout.views(self.exp_avg_sq)}
+    def state_buffers(self) -> dict:
+        """This rank's shard of each state buffer, keyed as torch.optim.Adam keys its
+        per-parameter state (``master_param`` only for fp16/bf16 parameters)."""
+        bufs = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.max_exp_avg_sq is not None:
-            views["max_exp_avg_sq"] = self.layout.views(self.max_exp_avg_sq)
+            bufs["max_exp_avg_sq"] = self.max_exp_avg_sq
         if self.has_master:
-            views["master_param"] = self.layout.views(self.master)
-        return views
+            bufs["master_param"] = self.master
+        return bufs
+
+    def state_views(self) -> dict:
+        """Per-parameter views of the state (world size 1: the shard is the whole buffer)."""
+        return {k: self.layout.views(b) for k, b in self.state_buffers().items()}
 
     def sync_grads(self):
         """Point every ``.grad`` back at its view of the flat grad buffer. A ``.grad``
@@ -279,12 +282,9 @@ class FusedAdam(torch.optim.Optimizer):
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
         trainable = [p for p in params if p.requires_grad]
+        if trainable:
+            backends.resolve(self._backend, trainable[0].device)  # raises with the fix
         flats = []
-        for dtype in _SUPPORTED:
-            members = [p for p in trainable if p.dtype == dtype]
-            if members:
-                for device in devices:
-                    backends.resolve(self._backend, device)  # raises with the fix
         for dtype in _SUPPORTED:
             members = [p for p in trainable if p.dtype == dtype]
             if members:
@@ -401,6 +401,17 @@ class FusedAdam(torch.optim.Optimizer):
         return total
 
     # -- state dict (torch.optim.Adam format) ------------------------------------------
+    def _packed_groups(self):
+        """torch's param_groups with parameters replaced by their state-dict index, and
+        the map id(param) -> index."""
+        groups, ids = [], {}
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(len(ids), len(ids) + len(group["params"])))
+            ids.update({id(p): i for p, i in zip(group["params"], packed["params"])})
+            groups.append(packed)
+        return groups, ids
+
     def state_dict(self) -> dict:
         """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
@@ -410,16 +421,8 @@ class FusedAdam(torch.optim.Optimizer):
                 "state_dict() of a sharded optimizer would hold only this rank's shard; use "
                 "consolidated_state_dict() for torch.optim.Adam's format, or "
                 "zero_triton.checkpoint.save for a sharded checkpoint")
-        index, state, groups = 0, {}, []
-        ids = {}
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = []
-            for p in group["params"]:
-                ids[id(p)] = index
-                packed["params"].append(index)
-                index += 1
-            groups.append(packed)
+        groups, ids = self._packed_groups()
+        state = {}
         for _, flat in self._all_flats():
             views = flat.state_views()
             for i, p in enumerate(flat.params):
@@ -499,13 +502,13 @@ class FusedAdam(torch.optim.Optimizer):
         if entries is None:
             return
         lo, hi = flat.shard
-        targets = {"exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq,
-                   "max_exp_avg_sq": flat.max_exp_avg_sq if has_max else None,
-                   "master_param": flat.master if flat.has_master else None}
+        targets = flat.state_buffers()
+        if not has_max:
+            targets.pop("max_exp_avg_sq", None)  # zeroed above: not every entry has it
         for i, a, b in flat.layout.ranges_in(lo, hi):
             o = flat.layout.offsets[i] + a - lo
             for key, buf in targets.items():
-                if buf is not None and key in entries[i]:
+                if key in entries[i]:
                     buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
         # Every rank decides this from the same state dict: the all-gather is collective.
         if flat.has_master and all("master_param" in e for e in entries):

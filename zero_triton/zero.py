@@ -126,21 +126,10 @@ class ZeroAdam(FusedAdam):
         if not 0 <= to_rank < comm.world_size:
             raise ValueError(f"to_rank must be in [0, {comm.world_size}), got {to_rank}")
         me = comm.rank == to_rank
-        index, ids, groups = 0, {}, []
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(index, index + len(group["params"])))
-            for p in group["params"]:
-                ids[id(p)] = index
-                index += 1
-            groups.append(packed)
+        groups, ids = self._packed_groups()
         state = {}
         for _, flat in self._all_flats():
-            bufs = {"exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq}
-            if flat.max_exp_avg_sq is not None:
-                bufs["max_exp_avg_sq"] = flat.max_exp_avg_sq
-            if flat.has_master:
-                bufs["master_param"] = flat.master
+            bufs = flat.state_buffers()
             layout, shard = flat.layout, flat.layout.shard_numel
             chunk = max(1, min(shard, self._GATHER_CHUNK))
             recv = None
