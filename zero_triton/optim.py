@@ -369,7 +369,7 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and self._comm.world_size > 1:
+        if found_inf is not None:
             self._comm.all_reduce(found_inf, "max")  # every rank skips together
         self._reduce_grads()
         flats = list(self._all_flats())
