@@ -169,6 +169,26 @@ int64_t first_foreign_grad(const pybind11::list& params, const pybind11::list& v
   return -1;
 }
 
+// Index of the first parameter that no longer lives at its view of the flat parameter
+// buffer (same address, dtype and device), or -1: `model.to(dtype or device)`, `.half()`
+// or a swapped tensor replaced its storage behind the optimizer's back.
+int64_t first_moved_param(const pybind11::list& params, const pybind11::list& views) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  TORCH_CHECK(PyList_GET_SIZE(views.ptr()) == n, "first_moved_param: `params` has ", n,
+              " entries, `views` ", PyList_GET_SIZE(views.ptr()));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+    PyObject* v = PyList_GET_ITEM(views.ptr(), i);
+    if (!THPVariable_Check(p) || !THPVariable_Check(v)) return i;
+    const at::Tensor& param = THPVariable_Unpack(p);
+    const at::Tensor& view = THPVariable_Unpack(v);
+    if (param.data_ptr() != view.data_ptr() || param.scalar_type() != view.scalar_type() ||
+        param.device() != view.device())
+      return i;
+  }
+  return -1;
+}
+
 }  // namespace
 }  // namespace zero_triton
 
@@ -197,6 +217,9 @@ All tensors on param's device; scalars are read there (no host sync on CUDA).)do
   m.def("first_foreign_grad", &zero_triton::first_foreign_grad, py::arg("params"),
         py::arg("views"),
         "Index of the first parameter whose .grad is not views[i] (same tensor), or -1.");
+  m.def("first_moved_param", &zero_triton::first_moved_param, py::arg("params"),
+        py::arg("views"),
+        "Index of the first parameter whose data is not views[i] (address, dtype, device), or -1.");
   m.def("cpu_isa", &zero_triton::cpu_isa,
         "Instruction-set variant used by the CPU kernel: 'avx512', 'avx2' or 'default'.");
   m.def("_set_cpu_isa", &zero_triton::set_cpu_isa, py::arg("isa"),

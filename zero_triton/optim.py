@@ -8,7 +8,9 @@ accumulates straight into it. Each rank owns one shard of every buffer: with wor
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
 
@@ -23,19 +25,60 @@ _SUPPORTED = (torch.float32,) + _LOW_PRECISION
 _TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay):
-    lr_value = lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+def _check_hyperparameters(lr, betas, eps, weight_decay, foreach=None, capturable=False):
+    """torch.optim.Adam's checks, with its exception types and messages of our own."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}; pass a "
+                             "float or a 1-element tensor")
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True (torch.optim.Adam's rule); drop foreach (FusedAdam "
+                             "ignores it) or pass capturable=True")
+    lr_value = lr.item() if isinstance(lr, torch.Tensor) else lr
     if not isinstance(lr_value, (int, float)) or isinstance(lr_value, bool):
         raise ValueError(f"lr must be a float or a 1-element tensor, got {lr!r}; to change it "
                          "during training set optimizer.param_groups[i]['lr']")
     if not 0.0 <= lr_value:
         raise ValueError(f"Invalid learning rate: {lr_value}; lr must be >= 0")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}; eps must be >= 0 (1e-8 is usual)")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"Invalid betas: {tuple(betas)}; both must lie in [0, 1), e.g. (0.9, 0.999)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}; it must be >= 0")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps!r}; eps must be a float >= 0 (1e-8 is usual)")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r}; give two values, e.g. (0.9, 0.999)")
+    tensors = [isinstance(b, torch.Tensor) for b in betas]
+    if any(tensors) and not all(tensors):
+        raise ValueError(f"betas must be either both floats or both Tensors, got "
+                         f"{tuple(type(b).__name__ for b in betas)}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor):
+            if foreach and not capturable:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                                 "and foreach=True (torch.optim.Adam's rule); drop foreach")
+            if beta.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element, got shape {tuple(beta.shape)}")
+            beta = beta.item()
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta!r}; both betas must lie "
+                             "in [0, 1), e.g. (0.9, 0.999)")
+    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay!r}; it must be a float >= 0")
+
+
+def _check_drop_in_flags(foreach, fused, capturable, differentiable):
+    """torch.optim.Adam's implementation switches: accepted for drop-in use (the step is
+    always one fused kernel that reads lr and step on the device, i.e. capturable);
+    combinations torch refuses are refused with torch's exception type."""
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together (torch.optim.Adam's "
+                           "rule); FusedAdam is always fused: drop both")
+    if differentiable:
+        raise RuntimeError("differentiable=True is not supported: FusedAdam's step runs outside "
+                           "autograd; use torch.optim.Adam(differentiable=True) to differentiate "
+                           "through the optimizer step")
+
+
+def _to_float(x):
+    return float(x.item()) if isinstance(x, torch.Tensor) else x
 
 
 def _with_grads(params):
@@ -59,24 +102,50 @@ def _with_grads(params):
     return params, tensors
 
 
+def _mark_reached(reached: bytearray, i: int, _param) -> None:
+    """Post-accumulate-grad hook: backward reached parameter ``i`` of a flat buffer."""
+    reached[i] = 1
+
+
 class FlatShard:
     """One flat buffer (a param group's parameters of one dtype and device) and the
-    optimizer state of this rank's shard of it."""
+    optimizer state of this rank's shard of it.
+
+    Which parameters have a gradient at ``step`` follows torch.optim.Adam's rule (a
+    parameter whose ``.grad`` is None is not stepped): with the ``.grad`` views kept
+    across ``zero_grad``, "has a gradient" means that backward reached it since the
+    last ``zero_grad`` (a post-accumulate-grad hook sets ``reached``), or that its
+    ``.grad`` is a tensor of its own, or, when no backward ran at all, that something
+    wrote into the gradient buffer. Parameters that were not stepped keep their state;
+    ``lag`` then counts the steps each one missed (None while they all agree).
+    """
 
     def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None):
         self.params = params
         self.dtype, self.device = params[0].dtype, params[0].device
         self.comm = comm
+        self.reduce_dtype = reduce_dtype
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True)
+        self.param_views = self.layout.views(self.flat_param)
         self.flat_grad = torch.zeros_like(self.flat_param)
         self.grad_views = self.layout.views(self.flat_grad)
         native = _ext.loaded_or_prebuilt()
         self._first_foreign_grad = getattr(native, "first_foreign_grad", None)
+        self._first_moved_param = getattr(native, "first_moved_param", None)
+        self.reached = bytearray(len(params))
         with torch.no_grad():
-            for p, view in zip(params, self.grad_views):
+            for i, (p, view) in enumerate(zip(params, self.grad_views)):
                 if p.grad is not None:
                     view.copy_(p.grad)
+                    self.reached[i] = 1  # a gradient from before the optimizer counts
                 p.grad = view
+        self.grad_version = self.flat_grad._version
+        self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(_mark_reached, self.reached, i))
+                      for i, p in enumerate(params)]
+        # Steps missed per parameter (device, float32) and a host label per parameter
+        # that is equal for parameters with the same history (so equal lags).
+        self.lag = None
+        self.history = None
         lo, hi = self.layout.shard_range(comm.rank)
         self.shard = (lo, hi)
         n = hi - lo
@@ -88,6 +157,7 @@ class FlatShard:
         self.grad_shard = (self.reduce_buf if self.reduce_buf is not None else self.flat_grad)[lo:hi]
         self.has_master = self.dtype in _LOW_PRECISION
         if self.has_master and not master_weights:
+            self.remove_hooks()
             raise ValueError(
                 f"master_weights=False with {self.dtype} parameters is not supported: Adam "
                 "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
@@ -105,6 +175,63 @@ class FlatShard:
         self.step_fn = backends.step_function(self.backend)
         self.scratch = torch.empty(n, **f32) if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
+        # Host list: which parameters are stepped this step (None: all of them).
+        self.stepped = None
+
+    def remove_hooks(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    # -- the parameters moved behind our back ------------------------------------------
+    def first_moved(self) -> int:
+        """Index of the first parameter whose storage is no longer its place in the flat
+        buffer (``model.to(...)`` after construction), or -1."""
+        if self._first_moved_param is not None:
+            return self._first_moved_param(self.params, self.param_views)
+        for i, (p, view) in enumerate(zip(self.params, self.param_views)):
+            if p.data_ptr() != view.data_ptr() or p.dtype != self.dtype or p.device != self.device:
+                return i
+        return -1
+
+    def rehomed(self, *, master_weights, backend) -> "FlatShard":
+        """A new FlatShard over the same parameters at their new dtype and device, with
+        this one's state carried over (moved to the new device): training continues as
+        with an optimizer built after the move."""
+        kinds = {(p.dtype, p.device) for p in self.params}
+        if len(kinds) != 1:
+            found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
+            raise RuntimeError(
+                "zero_triton: parameters that share a flat buffer were moved to different "
+                f"dtypes or devices ({found}) after the optimizer was built; move the whole "
+                "model at once (model.to(device, dtype)) or build the optimizer after moving it")
+        dtype, device = kinds.pop()
+        if dtype not in _SUPPORTED:
+            raise RuntimeError(f"zero_triton: parameters were cast to {dtype} after the optimizer "
+                               "was built; FusedAdam steps float32, float16 and bfloat16 parameters")
+        if device.type == "meta":
+            raise RuntimeError("zero_triton: parameters were moved to the meta device after the "
+                               "optimizer was built; materialise them (model.to_empty + init) "
+                               "and build the optimizer afterwards")
+        self.remove_hooks()
+        new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
+                        amsgrad=self.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype)
+        with torch.no_grad():
+            for i, r in enumerate(self.reached):
+                new.reached[i] |= r
+            new.exp_avg.copy_(self.exp_avg)
+            new.exp_avg_sq.copy_(self.exp_avg_sq)
+            if self.max_exp_avg_sq is not None:
+                new.max_exp_avg_sq.copy_(self.max_exp_avg_sq)
+            new.step.copy_(self.step)
+            if self.lag is not None:
+                new.lag = self.lag.to(new.device)
+                new.history = list(self.history)
+            # Same precision before and after (a device move): the old master is exact.
+            # A cast: the parameters as they are now, as an optimizer built after it.
+            if new.has_master and self.has_master and new.dtype == self.dtype:
+                new.master.copy_(self.master)
+        return new
 
     def ensure_amsgrad(self) -> bool:
         """Allocate max_exp_avg_sq (amsgrad switched on after construction); True if new."""
@@ -127,29 +254,49 @@ class FlatShard:
         """Per-parameter views of the state (world size 1: the shard is the whole buffer)."""
         return {k: self.layout.views(b) for k, b in self.state_buffers().items()}
 
-    def sync_grads(self):
-        """Point every ``.grad`` back at its view of the flat grad buffer. A ``.grad``
-        that something replaced (``module.zero_grad()`` sets it to None, and autograd
-        then allocates a fresh one) is copied in; a missing one counts as zero."""
+    def sync_grads(self, backward_seen: bool = False):
+        """Point every ``.grad`` back at its view of the flat grad buffer and decide which
+        parameters have a gradient (``self.stepped``: None when all do). A ``.grad`` that
+        something replaced (``module.zero_grad()`` sets it to None, and autograd then
+        allocates a fresh one) is copied in; a None one is zeroed and not stepped."""
+        written = self.flat_grad._version != self.grad_version
+        reached = self.reached
         start = 0
         if self._first_foreign_grad is not None:  # the common case in one C loop
             start = self._first_foreign_grad(self.params, self.grad_views)
             if start < 0:
+                if backward_seen:
+                    self.stepped = None if 0 not in reached else [r == 1 for r in reached]
+                else:
+                    self.stepped = None if written else [False] * len(reached)
                 return
-        for i in range(start, len(self.params)):
+        present = []
+        for i in range(len(self.params)):
             p, view = self.params[i], self.grad_views[i]
             g = p.grad
             if g is view:
+                present.append(reached[i] == 1 or (written and not backward_seen))
                 continue
             if g is None:
                 view.zero_()
+                reached[i] = 0
+                present.append(False)
             else:
                 if g.is_sparse:
                     raise RuntimeError(
                         f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; FusedAdam "
                         "needs dense gradients (use torch.optim.SparseAdam for sparse ones)")
                 view.copy_(g)
+                reached[i] = 1
+                present.append(True)
             p.grad = view
+        self.stepped = None if all(present) else present
+
+    def mark_zeroed(self):
+        """After ``zero_grad``: no parameter has a gradient until backward reaches it."""
+        self.reached[:] = bytes(len(self.reached))
+        self.grad_version = self.flat_grad._version
+        self.stepped = None
 
     def reduce_grads(self):
         if self.reduce_buf is not None:
@@ -157,6 +304,23 @@ class FlatShard:
             self.comm.reduce_scatter_avg(self.grad_shard, self.reduce_buf)
         else:
             self.comm.reduce_scatter_avg(self.grad_shard, self.flat_grad)
+
+    def param_step(self, i: int) -> float:
+        """Parameter i's own step count (host value)."""
+        step = float(self.step[0])
+        return step if self.lag is None else step - float(self.lag[i])
+
+    def set_param_steps(self, steps) -> None:
+        """Per-parameter step counts (host floats): the flat's step is the largest, each
+        parameter's lag the difference."""
+        top = max(steps)
+        self.step.fill_(top)
+        if all(s == top for s in steps):
+            self.lag, self.history = None, None
+            return
+        self.lag = torch.tensor([top - s for s in steps], dtype=torch.float32, device=self.device)
+        labels = {}
+        self.history = [labels.setdefault(top - s, len(labels)) for s in steps]
 
     def update(self, group, grad_scale, found_inf, clip_coef):
         lr = group["lr"]
@@ -174,16 +338,64 @@ class FlatShard:
         if grad_scale is not None:
             grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
         beta1, beta2 = group["betas"]
-        extra = {"scratch": self.scratch} if self.backend == "torch" else {}
-        self.step_fn(
-            self.master, self.grad_shard, self.exp_avg, self.exp_avg_sq,
-            self.max_exp_avg_sq if group["amsgrad"] else None,
-            self.param_shard if self.has_master else None,
-            self.step, self.lr,
-            beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
-            amsgrad=group["amsgrad"], maximize=group["maximize"],
-            grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef, **extra)
+        kwargs = dict(beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                      weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
+                      amsgrad=group["amsgrad"], maximize=group["maximize"],
+                      grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
+        if self.backend == "torch":
+            kwargs["scratch"] = self.scratch
+        amsgrad = group["amsgrad"]
+        if self.stepped is None and self.lag is None:  # the common case: one launch
+            self.step_fn(self.master, self.grad_shard, self.exp_avg, self.exp_avg_sq,
+                         self.max_exp_avg_sq if amsgrad else None,
+                         self.param_shard if self.has_master else None,
+                         self.step, self.lr, **kwargs)
+            return
+        lo, _ = self.shard
+        for start, end, i in self._runs(found_inf is not None):
+            a, b = start - lo, end - lo
+            if "scratch" in kwargs:
+                kwargs["scratch"] = self.scratch[a:b]
+            step = self.step if self.lag is None else self.step - self.lag[i:i + 1]
+            self.step_fn(self.master[a:b], self.grad_shard[a:b], self.exp_avg[a:b],
+                         self.exp_avg_sq[a:b], self.max_exp_avg_sq[a:b] if amsgrad else None,
+                         self.param_shard[a:b] if self.has_master else None,
+                         step, self.lr, **kwargs)
+
+    def _runs(self, has_found_inf: bool):
+        """Account the steps that parameters without a gradient miss, then yield the
+        (start, end, first parameter) of each run of this rank's shard whose parameters
+        are stepped and share one step count (padding between them included)."""
+        n = len(self.params)
+        stepped = self.stepped if self.stepped is not None else [True] * n
+        missed = [i for i in range(n) if not stepped[i]]
+        if missed:
+            if self.lag is None:
+                self.lag = torch.zeros(n, dtype=torch.float32, device=self.device)
+                self.history = [0] * n
+            inc = (self.one - self.skipped) if has_found_inf else self.one
+            idx = torch.tensor(missed, dtype=torch.long, device=self.device)
+            self.lag.index_add_(0, idx, inc.expand(len(missed)))
+            labels = {}
+            self.history = [labels.setdefault((h, s), len(labels))
+                            for h, s in zip(self.history, stepped)]
+            if len(labels) == 1:  # every parameter missed this step: they agree again
+                self.step.sub_(self.lag[0:1])
+                self.lag, self.history = None, None
+        history = self.history
+        lo, hi = self.shard
+        runs, last = [], None
+        for i, a, b in self.layout.ranges_in(lo, hi):
+            if not stepped[i]:
+                last = None
+                continue
+            start, end = self.layout.offsets[i] + a, self.layout.offsets[i] + b
+            if last is not None and last == i - 1 and (history is None or history[i] == history[last]):
+                runs[-1][1] = end
+            else:
+                runs.append([start, end, i])
+            last = i
+        return runs
 
     def gather_params(self):
         self.comm.all_gather(self.flat_param, self.param_shard)
@@ -222,8 +434,18 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
-                 master_weights=None, backend="auto", _comm=None, _reduce_dtype=None):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+                 master_weights=None, backend="auto", max_grad_norm=None, foreach=None,
+                 fused=None, capturable=False, differentiable=False, _comm=None, _reduce_dtype=None):
+        _check_drop_in_flags(foreach, fused, capturable, differentiable)
+        _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
+                                          not isinstance(max_grad_norm, (int, float)) or
+                                          not max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a float > 0 or None, got {max_grad_norm!r}")
+        betas = tuple(_to_float(b) for b in betas)
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.grad_norm = None
+        self._frozen = []  # (group index, parameter) left out at construction
         if backend not in backends.NAMES:
             raise ValueError(f"unknown backend {backend!r}; choose one of {backends.NAMES}")
         self._comm = _comm if _comm is not None else LocalComm()
@@ -253,12 +475,37 @@ class FusedAdam(torch.optim.Optimizer):
         if isinstance(params, torch.Tensor):
             params = [params]
         params = list(params)
-        if params and isinstance(params[0], tuple):  # (name, tensor) pairs
+        named = [isinstance(p, tuple) for p in params]
+        if any(named) and not all(named):
+            raise ValueError("all optimizer params should be with/without names. Some param names "
+                             f"are missing: give every parameter of the group as a (name, tensor) "
+                             "pair, or none")
+        if params and all(named):  # (name, tensor) pairs
             params = [p for _, p in params]
+        if self.param_groups and ("param_names" in self.param_groups[0]) != (params != [] and all(named)):
+            raise ValueError("all optimizer param groups should be with/without names: this group "
+                             f"{'has' if all(named) else 'lacks'} names and the existing ones do not")
+        if len({id(p) for p in params}) != len(params):
+            warnings.warn("optimizer contains a parameter group with duplicate parameters; each "
+                          "one is kept once (FusedAdam steps a parameter once per step)", stacklevel=3)
+            unique = list({id(p): i for i, p in reversed(list(enumerate(params)))}.values())
+            keep = sorted(unique)
+            raw = param_group["params"]
+            raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+            param_group = {**param_group, "params": [raw[i] for i in keep]}
+            params = [params[i] for i in keep]
         group = {**self.defaults, **param_group}
-        _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        betas = group["betas"]
+        _check_hyperparameters(group["lr"], betas, group["eps"], group["weight_decay"],
+                               group.get("foreach"), group.get("capturable", False))
+        if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
+            param_group = {**param_group, "betas": tuple(_to_float(b) for b in betas)}
         seen = {id(p) for g in self.param_groups for p in g["params"]}
-        devices = {p.device for p in params}
+        devices = {p.device for p in params if isinstance(p, torch.Tensor)}
+        if len(devices) > 1:
+            raise ValueError(
+                f"one param group holds parameters on several devices {sorted(map(str, devices))}; "
+                "split them into one param group per device")
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"parameter {i} of the group is a {type(p).__name__}, not a tensor")
@@ -273,12 +520,10 @@ class FusedAdam(torch.optim.Optimizer):
                                  "float16 and bfloat16 parameters (complex: view_as_real first)")
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError(f"parameter {i} has a sparse gradient; use torch.optim.SparseAdam")
-        if len(devices) > 1:
-            raise ValueError(
-                f"one param group holds parameters on several devices {sorted(map(str, devices))}; "
-                "split them into one param group per device")
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("a parameter appears twice in one param group; list it once")
+            if p.device.type == "meta":
+                raise ValueError(f"parameter {i} ({tuple(p.shape)}) is on the meta device: it has "
+                                 "no data to optimize; materialise the model first (model.to_empty("
+                                 "device=...) and initialise it), then build the optimizer")
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
         trainable = [p for p in params if p.requires_grad]
@@ -292,6 +537,7 @@ class FusedAdam(torch.optim.Optimizer):
                                        backend=self._backend, amsgrad=group["amsgrad"],
                                        reduce_dtype=self._reduce_dtype))
         super().add_param_group(param_group)
+        self._frozen.extend((len(self._flats), p) for p in params if not p.requires_grad)
         self._flats.append(flats)
         if self._comm.world_size == 1:
             for flat in flats:
@@ -301,39 +547,102 @@ class FusedAdam(torch.optim.Optimizer):
         """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
         views = flat.state_views()
         for i, p in enumerate(flat.params):
-            self.state[p] = {"step": flat.step, **{k: v[i] for k, v in views.items()}}
+            step = flat.step if flat.lag is None else flat.step - flat.lag[i:i + 1]
+            self.state[p] = {"step": step, **{k: v[i] for k, v in views.items()}}
 
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
             for flat in flats:
                 yield group, flat
 
+    def _current_flats(self) -> list:
+        """(group, flat) pairs after following parameters that moved since the last call
+        (``model.to(device or dtype)`` after the optimizer was built): their flat buffers
+        are rebuilt at the new dtype and device, state carried over."""
+        for gi, flats in enumerate(self._flats):
+            for k, flat in enumerate(flats):
+                if flat.first_moved() < 0:
+                    continue
+                flats[k] = flat.rehomed(master_weights=self._master_weights, backend=self._backend)
+                self._grads_reduced = False
+                if self._comm.world_size == 1:
+                    self._expose_state(flats[k])
+        return list(self._all_flats())
+
     # -- the step -------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat grad buffers. The ``.grad`` views stay (``set_to_none`` is
-        accepted for compatibility and ignored: the buffers are the gradients)."""
-        for _, flat in self._all_flats():
+        accepted for compatibility and ignored: the buffers are the gradients); until
+        backward reaches a parameter again, it counts as having no gradient."""
+        for _, flat in self._current_flats():
             flat.flat_grad.zero_()
             for p, view in zip(flat.params, flat.grad_views):
                 if p.grad is not view:
                     p.grad = view
+            flat.mark_zeroed()
         self._grads_reduced = False
         self._clip_coef = None
 
-    def _reduce_grads(self):
+    def _check_frozen(self):
+        for gi, p in self._frozen:
+            if p.requires_grad and p.grad is not None:
+                raise RuntimeError(
+                    f"a parameter of param group {gi} ({tuple(p.shape)}) had requires_grad=False "
+                    "when the optimizer was built and now has a gradient: the optimizer keeps no "
+                    "state for it and would not train it. Unfreeze it before building the "
+                    "optimizer, or add it with optimizer.add_param_group({'params': [p]})")
+
+    def _reduce_grads(self, flats=None):
         if self._grads_reduced:
             return
-        flats = [flat for _, flat in self._all_flats()]
+        flats = [flat for _, flat in (flats or self._current_flats())]
+        backward_seen = any(1 in flat.reached for flat in flats)
         for flat in flats:
-            flat.sync_grads()
+            flat.sync_grads(backward_seen)
         if self._comm.world_size > 1 or any(f.reduce_buf is not None for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
                 for flat in flats:
                     flat.reduce_grads()
         self._grads_reduced = True
 
+    def _agree(self, flats, found_inf):
+        """Under ZeRO: one MAX all-reduce of [found_inf, has-gradient flag per parameter],
+        so that every rank skips an inf step together and steps a parameter if any rank
+        has a gradient for it. Returns the agreed found_inf (or None)."""
+        if self._comm.world_size == 1:
+            return found_inf
+        n = sum(len(f.params) for f in flats)
+        device = flats[0].device
+        flags = getattr(self, "_flags", None)
+        if flags is None or flags.numel() != n + 1 or flags.device != device:
+            flags = self._flags = torch.zeros(n + 1, dtype=torch.float32, device=device)
+            self._flag_parts = (flags[0:1], flags[1:])
+        head, tail = self._flag_parts
+        if found_inf is not None:
+            head.copy_(found_inf.reshape(1))
+        else:
+            head.zero_()
+        partial = any(f.stepped is not None for f in flats)
+        if partial:
+            bits = [b for f in flats for b in (f.stepped if f.stepped is not None else [True] * len(f.params))]
+            tail.copy_(torch.tensor(bits, dtype=torch.float32))
+        else:
+            tail.fill_(1.0)
+        self._comm.all_reduce(flags, "max")
+        if partial:  # only a rank that lacks some gradient needs the answer on the host
+            agreed = (tail > 0).tolist()
+            at = 0
+            for f in flats:
+                mine = agreed[at:at + len(f.params)]
+                at += len(f.params)
+                f.stepped = None if all(mine) else mine
+        if found_inf is None:
+            return None
+        found_inf.copy_(head.reshape(found_inf.shape).to(found_inf.device))
+        return found_inf
+
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shard) to ``max_norm``, as
         torch.nn.utils.clip_grad_norm_ would on the full averaged gradient. The
         coefficient is applied inside the next ``step``'s kernel; returns the total
@@ -355,24 +664,29 @@ class FusedAdam(torch.optim.Optimizer):
             total = torch.stack([p.to(device) for p in parts]).sum()
             self._comm.all_reduce(total, "sum")
             total = total ** (1.0 / norm_type)
+        if _grad_scale is not None:  # GradScaler still holds the gradients scaled
+            total = total / _grad_scale.to(device, torch.float32).reshape(())
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
+        self.grad_norm = total
         return total
 
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step. With GradScaler (``scaler.step(opt)``), the scale and the
         inf flag it attaches are applied inside the kernel; a step with inf/nan
-        gradients changes nothing."""
+        gradients changes nothing. Parameters without a gradient are not updated."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        flats = self._current_flats()
+        self._check_frozen()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None:
-            self._comm.all_reduce(found_inf, "max")  # every rank skips together
-        self._reduce_grads()
-        flats = list(self._all_flats())
+        self._reduce_grads(flats)
+        if self._max_grad_norm is not None and self._clip_coef is None:
+            self.clip_grad_norm_(self._max_grad_norm, _grad_scale=grad_scale)
+        found_inf = self._agree([flat for _, flat in flats], found_inf)
         for group, flat in flats:
             if group["amsgrad"] and flat.ensure_amsgrad() and self._comm.world_size == 1:
                 self._expose_state(flat)
@@ -385,6 +699,10 @@ class FusedAdam(torch.optim.Optimizer):
             with phase("zero_triton.all_gather", cuda):
                 for _, flat in flats:
                     flat.gather_params()
+        if self._comm.world_size == 1:
+            for _, flat in flats:
+                if flat.lag is not None:
+                    self._expose_state(flat)
         self._grads_reduced = False
         self._clip_coef = None
         return loss
@@ -423,12 +741,12 @@ class FusedAdam(torch.optim.Optimizer):
                 "zero_triton.checkpoint.save for a sharded checkpoint")
         groups, ids = self._packed_groups()
         state = {}
-        for _, flat in self._all_flats():
+        for _, flat in self._current_flats():
             views = flat.state_views()
             for i, p in enumerate(flat.params):
                 # A step tensor of its own per parameter: torch.optim.Adam increments
                 # each one, a shared one would count N times per step.
-                state[ids[id(p)]] = {"step": flat.step[0].detach().to("cpu", copy=True),
+                state[ids[id(p)]] = {"step": torch.tensor(flat.param_step(i), dtype=torch.float32),
                                      **{k: v[i] for k, v in views.items()}}
         return {"state": state, "param_groups": groups}
 
@@ -436,6 +754,7 @@ class FusedAdam(torch.optim.Optimizer):
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current
         parameter upcast."""
+        self._current_flats()
         plan = self._plan_full_load(state_dict)
         self._apply_full_load(state_dict, plan)
 
@@ -467,23 +786,22 @@ class FusedAdam(torch.optim.Optimizer):
             for flat in flats:
                 entries = [saved_state.get(ids[id(p)]) for p in flat.params]
                 if all(e is None for e in entries):
-                    plan.append((flat, None, 0.0))
+                    plan.append((flat, None, None))
                     continue
-                if any(e is None for e in entries):
-                    raise ValueError(f"the state dict has state for some parameters of param group "
-                                     f"{gi} but not for parameter {entries.index(None)}; the optimizer "
-                                     "steps a group's parameters together")
-                steps = {float(e["step"]) for e in entries}
-                if len(steps) != 1:
-                    raise ValueError(f"parameters of param group {gi} have different steps "
-                                     f"{sorted(steps)}; one step is kept per flat buffer")
+                # A parameter torch.optim.Adam never stepped (no gradient yet) has no state.
+                steps = [0.0 if e is None else float(e["step"]) for e in entries]
+                if not all(math.isfinite(t) and t >= 0 for t in steps):
+                    raise ValueError(f"param group {gi} has a step that is not a finite count >= 0 "
+                                     f"({sorted(set(steps))}); the state dict is corrupt")
                 for i, (p, e) in enumerate(zip(flat.params, entries)):
+                    if e is None:
+                        continue
                     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                         if key in e and tuple(e[key].shape) != tuple(p.shape):
                             raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
                                              f"has shape {tuple(e[key].shape)}, the parameter "
                                              f"{tuple(p.shape)}")
-                plan.append((flat, entries, steps.pop()))
+                plan.append((flat, entries, steps))
         return plan
 
     @torch.no_grad()
@@ -491,10 +809,11 @@ class FusedAdam(torch.optim.Optimizer):
         """Copy this rank's [lo, hi) of each full per-parameter state into the shard."""
         flat.exp_avg.zero_()
         flat.exp_avg_sq.zero_()
-        flat.step.fill_(step)
-        has_max = entries is not None and all("max_exp_avg_sq" in e for e in entries)
+        flat.set_param_steps(step if step is not None else [0.0] * len(flat.params))
+        has_max = entries is not None and any(e is not None and "max_exp_avg_sq" in e for e in entries)
         if has_max:
             flat.ensure_amsgrad()
+            flat.max_exp_avg_sq.zero_()
         elif flat.max_exp_avg_sq is not None:
             flat.max_exp_avg_sq.zero_()
         if flat.has_master:
@@ -508,10 +827,10 @@ class FusedAdam(torch.optim.Optimizer):
         for i, a, b in flat.layout.ranges_in(lo, hi):
             o = flat.layout.offsets[i] + a - lo
             for key, buf in targets.items():
-                if key in entries[i]:
+                if entries[i] is not None and key in entries[i]:
                     buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
         # Every rank decides this from the same state dict: the all-gather is collective.
-        if flat.has_master and all("master_param" in e for e in entries):
+        if flat.has_master and any(e is not None and "master_param" in e for e in entries):
             flat.param_shard.copy_(flat.master)
             flat.gather_params()
 

@@ -59,7 +59,8 @@ class ZeroAdam(FusedAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
-                 master_weights=None, backend="auto", process_group=None, reduce_dtype=None):
+                 master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
+                 max_grad_norm=None, **torch_flags):
         comm = GroupComm(process_group)
         params = list(params)
         if not params:
@@ -72,7 +73,7 @@ class ZeroAdam(FusedAdam):
         super().__init__(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=decoupled_weight_decay,
                          master_weights=master_weights, backend=backend, _comm=comm,
-                         _reduce_dtype=reduce_dtype)
+                         _reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm, **torch_flags)
         self._constructed = True
 
     @staticmethod
@@ -192,10 +193,11 @@ class ZeroAdamW(ZeroAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, master_weights=None, backend="auto",
-                 process_group=None, reduce_dtype=None):
+                 process_group=None, reduce_dtype=None, max_grad_norm=None, **torch_flags):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, master_weights=master_weights,
-                         backend=backend, process_group=process_group, reduce_dtype=reduce_dtype)
+                         backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
+                         max_grad_norm=max_grad_norm, **torch_flags)
 
 
 class ZeroGradScaler(torch.amp.GradScaler):
