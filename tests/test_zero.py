@@ -65,7 +65,8 @@ class Case:
     steps: int = STEPS
     # clipping: max_norm per step, cycled
     max_norms: tuple = ()
-    # GradScaler skip: "scaler" (ZeroGradScaler) or "manual" (opt.grad_scale / found_inf)
+    # GradScaler skip: "scaler" (ZeroGradScaler), "torch_scaler" (plain torch.amp.GradScaler)
+    # or "manual" (opt.grad_scale / found_inf)
     amp: str = ""
     inf_rank: int = 0
     inf_step: int = 0
@@ -142,6 +143,8 @@ def _job_inf_step(rank, world_size, case: Case):
     scaler = None
     if case.amp == "scaler":
         scaler = ZeroGradScaler("cpu", process_group=None, init_scale=2.0 ** 8, growth_interval=1000)
+    elif case.amp == "torch_scaler":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
     out = []
     for t in range(1, case.steps + 1):
         opt.zero_grad()
@@ -249,6 +252,9 @@ INF_STEPS = [
     Case("ws4-scaler", 4, F32, amp="scaler", inf_rank=2, inf_step=3, steps=5),
     Case("ws4-manual", 4, F32, amp="manual", inf_rank=1, inf_step=2, steps=4),
     Case("ws2-scaler-bf16", 2, BF16, amp="scaler", inf_rank=1, inf_step=1, steps=3),
+    # A plain torch.amp.GradScaler: the ranks agree on the skip and keep one scale.
+    Case("ws2-torch-scaler", 2, F32, amp="torch_scaler", inf_rank=1, inf_step=1, steps=4),
+    Case("ws4-torch-scaler", 4, F32, amp="torch_scaler", inf_rank=3, inf_step=2, steps=4),
 ]
 
 PROFILES = [Case("ws2-profile", 2, F32)]
@@ -567,7 +573,7 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(case):
                     f"{where}: step counter went {before['step']} -> {after['step']}, expected {finite}"
                 for key in keys:
                     assert_ulps(after[key], before[key], 0, f"{where}: {key} changed on a skipped step")
-            if case.amp == "scaler":
+            if case.amp in ("scaler", "torch_scaler"):
                 assert scales[0] == 2.0 ** 7, f"step {t}: scale {scales[0]} after an inf, expected backoff to 128"
             continue
         finite += 1

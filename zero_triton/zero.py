@@ -12,8 +12,9 @@ divided by the world size.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
-import torch.distributed as dist
 
 from zero_triton.comm import GroupComm
 from zero_triton.optim import FusedAdam
@@ -51,8 +52,10 @@ class ZeroAdam(FusedAdam):
             grads); default the gradient's own dtype.
 
     Construction is collective: ranks compare parameter shapes and dtypes and raise on
-    every rank at the first mismatch. Use ``zero_triton.ZeroGradScaler`` (not
-    torch.amp.GradScaler) so that every rank agrees on skipped steps and the scale.
+    every rank at the first mismatch. torch.amp.GradScaler works as is: every rank
+    agrees on skipped steps and on the scale (``ZeroGradScaler`` is the same thing).
+    ``max_grad_norm`` clips by the global norm inside ``step()``;
+    ``torch.nn.utils.clip_grad_norm_`` would see only this rank's local gradients.
     After ``step()`` the grad buffers hold this rank's averaged shard and its own local
     gradients elsewhere; ``zero_grad()`` clears them.
     """
@@ -70,6 +73,7 @@ class ZeroAdam(FusedAdam):
             if not isinstance(g["params"], torch.Tensor):
                 g["params"] = list(g["params"])
         self._check_same_model(comm, groups)
+        _install_scaler_agreement()
         super().__init__(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=decoupled_weight_decay,
                          master_weights=master_weights, backend=backend, _comm=comm,
@@ -96,6 +100,11 @@ class ZeroAdam(FusedAdam):
                 param_group["params"] = list(param_group["params"])
             self._check_same_model(self._comm, [param_group])
         super().add_param_group(param_group)
+
+    def _agree_found_inf(self, per_device: dict) -> None:
+        """GradScaler's per-device inf flags, max-reduced over the group in place."""
+        for flag in per_device.values():
+            self._comm.all_reduce(flag, "max")
 
     @property
     def process_group(self):
@@ -201,22 +210,42 @@ class ZeroAdamW(ZeroAdam):
 
 
 class ZeroGradScaler(torch.amp.GradScaler):
-    """torch.amp.GradScaler whose inf/nan check is agreed over the process group.
+    """torch.amp.GradScaler, kept as a name for scripts that use it.
 
-    Under ZeRO the gradients are averaged inside ``step()``, after GradScaler has looked
-    at them: a plain GradScaler on a rank whose local gradients are finite would keep
-    its scale while another rank backs off, and the next averages would mix scales.
-    This one takes the max of found_inf over the group wherever it records it, so all
+    A plain ``torch.amp.GradScaler`` is now correct under ZeroAdam: every rank agrees on
+    the inf/nan flag wherever the scaler records it (``unscale_`` and ``step``), so all
     ranks skip together and keep one scale (what FSDP's ShardedGradScaler does).
+    ``process_group`` is accepted for compatibility; the optimizer's group is used.
     """
 
     def __init__(self, device="cpu", *, process_group=None, **kwargs):
         super().__init__(device, **kwargs)
         self.process_group = process_group
 
+
+def _install_scaler_agreement() -> None:
+    """Make torch.amp.GradScaler (and torch.cuda.amp's subclass) agree on found_inf
+    over a ZeroAdam's process group.
+
+    Under ZeRO the gradients are averaged inside ``step()``, after GradScaler has looked
+    at each rank's local ones: without agreement a rank whose local gradients are finite
+    keeps its scale while another backs off, and every later average mixes scales.
+    GradScaler records its per-device flags in ``_unscale_grads_`` and reads those same
+    tensors in ``update()``; all-reducing them in place (MAX, on the device, no host
+    sync) right there fixes both the skip and the scale. Optimizers without
+    ``_agree_found_inf`` are untouched."""
+    cls = torch.amp.GradScaler
+    if getattr(cls._unscale_grads_, "_zero_triton_agrees", False):
+        return
+    original = cls._unscale_grads_
+
+    @functools.wraps(original)
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if dist.is_available() and dist.is_initialized():
-            for flag in per_device.values():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        agree = getattr(optimizer, "_agree_found_inf", None)
+        if agree is not None:
+            agree(per_device)
         return per_device
+
+    _unscale_grads_._zero_triton_agrees = True
+    cls._unscale_grads_ = _unscale_grads_
