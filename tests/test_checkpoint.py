@@ -285,6 +285,140 @@ def test_load_falls_back_between_the_two_renames(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def test_consolidate_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    net, opt = make()
+    synthetic_steps(opt, 0, 1)
+    ck = tmp_path / "ck"
+    checkpoint.save(ck, opt, net)
+
+    def fails(argv, message):
+        assert checkpoint.main([str(a) for a in argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+    out = tmp_path / "new" / "dirs" / "adam.pt"  # missing parent directories are created
+    assert checkpoint.main(["consolidate", str(ck), str(out)]) == 0
+    assert out.exists() and (tmp_path / "new" / "dirs" / "adam.model.pt").exists()
+    capsys.readouterr()
+    fails(["consolidate", ck, tmp_path], "is a directory; pass a file path")
+    (tmp_path / "plain").write_text("x")
+    fails(["consolidate", ck, tmp_path / "plain" / "sub" / "adam.pt"], "plain is not a directory")
+    fails(["consolidate", tmp_path / "nowhere", tmp_path / "out" / "b.pt"], "no checkpoint at")
+    assert not (tmp_path / "out").exists(), "a failed consolidate created the output directory"
+    fails(["inspect", tmp_path / "nowhere"], "no checkpoint at")
+    fails(["inspect", ck / "manifest.json"], "is a file; pass the checkpoint directory")
+
+    def disk_full(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", disk_full)
+    fails(["consolidate", ck, tmp_path / "full.pt"], "cannot write")
+    monkeypatch.undo()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("full")], "a half-written file"
+
+    manifest = json.loads((ck / "manifest.json").read_text())
+    del manifest["params"]
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    fails(["inspect", ck], "lacks 'params'")
+
+
+def _compiled(net):
+    return torch.compile(net)  # an OptimizedModule (names _orig_mod.*); compiles when called
+
+
+def _checkpointed(net):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    net.a = checkpoint_wrapper(net.a)  # names a._checkpoint_wrapped_module.*
+    return net
+
+
+def _compiled_checkpointed(net):
+    return _compiled(_checkpointed(net))
+
+
+def _ddp_both_ways(rank, world_size, path):
+    """Save through DDP (names module.*), and load the bare model's checkpoint into DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+    net, opt = make()
+    synthetic_steps(opt, 0, 2)
+    checkpoint.save(os.path.join(path, "ddp"), opt, DistributedDataParallel(net))
+    net2, opt2 = make(seed=1)
+    checkpoint.load(os.path.join(path, "bare"), opt2, DistributedDataParallel(net2))
+    return portable({"params": params_of(net2), "state": full_state(opt2)})
+
+
+# importing torch.compile warns about torch.jit internals
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning")
+def test_wrapped_and_bare_models_load_each_other(tmp_path):
+    net, opt = make()
+    synthetic_steps(opt, 0, 2)
+    want_params, want_state = params_of(net), full_state(opt)
+    checkpoint.save(tmp_path / "bare", opt, net)
+
+    def loads_into_bare(ck, what):
+        m = json.loads((ck / "manifest.json").read_text())
+        assert [p["name"] for p in m["params"]] == ["a.weight", "a.bias", "b.weight", "b.bias",
+                                                   "frozen"], what
+        extra = torch.load(ck / "model_extra.pt", weights_only=True)
+        assert sorted(extra) == ["frozen", "scale"], f"{what}: {sorted(extra)}"
+        net2, opt2 = make(seed=1)
+        checkpoint.load(ck, opt2, net2)
+        assert_state_equal(params_of(net2), want_params, f"{what} -> bare: params")
+        assert_state_equal(full_state(opt2), want_state, f"{what} -> bare: state")
+
+    for wrap in (_compiled, _checkpointed, _compiled_checkpointed):
+        what = wrap.__name__.strip("_")
+        net_w, opt_w = make()
+        synthetic_steps(opt_w, 0, 2)
+        checkpoint.save(tmp_path / what, opt_w, wrap(net_w))
+        loads_into_bare(tmp_path / what, what)
+        net3, opt3 = make(seed=2)
+        checkpoint.load(tmp_path / "bare", opt3, wrap(net3))
+        assert_state_equal(params_of(net3), want_params, f"bare -> {what}: params")
+        assert_state_equal(full_state(opt3), want_state, f"bare -> {what}: state")
+
+    # names as a wrapped model's were recorded before they were stripped at save
+    m = json.loads((tmp_path / "bare" / "manifest.json").read_text())
+    for p in m["params"]:
+        p["name"] = "module._orig_mod." + p["name"]
+    (tmp_path / "bare" / "manifest.json").write_text(json.dumps(m))
+    net4, opt4 = make(seed=4)
+    checkpoint.load(tmp_path / "bare", opt4, net4)
+    assert_state_equal(params_of(net4), want_params, "prefixed names -> bare")
+
+    (got,) = run_ranks(_ddp_both_ways, 1, str(tmp_path))
+    loads_into_bare(tmp_path / "ddp", "DDP")
+    assert_state_equal(got["params"], portable(want_params), "bare -> DDP: params")
+    assert_state_equal(got["state"], portable(want_state), "bare -> DDP: state")
+
+
+def test_model_file_holds_only_each_tensors_own_bytes(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.emb = torch.nn.Embedding(1000, 64)
+            self.body = torch.nn.Linear(256, 256)
+            self.head = torch.nn.Linear(64, 1000, bias=False)
+            self.head.weight = self.emb.weight  # tied: a view of the flat buffer once stepped
+            self.register_buffer("window", torch.randn(4096)[:8])  # a view of a larger tensor
+
+    net = Tied(0)
+    opt = FusedAdam(net.parameters(), lr=1e-2, backend="torch")
+    synthetic_steps(opt, 0, 1)
+    checkpoint.save(tmp_path / "ck", opt, net)
+    saved = torch.load(tmp_path / "ck" / "model_extra.pt", weights_only=True)
+    assert sorted(saved) == ["head.weight", "window"]
+    own = sum(t.numel() * t.element_size() for t in saved.values())
+    size = os.path.getsize(tmp_path / "ck" / "model_extra.pt")
+    assert own <= size <= own + 4096, f"{size} bytes on disk for {own} bytes of tensors"
+    net2 = Tied(1)
+    checkpoint.load(tmp_path / "ck", FusedAdam(net2.parameters(), lr=1e-2, backend="torch"), net2)
+    assert_state_equal(params_of(net2), params_of(net), "tied model after load")
+    owner = torch.randn(3)
+    assert checkpoint._own_bytes(owner).data_ptr() == owner.data_ptr(), "copied an owner"
+
+
 # -- several ranks --------------------------------------------------------------------------------
 def _reshard_ranks(rank, world_size, path):
     """Save at 4 ranks (subgroup 0-3), load at 2, 3, 4 and 8; every subgroup created by all."""

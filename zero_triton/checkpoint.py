@@ -202,10 +202,47 @@ def _flat_states(flat) -> dict:
     return out
 
 
+# Submodule names that wrappers insert: torch.compile (``_orig_mod``), activation
+# checkpointing (``_checkpoint_wrapped_module``), FSDP (``_fsdp_wrapped_module``) anywhere;
+# DDP and DataParallel (``module``) in front.
+_WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+def _plain_name(name: str) -> str:
+    """``name`` without what wrappers add: ``module._orig_mod.a._checkpoint_wrapped_module.w``
+    is ``a.w``, so a checkpoint saved through a wrapper loads into the bare model and back."""
+    parts = [part for part in name.split(".") if part not in _WRAPPER_NAMES]
+    while len(parts) > 1 and parts[0] == "module":
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def _plain_names(names) -> dict[str, str]:
+    """``{name: plain name}`` for one model's names; names unchanged where stripping would
+    merge two of them (a bare model with both ``module.w`` and ``w``)."""
+    names = list(names)
+    plain = {n: _plain_name(n) for n in names}
+    return plain if len(set(plain.values())) == len(plain) else {n: n for n in names}
+
+
+def _own_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU holding only its own bytes: ``torch.save`` writes a view's whole
+    storage (a tied weight would carry its flat buffer along). A copy only for views."""
+    t = t.detach().cpu()
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def _param_entries(optimizer, model=None) -> list[dict]:
-    """Every parameter of the optimizer, in state-dict order: name, shape, dtype, group,
-    and the flat buffer and offset it lives at (None when frozen: not optimized)."""
-    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    """Every parameter of the optimizer, in state-dict order: name (wrapper prefixes
+    stripped), shape, dtype, group, and the flat buffer and offset it lives at (None
+    when frozen: not optimized)."""
+    names = {}
+    if model is not None:
+        named = list(model.named_parameters())
+        plain = _plain_names(n for n, _ in named)
+        names = {id(p): plain[n] for n, p in named}
     where = {}
     for k, flat in enumerate(_flats(optimizer)):
         for p, offset in zip(flat.params, flat.layout.offsets):
@@ -258,9 +295,12 @@ def _describe(entry: dict) -> str:
 
 def _check_same_model(manifest: dict, mine: list[dict], directory: str) -> None:
     theirs = manifest["params"]
+    # save strips wrapper prefixes from names; older checkpoints may still hold them
+    plain = _plain_names(a["name"] for a in theirs if a["named"])
     keys = ("group", "shape", "dtype", "flat", "offset")
     for i, (a, b) in enumerate(zip(theirs, mine)):
-        differ = any(a[k] != b[k] for k in keys) or (a["named"] and b["named"] and a["name"] != b["name"])
+        differ = (any(a[k] != b[k] for k in keys)
+                  or (a["named"] and b["named"] and plain[a["name"]] != b["name"]))
         if differ:
             raise ValueError(
                 f"checkpoint {directory} is from a different model: parameter {i} is "
@@ -382,9 +422,13 @@ def _write_rank_files(tmp, optimizer, model, extra, rank) -> dict:
     blobs = {}
     if model is not None:
         mine = {id(q) for flat in _flats(optimizer) for q in flat.params}
-        owned = {n for n, p in model.named_parameters() if id(p) in mine}
-        rest = {n: t.detach().cpu() for n, t in model.state_dict().items() if n not in owned}
-        blobs[MODEL_EXTRA_FILE] = rest
+        named = list(model.named_parameters())
+        param_names = _plain_names(n for n, _ in named)
+        owned = {param_names[n] for n, p in named if id(p) in mine}
+        state = model.state_dict()
+        state_names = _plain_names(state)
+        blobs[MODEL_EXTRA_FILE] = {state_names[n]: _own_bytes(t) for n, t in state.items()
+                                   if state_names[n] not in owned}
     if extra is not None:
         blobs[EXTRA_FILE] = extra
     for name, obj in blobs.items():
@@ -460,6 +504,9 @@ def resolve(path) -> tuple[str, dict]:
                 raise CheckpointError(f"{manifest_path} has format version {manifest.get('version')};"
                                       f" this zero_triton reads version {VERSION}")
             return directory, manifest
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file; pass the checkpoint directory (the one "
+                              f"holding {MANIFEST})")
     raise CheckpointError(f"no checkpoint at {path}: {MANIFEST} not found (a save that never "
                           "finished leaves no manifest)")
 
@@ -542,15 +589,20 @@ def _prepare(directory, manifest, optimizer, model) -> dict:
         model_extra = extra = None
         files = manifest["files"]
         if model is not None and MODEL_EXTRA_FILE in files:
-            model_extra = _read_blob(readers, MODEL_EXTRA_FILE)
+            saved = _read_blob(readers, MODEL_EXTRA_FILE)
             current = model.state_dict()
-            for n, t in model_extra.items():
-                if n not in current:
+            here = {p: n for n, p in _plain_names(current).items()}  # plain name -> this model's
+            there = _plain_names(saved)
+            model_extra = {}  # keyed by this model's state-dict names
+            for n, t in saved.items():
+                if there[n] not in here:
                     raise ValueError(f"checkpoint {directory} holds model entry '{n}', which this "
                                      "model lacks; build the same model before loading")
-                if tuple(current[n].shape) != tuple(t.shape):
+                mine = here[there[n]]
+                if tuple(current[mine].shape) != tuple(t.shape):
                     raise ValueError(f"checkpoint {directory}: model entry '{n}' has shape "
-                                     f"{tuple(t.shape)}, this model's {tuple(current[n].shape)}")
+                                     f"{tuple(t.shape)}, this model's {tuple(current[mine].shape)}")
+                model_extra[mine] = t
         if EXTRA_FILE in files:
             extra = _read_blob(readers, EXTRA_FILE)
     finally:
@@ -662,7 +714,7 @@ def consolidate(path) -> tuple[dict, dict]:
             model_sd[entry["name"]] = flat_params[k][lo:end].clone().view(entry["shape"])
         if MODEL_EXTRA_FILE in manifest["files"]:
             for n, t in _read_blob(readers, MODEL_EXTRA_FILE).items():
-                model_sd.setdefault(n, t)
+                model_sd.setdefault(n, _own_bytes(t))
     finally:
         readers.close()
     groups = []
@@ -736,9 +788,45 @@ def _inspect(path) -> int:
     return 1 if bad else 0
 
 
+def _check_output_file(path) -> None:
+    """Refuse, before any work, a ``path`` that cannot become a file: a directory, or one
+    whose nearest existing ancestor is a file or not writable. Missing directories in
+    between are fine: ``_save_file`` creates them."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a directory; pass a file path such as "
+                              f"{os.path.join(path, 'adam.pt')}")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise CheckpointError(f"cannot write {path}: {ancestor} is not a directory; "
+                              "pass a path in a writable directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {path}: directory {ancestor} is not writable; "
+                              "pass a path in a writable directory")
+
+
+def _save_file(obj, path) -> None:
+    """``torch.save`` into a temporary file renamed over ``path`` (parent directories
+    created): no half-written file."""
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}; pass a path in a "
+                              "writable directory with room for it") from exc
+
+
 def main(argv=None) -> int:
     """``python -m zero_triton checkpoint inspect PATH`` |
-    ``python -m zero_triton checkpoint consolidate PATH OUT.pt [--model MODEL.pt]``."""
+    ``python -m zero_triton checkpoint consolidate PATH OUT.pt [--model MODEL.pt]``.
+    A missing or damaged checkpoint and an output that cannot be written are one line
+    on stderr and exit status 1."""
     parser = argparse.ArgumentParser(prog="python -m zero_triton checkpoint",
                                      description="Inspect or consolidate a sharded checkpoint.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -747,22 +835,33 @@ def main(argv=None) -> int:
     p = sub.add_parser("consolidate", help="write one torch.optim.Adam-format state dict file "
                        "(and a plain model state dict), at no particular world size")
     p.add_argument("path")
-    p.add_argument("out", help="optimizer state dict file (torch.save)")
+    p.add_argument("out", help="optimizer state dict file (torch.save); missing parent "
+                   "directories are created")
     p.add_argument("--model", default=None,
                    help="model state dict file (default: OUT with .model.pt for .pt)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             return _inspect(args.path)
-        optimizer_sd, model_sd = consolidate(args.path)
         model_out = args.model or (args.out[:-3] if args.out.endswith(".pt") else args.out) + ".model.pt"
-        torch.save(optimizer_sd, args.out)
-        torch.save(model_sd, model_out)
+        if os.path.abspath(model_out) == os.path.abspath(args.out):
+            parser.error("--model names the same file as OUT; pass another file for the model")
+        _check_output_file(args.out)
+        _check_output_file(model_out)
+        optimizer_sd, model_sd = consolidate(args.path)
+        _save_file(optimizer_sd, args.out)
+        _save_file(model_sd, model_out)
         print(f"wrote {args.out} ({len(optimizer_sd['state'])} parameter states, torch.optim.Adam "
               f"format) and {model_out} ({len(model_sd)} entries)")
         return 0
+    except BrokenPipeError:
+        raise  # the reader went away: the command line's entry point ends quietly
     except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyError as exc:
+        print(f"error: the manifest of {args.path} lacks {exc}: the checkpoint is damaged or "
+              "was not written by zero_triton; load an earlier one", file=sys.stderr)
         return 1
 
 
