@@ -133,6 +133,7 @@ class FlatShard:
         self._first_foreign_grad = getattr(native, "first_foreign_grad", None)
         self._first_moved_param = getattr(native, "first_moved_param", None)
         self.reached = bytearray(len(params))
+        self._bounds = None
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(params, self.grad_views)):
                 if p.grad is not None:
@@ -267,15 +268,19 @@ class FlatShard:
             if start < 0:
                 if backward_seen:
                     self.stepped = None if 0 not in reached else [r == 1 for r in reached]
+                elif written:
+                    by_hand = self._nonzero_grads()
+                    self.stepped = None if all(by_hand) else by_hand
                 else:
-                    self.stepped = None if written else [False] * len(reached)
+                    self.stepped = [False] * len(reached)
                 return
+        by_hand = self._nonzero_grads() if written and not backward_seen else None
         present = []
         for i in range(len(self.params)):
             p, view = self.params[i], self.grad_views[i]
             g = p.grad
             if g is view:
-                present.append(reached[i] == 1 or (written and not backward_seen))
+                present.append(reached[i] == 1 or (by_hand is not None and by_hand[i]))
                 continue
             if g is None:
                 view.zero_()
@@ -291,6 +296,19 @@ class FlatShard:
                 present.append(True)
             p.grad = view
         self.stepped = None if all(present) else present
+
+    def _nonzero_grads(self) -> list:
+        """Per parameter: is any element of its gradient view nonzero. Used only when no
+        backward ran since ``zero_grad`` and gradients were written by hand: a view
+        still all zeros is then taken as never written (no gradient)."""
+        if self._bounds is None:
+            ends = [o + math.prod(s) for o, s in zip(self.layout.offsets, self.layout.shapes)]
+            self._bounds = (torch.tensor(self.layout.offsets, device=self.device),
+                            torch.tensor(ends, device=self.device))
+        starts, ends = self._bounds
+        count = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
+                           self.flat_grad.ne(0).cumsum(0)])
+        return (count[ends] - count[starts] > 0).tolist()
 
     def mark_zeroed(self):
         """After ``zero_grad``: no parameter has a gradient until backward reaches it."""

@@ -123,31 +123,43 @@ class ZeroAdam(FusedAdam):
     # world_size * this * 4 bytes on top of the one full copy it returns.
     _GATHER_CHUNK = 4 << 20
 
+    def state_dict(self) -> dict:
+        """The full state in torch.optim.Adam's format on every rank (collective: every
+        rank must call it, as accelerate's ``prepare`` and ``save_state`` and HF
+        Trainer's checkpointing do). Each rank receives the whole state as CPU tensors,
+        gathered chunk by chunk; ``load_state_dict`` on any world size keeps each rank's
+        shard. For large models prefer ``zero_triton.checkpoint.save`` (each rank writes
+        only its shard) or ``consolidated_state_dict(to_rank=0)`` (one receiver)."""
+        if self._comm.world_size == 1:
+            return super().state_dict()
+        return self.consolidated_state_dict(to_rank=None)
+
     @torch.no_grad()
-    def consolidated_state_dict(self, to_rank: int = 0):
+    def consolidated_state_dict(self, to_rank: int | None = 0):
         """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
         per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
-        fp16/bf16) on group rank ``to_rank``, as CPU tensors; None on the other ranks.
+        fp16/bf16) on group rank ``to_rank`` (every rank for None), as CPU tensors; None
+        on the other ranks.
 
         Collective. Gathered one chunk of one state of one flat buffer at a time, so the
         receiver's peak memory is one full copy plus ``world_size`` chunks (not
         ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
         comm = self._comm
-        if not 0 <= to_rank < comm.world_size:
-            raise ValueError(f"to_rank must be in [0, {comm.world_size}), got {to_rank}")
-        me = comm.rank == to_rank
+        if to_rank is not None and not 0 <= to_rank < comm.world_size:
+            raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "
+                             f"got {to_rank}")
+        me = to_rank is None or comm.rank == to_rank
         groups, ids = self._packed_groups()
         state = {}
-        for _, flat in self._all_flats():
+        for _, flat in self._current_flats():
             bufs = flat.state_buffers()
             layout, shard = flat.layout, flat.layout.shard_numel
             chunk = max(1, min(shard, self._GATHER_CHUNK))
             recv = None
             if me:
-                step = float(flat.step[0])
                 out = []
-                for p in flat.params:
-                    entry = {"step": torch.tensor(step, dtype=torch.float32)}
+                for i, p in enumerate(flat.params):
+                    entry = {"step": torch.tensor(flat.param_step(i), dtype=torch.float32)}
                     entry.update({k: torch.empty(p.shape, dtype=torch.float32) for k in bufs})
                     state[ids[id(p)]] = entry
                     out.append(entry)
@@ -155,15 +167,20 @@ class ZeroAdam(FusedAdam):
             for key, buf in bufs.items():
                 for c in range(0, shard, chunk):
                     n = min(chunk, shard - c)
-                    pieces = [recv[r, :n] for r in range(comm.world_size)] if me else None
-                    comm.gather(buf[c:c + n], pieces, to_rank, "consolidated_state_dict gather")
+                    if to_rank is None:  # every rank receives: one all-gather per chunk
+                        received = recv.view(-1)[:comm.world_size * n]
+                        comm.all_gather(received, buf[c:c + n])
+                        pieces = received.view(comm.world_size, n)
+                    else:
+                        pieces = [recv[r, :n] for r in range(comm.world_size)] if me else None
+                        comm.gather(buf[c:c + n], pieces, to_rank, "consolidated_state_dict gather")
                     if not me:
                         continue
                     for r in range(comm.world_size):
                         start = r * shard + c
                         for i, a, b in layout.ranges_in(start, start + n):
                             o = layout.offsets[i] + a - start
-                            out[i][key].view(-1)[a:b].copy_(recv[r, o:o + b - a])
+                            out[i][key].view(-1)[a:b].copy_(pieces[r][o:o + b - a])
         return {"state": state, "param_groups": groups} if me else None
 
     @torch.no_grad()

@@ -1,0 +1,413 @@
+"""What users do around the optimizer, compared with torch.optim.Adam/AdamW doing the
+same: moving or casting the model after building the optimizer, freezing and
+unfreezing parameters, parameters unused in a forward, clipping with ``max_grad_norm``,
+torch's keyword arguments and error types. Each case failed silently before."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from zero_triton import FusedAdam, FusedAdamW, backends
+
+from dist_utils import run_ranks
+
+CPU_BACKEND = "cpu" if backends.why_not("cpu", torch.device("cpu")) is None else "torch"
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 6, generator=g) for _ in range(n)]
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p.detach().float() - q.detach().float()).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _train(model, opt, xs, dtype=torch.float32, hook=None):
+    for t, x in enumerate(xs):
+        if hook is not None:
+            hook(t, model)
+        opt.zero_grad()
+        model(x.to(dtype)).float().pow(2).mean().backward()
+        opt.step()
+
+
+# -- the optimizer built before model.to(...) ---------------------------------------------
+@pytest.mark.parametrize("move", ["bf16", "fp16", "half()", "double-move"])
+def test_model_cast_after_the_optimizer_trains_as_torch(move):
+    """torch.optim.AdamW built before the cast trains the cast parameters: so do we, and
+    exactly as an optimizer built after the cast (same state carried over)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "half()": torch.float16,
+             "double-move": torch.bfloat16}[move]
+    ours, theirs = _model(), _model()
+    xs = _batches(6)
+    opt = FusedAdamW(ours.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    _train(ours, opt, xs[:2])                       # some state before the move
+    topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    _train(theirs, topt, xs[:2])
+    assert _max_diff(ours, theirs) < 1e-5
+    if move == "half()":
+        ours.half()
+    elif move == "double-move":
+        ours.to(torch.float16)
+        ours.to(torch.bfloat16)
+    else:
+        ours.to(dtype)
+    # The reference: a fresh FusedAdamW over the cast model with the same state.
+    ref = copy.deepcopy(theirs).to(dtype)
+    ref_opt = FusedAdamW(ref.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    sd = topt.state_dict()
+    ref_opt.load_state_dict(sd)
+    before = [p.detach().clone() for p in ours.parameters()]
+    _train(ours, opt, xs[2:], dtype)
+    _train(ref, ref_opt, xs[2:], dtype)
+    assert all(p.dtype == dtype for p in ours.parameters())
+    moved = max((p.float() - b.float()).abs().max().item() for p, b in zip(ours.parameters(), before))
+    assert moved > 1e-3, "the cast model did not train"
+    if move != "double-move":  # a second cast rounds the values once more
+        assert _max_diff(ours, ref) == 0.0, "training after the cast differs from a fresh optimizer"
+    flats = [f for _, f in opt._all_flats()]
+    assert all(f.dtype == dtype and f.has_master for f in flats)
+    norm = opt.clip_grad_norm_(1.0)
+    assert float(norm) > 0, "clip_grad_norm_ after the cast sees no gradients"
+
+
+def test_device_move_keeps_master_and_moments_exactly():
+    """A move that keeps the dtype (accelerate's prepare moves to 'cpu:0', which copies)
+    continues bit for bit as if nothing had happened."""
+    a, b = _model(), _model()
+    xs = _batches(6)
+    oa = FusedAdamW(a.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    ob = FusedAdamW(b.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    _train(a, oa, xs[:3])
+    _train(b, ob, xs[:3])
+    for p in a.parameters():          # what Module.to does when it copies
+        p.data = p.data.clone()
+        p.grad.data = p.grad.data.clone()
+    _train(a, oa, xs[3:])
+    _train(b, ob, xs[3:])
+    assert _max_diff(a, b) == 0.0
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    for i in sa:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sa[i][k], sb[i][k]), f"state {k} of parameter {i} changed by the move"
+
+
+def test_move_then_backward_then_step_keeps_the_gradient():
+    """The user's order: build, move, backward, step. The gradient of the moved
+    parameters is the one backward wrote, not the stale flat buffer."""
+    ours, theirs = _model(), _model()
+    opt = FusedAdam(ours.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    ours.to(torch.bfloat16)
+    theirs.to(torch.bfloat16)
+    topt = FusedAdam(theirs.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    x = _batches(1)[0].bfloat16()
+    for model, o in ((ours, opt), (theirs, topt)):
+        model(x).float().pow(2).mean().backward()
+        o.step()
+    assert _max_diff(ours, theirs) == 0.0
+
+
+def test_parameters_split_over_dtypes_after_construction_is_a_clear_error():
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    model[0].to(torch.bfloat16)   # only part of one flat buffer
+    with pytest.raises(RuntimeError, match="moved to different dtypes or devices.*whole model"):
+        opt.step()
+
+
+def test_cast_to_an_unsupported_dtype_is_a_clear_error():
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    model.double()
+    with pytest.raises(RuntimeError, match="float64.*float32, float16 and bfloat16"):
+        opt.step()
+
+
+# -- missing gradients: torch.optim.Adam's rule ---------------------------------------------
+def _pair(opt_cls=FusedAdam, topt_cls=torch.optim.Adam, **kw):
+    a, b = _model(), _model()
+    return a, b, opt_cls(a.parameters(), lr=1e-2, backend=CPU_BACKEND, **kw), topt_cls(b.parameters(), lr=1e-2, **kw)
+
+
+def _assert_same(a, b, oa, ob, tol=1e-6):
+    assert _max_diff(a, b) < tol
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sorted(sb) == [i for i in sorted(sa) if i in sb]
+    for i in sb:
+        assert float(sa[i]["step"]) == float(sb[i]["step"]), f"parameter {i}: step"
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(sa[i][k], sb[i][k], rtol=1e-5, atol=1e-7), f"parameter {i}: {k}"
+
+
+@pytest.mark.parametrize("zero_grad", ["optimizer", "module set_to_none", "module zeros"])
+def test_frozen_mid_training_stays_put_and_resumes_when_unfrozen(zero_grad):
+    a, b, oa, ob = _pair()
+    xs = _batches(16)
+
+    def freeze(t, model):
+        if t == 5:
+            model[2].weight.requires_grad_(False)
+            model[2].bias.requires_grad_(False)
+        if t == 12:
+            model[2].weight.requires_grad_(True)
+            model[2].bias.requires_grad_(True)
+
+    frozen_at = {}
+    for t, x in enumerate(xs):
+        for model, o in ((a, oa), (b, ob)):
+            freeze(t, model)
+            if zero_grad == "optimizer" and o is oa:
+                o.zero_grad()
+            else:
+                model.zero_grad(set_to_none=zero_grad != "module zeros")
+            model(x).pow(2).mean().backward()
+            o.step()
+        if t == 6:
+            frozen_at = {k: v.clone() for k, v in a.state_dict().items()}
+        # set_to_none=False leaves a zero .grad on the frozen parameter: torch steps it
+        # (its moments decay), and so do we; otherwise it must not move at all.
+        if t == 11 and zero_grad != "module zeros":
+            assert torch.equal(a[2].weight, frozen_at["2.weight"]), "a frozen parameter moved"
+        _assert_same(a, b, oa, ob)
+    _assert_same(a, b, oa, ob)
+
+
+def test_parameter_unused_in_a_forward_is_skipped():
+    """A branch not taken this step: no gradient, no update, no moment decay."""
+    a, b, oa, ob = _pair(FusedAdamW, torch.optim.AdamW, weight_decay=0.1)
+    for t, x in enumerate(_batches(8)):
+        for model, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            h = torch.tanh(model[0](x))
+            if t % 3 != 1:
+                h = torch.tanh(model[2](h))   # model[2] unused on steps 1, 4, 7
+            model[4](h).pow(2).mean().backward()
+            o.step()
+        _assert_same(a, b, oa, ob)
+
+
+def test_step_without_backward_changes_nothing():
+    a, _, oa, _ = _pair()
+    x = _batches(1)[0]
+    a(x).pow(2).mean().backward()
+    oa.step()
+    oa.zero_grad()
+    before = copy.deepcopy(oa.state_dict())
+    weights = [p.detach().clone() for p in a.parameters()]
+    oa.step()
+    assert all(torch.equal(p, w) for p, w in zip(a.parameters(), weights))
+    after = oa.state_dict()
+    for i in before["state"]:
+        assert float(after["state"][i]["step"]) == float(before["state"][i]["step"])
+
+
+def test_gradients_written_by_hand_are_stepped():
+    """No backward at all: gradients written into ``.grad`` count, as with torch; a
+    parameter whose gradient nobody wrote is not stepped (its step stays 0)."""
+    params = [nn.Parameter(torch.randn(5)) for _ in range(3)]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = FusedAdam(params, lr=1e-2, backend=CPU_BACKEND)
+    topt = torch.optim.Adam(twins, lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        topt.zero_grad()
+        for p, q in zip(params[:2], twins[:2]):   # the third gets no gradient
+            g = torch.randn(5)
+            p.grad.copy_(g)
+            q.grad = g.clone()
+        opt.step()
+        topt.step()
+    for p, q in zip(params, twins):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+    steps = [float(s["step"]) for s in opt.state_dict()["state"].values()]
+    assert steps == [3.0, 3.0, 0.0]
+
+
+def test_frozen_at_construction_then_unfrozen_is_a_clear_error():
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = FusedAdam(model.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    model[0].weight.requires_grad_(True)
+    model(_batches(1)[0]).sum().backward()
+    w = model[2].weight.detach().clone()
+    with pytest.raises(RuntimeError, match="requires_grad=False when the optimizer was built.*add_param_group"):
+        opt.step()
+    assert torch.equal(model[2].weight, w), "a refused step changed a parameter"
+
+
+def _job_missing_on_some_ranks(rank, world_size):
+    from zero_triton import ZeroAdam
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(37)) for _ in range(4)]
+    opt = ZeroAdam(params, lr=1e-2, backend=CPU_BACKEND)
+    out = []
+    for t in range(3):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(100 * t + rank)
+        for i, p in enumerate(params):
+            # param 1: only rank 0 has a gradient; param 3: no rank has one.
+            if i == 3 or (i == 1 and rank != 0):
+                continue
+            p.grad.copy_(torch.randn(37, generator=g))
+        opt.step()
+    sd = opt.state_dict()
+    out = {"params": [p.detach().tolist() for p in params],  # plain lists: the queue shares tensors by fd
+           "steps": [float(sd["state"][i]["step"]) for i in range(4)]}
+    return out
+
+
+def test_zero_steps_a_parameter_if_any_rank_has_its_gradient():
+    results = run_ranks(_job_missing_on_some_ranks, 2)
+    torch.manual_seed(0)
+    ref = [nn.Parameter(torch.randn(37)) for _ in range(4)]
+    topt = torch.optim.Adam(ref, lr=1e-2)
+    for t in range(3):
+        topt.zero_grad()
+        grads = {r: torch.Generator().manual_seed(100 * t + r) for r in range(2)}
+        mean = [torch.zeros(37) for _ in range(4)]
+        for r in range(2):
+            for i in range(4):
+                if i == 3 or (i == 1 and r != 0):
+                    continue
+                mean[i] += torch.randn(37, generator=grads[r]) / 2
+        for i in range(3):
+            ref[i].grad = mean[i]
+        topt.step()
+    for r, res in enumerate(results):
+        assert res["steps"] == [3.0, 3.0, 3.0, 0.0], f"rank {r}: steps {res['steps']}"
+        for i in range(4):
+            assert torch.allclose(torch.tensor(res["params"][i]), ref[i], rtol=1e-5, atol=1e-6), \
+                f"rank {r} param {i}"
+
+
+# -- clipping by the global norm inside step() -----------------------------------------------
+def _job_clip(rank, world_size, max_norm):
+    from zero_triton import ZeroAdamW
+    model = _model()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm, backend=CPU_BACKEND)
+    xs = _batches(5)
+    norms = []
+    for x in xs:
+        opt.zero_grad()
+        part = x.chunk(world_size)[rank]
+        model(part).pow(2).mean().backward()
+        opt.step()
+        norms.append(float(opt.grad_norm))
+    return [p.detach().tolist() for p in model.parameters()], norms
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_max_grad_norm_clips_by_the_global_norm_under_zero(world_size):
+    results = run_ranks(_job_clip, world_size, 0.05)
+    ref = _model()
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    norms = []
+    for x in _batches(5):
+        topt.zero_grad()
+        # The mean over ranks of each rank's mean loss = what ZeroAdam averages.
+        loss = sum(ref(p).pow(2).mean() for p in x.chunk(world_size)) / world_size
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+        topt.step()
+    assert min(norms) > 0.05, "the case must clip"
+    for rank, (params, got) in enumerate(results):
+        assert got == pytest.approx(norms, rel=1e-5), f"rank {rank}: norms {got} != {norms}"
+        for i, (p, q) in enumerate(zip(params, ref.parameters())):
+            assert torch.allclose(torch.tensor(p), q, rtol=1e-5, atol=1e-6), f"rank {rank} param {i}"
+
+
+def test_max_grad_norm_with_grad_scaler_clips_the_unscaled_gradient():
+    a, b = _model(), _model()
+    oa = FusedAdamW(a.parameters(), lr=1e-2, max_grad_norm=0.05, backend=CPU_BACKEND)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for x in _batches(4):
+        oa.zero_grad()
+        scaler.scale(a(x).pow(2).mean()).backward()
+        scaler.step(oa)
+        scaler.update()
+        ob.zero_grad()
+        b(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
+        ob.step()
+    assert _max_diff(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "1.0", True])
+def test_bad_max_grad_norm(bad):
+    with pytest.raises(ValueError, match="max_grad_norm must be a float > 0"):
+        FusedAdam(_model().parameters(), max_grad_norm=bad)
+
+
+# -- drop-in keywords and torch's error types ------------------------------------------------
+@pytest.mark.parametrize("kwargs", [dict(foreach=False), dict(foreach=True), dict(fused=True),
+                                    dict(fused=False), dict(capturable=False),
+                                    dict(differentiable=False),
+                                    dict(betas=(torch.tensor(0.9), torch.tensor(0.99)))])
+def test_torch_keywords_are_accepted(kwargs):
+    a, b = _model(), _model()
+    oa = FusedAdamW(a.parameters(), lr=1e-2, backend=CPU_BACKEND, **kwargs)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, **kwargs)
+    # capturable=True is accepted too (lr and step already live on the device); torch
+    # itself refuses it for CPU tensors, so it is compared with torch's default here.
+    if "capturable" not in kwargs:
+        oc = FusedAdamW(_model().parameters(), lr=1e-2, backend=CPU_BACKEND, capturable=True, **kwargs)
+        assert oc.param_groups[0]["lr"] == 1e-2
+    xs = _batches(3)
+    _train(a, oa, xs)
+    _train(b, ob, xs)
+    assert _max_diff(a, b) < 1e-6
+
+
+def _torch_error_inputs():
+    """PyTorch's own error inputs for Adam/AdamW on CPU (what its optimizer tests use)."""
+    pytest.importorskip("expecttest", reason="torch.testing._internal needs expecttest")
+    from torch.testing._internal import common_optimizers as co
+    out = []
+    for fn in (co.optim_error_inputs_func_adam, co.optim_error_inputs_func_adamw):
+        out += fn("cpu", torch.float32)
+    return out
+
+
+@pytest.mark.parametrize("cls, torch_cls", [(FusedAdam, torch.optim.Adam), (FusedAdamW, torch.optim.AdamW)])
+def test_torch_error_inputs_get_torch_error_types(cls, torch_cls):
+    inputs = _torch_error_inputs()
+    assert inputs
+    for err in inputs:
+        oi = err.optimizer_error_input
+        params = oi.params if oi.params is not None else [nn.Parameter(torch.randn(2, 2))]
+        if issubclass(err.error_type, Warning):
+            with pytest.warns(err.error_type):
+                cls(params, **oi.kwargs)
+            continue
+        with pytest.raises(err.error_type) as exc:
+            cls(params, **oi.kwargs)
+        with pytest.raises(err.error_type):
+            torch_cls(params, **oi.kwargs)
+        assert str(exc.value), oi.desc
+
+
+def test_differentiable_true_is_refused():
+    with pytest.raises(RuntimeError, match="differentiable=True is not supported.*torch.optim.Adam"):
+        FusedAdam(_model().parameters(), differentiable=True)
+
+
+def test_named_and_unnamed_parameters_mixed_is_torchs_value_error():
+    a, b = nn.Parameter(torch.randn(2)), nn.Parameter(torch.randn(2))
+    with pytest.raises(ValueError, match="with/without names"):
+        FusedAdam([("w", a), b])
+    assert a.grad is None and b.grad is None
+
+
+def test_meta_parameters_are_refused_at_construction():
+    p = nn.Parameter(torch.empty(4, device="meta"))
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        FusedAdam([p])
