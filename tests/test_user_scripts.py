@@ -411,3 +411,49 @@ def test_meta_parameters_are_refused_at_construction():
     p = nn.Parameter(torch.empty(4, device="meta"))
     with pytest.raises(ValueError, match="meta device.*to_empty"):
         FusedAdam([p])
+
+
+# -- DDP around a model that ZeroAdam also reduces ------------------------------------------
+def _job_ddp(rank, world_size, mode):
+    import warnings as w
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero_triton import ZeroAdamW, ddp_local_grads_hook
+    model = _model()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    net = model
+    if mode != "bare":
+        net = DDP(model)
+        if mode == "ddp+hook":
+            net.register_comm_hook(None, ddp_local_grads_hook)
+    allreduces = 0
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for x in _batches(4):
+                opt.zero_grad()
+                net(x.chunk(world_size)[rank]).pow(2).mean().backward()
+                opt.step()
+        allreduces = sum(1 for e in prof.events() if "allreduce" in e.name.lower().replace("_", ""))
+    messages = [str(c.message) for c in caught if "DistributedDataParallel" in str(c.message)]
+    return [p.detach().tolist() for p in model.parameters()], messages, allreduces
+
+
+@pytest.mark.parametrize("mode", ["ddp", "ddp+hook"])
+def test_ddp_wrapped_model_is_reported_once_and_the_hook_removes_the_double_reduction(mode):
+    bare = run_ranks(_job_ddp, 2, "bare")
+    wrapped = run_ranks(_job_ddp, 2, mode)
+    for rank in range(2):
+        params, messages, allreduces = wrapped[rank]
+        for p, q in zip(params, bare[rank][0]):
+            assert torch.allclose(torch.tensor(p), torch.tensor(q), rtol=1e-5, atol=1e-6)
+        assert bare[rank][1] == [], "a bare model was reported as DDP-wrapped"
+        if mode == "ddp":
+            assert len(messages) == 1, f"rank {rank}: expected one report, got {messages}"
+            assert "ddp_local_grads_hook" in messages[0]
+            assert allreduces > bare[rank][2], "the profile does not show DDP's all-reduce"
+        else:
+            assert messages == [], f"rank {rank}: reported although DDP communicates nothing"
+            assert allreduces == bare[rank][2], \
+                f"rank {rank}: {allreduces} all-reduces with the hook, {bare[rank][2]} without DDP"

@@ -6,8 +6,8 @@ torch.distributed process group (ZeRO-1).
 """
 from zero_triton.flat import FlatLayout, flatten_params, unflatten_into
 from zero_triton.optim import FusedAdam, FusedAdamW
-from zero_triton.zero import ZeroAdam, ZeroAdamW, ZeroGradScaler
+from zero_triton.zero import ZeroAdam, ZeroAdamW, ZeroGradScaler, ddp_local_grads_hook
 
 __version__ = "0.1.0"
 
-__all__ = ["FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "ZeroGradScaler", "FlatLayout", "flatten_params", "unflatten_into", "__version__"]
+__all__ = ["FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "ZeroGradScaler", "ddp_local_grads_hook", "FlatLayout", "flatten_params", "unflatten_into", "__version__"]

@@ -13,6 +13,7 @@ divided by the world size.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -74,6 +75,7 @@ class ZeroAdam(FusedAdam):
                 g["params"] = list(g["params"])
         self._check_same_model(comm, groups)
         _install_scaler_agreement()
+        self._ddp_checked = False
         super().__init__(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=decoupled_weight_decay,
                          master_weights=master_weights, backend=backend, _comm=comm,
@@ -100,6 +102,49 @@ class ZeroAdam(FusedAdam):
                 param_group["params"] = list(param_group["params"])
             self._check_same_model(self._comm, [param_group])
         super().add_param_group(param_group)
+
+    def _reduce_grads(self, flats=None):
+        fingerprint = None
+        if not self._grads_reduced and not getattr(self, "_ddp_checked", True):
+            self._ddp_checked = True
+            fingerprint = self._grad_fingerprint(flats)
+        super()._reduce_grads(flats)
+        if fingerprint is not None:  # exchanged after the reduce-scatter: it fails first
+            self._warn_if_already_averaged(fingerprint)
+
+    @torch.no_grad()
+    def _grad_fingerprint(self, flats=None):
+        """(sum, sum of squares) of this rank's local gradients, before any reduction."""
+        flats = [f for _, f in (flats or self._current_flats())]
+        if not flats:
+            return None
+        device = flats[0].device
+        mine = torch.zeros(2, dtype=torch.float64, device=device)
+        for f in flats:
+            g = f.flat_grad.double()
+            mine[0] += g.sum().to(device)
+            mine[1] += g.square().sum().to(device)
+        return mine
+
+    @torch.no_grad()
+    def _warn_if_already_averaged(self, mine) -> None:
+        """Once, at the first step: gradients that are already identical on every rank
+        (and not all zero) were averaged before us, almost always by a
+        DistributedDataParallel wrapper (accelerate and HF Trainer add one): correct,
+        but every step then pays DDP's all-reduce on top of our reduce-scatter."""
+        every = torch.empty(self._comm.world_size * 2, dtype=torch.float64, device=mine.device)
+        self._comm.all_gather(every, mine)
+        rows = every.view(-1, 2).tolist()
+        if rows[0][1] > 0 and all(r == rows[0] for r in rows):
+            warnings.warn(
+                "zero_triton: the gradients were identical on every rank before ZeroAdam "
+                "reduced them: the model is probably wrapped in DistributedDataParallel, which "
+                "already all-reduced them. Training is correct, but each step pays DDP's "
+                "all-reduce on top of ZeroAdam's reduce-scatter. Do not wrap the model in DDP "
+                "(ZeroAdam averages the gradients itself), or, where a library wraps it "
+                "(accelerate, HF Trainer), turn DDP's all-reduce off with "
+                "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook).",
+                stacklevel=4)
 
     def _agree_found_inf(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
@@ -224,6 +269,17 @@ class ZeroAdamW(ZeroAdam):
                          decoupled_weight_decay=True, master_weights=master_weights,
                          backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
                          max_grad_norm=max_grad_norm, **torch_flags)
+
+
+def ddp_local_grads_hook(state, bucket):
+    """A DistributedDataParallel communication hook that communicates nothing: each
+    rank keeps its local gradients, and ZeroAdam averages them in its reduce-scatter.
+    For models that a library wraps in DDP anyway (accelerate, HF Trainer) and that
+    ZeroAdam trains: ``ddp_model.register_comm_hook(None, ddp_local_grads_hook)``.
+    Never use it with an optimizer that expects DDP to average the gradients."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 class ZeroGradScaler(torch.amp.GradScaler):
