@@ -11,6 +11,7 @@ bench``), kept in the package so that an installed zero_triton can run it. Examp
 import sys
 
 from zero_triton.bench import main
+from zero_triton.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(main, sys.argv[1:]))

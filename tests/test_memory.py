@@ -132,7 +132,7 @@ def test_params_parsing_is_exact():
 
 @pytest.mark.parametrize("argv, fix", [
     (["--params", "1e9", "--world-size", "0"], "number of data-parallel ranks"),
-    (["--params", "-5", "--world-size", "8"], "pass a count >= 0"),
+    (["--params", "-5", "--world-size", "8"], "pass a count > 0"),
     (["--params", "1.5", "--world-size", "8"], "whole number"),
     (["--params", "many", "--world-size", "8"], "7.5e9"),
     (["--params", "1e9", "--world-size", "8", "--master-dtype", "fp8"], "invalid choice"),

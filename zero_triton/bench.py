@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from zero_triton.units import BINARY, parse_count
+
 BYTES_PER_PARAM = 28
 LR = 1e-2           # large enough that a missing update shows in the guard (see _guard)
 BETAS = (0.9, 0.999)
@@ -75,12 +77,30 @@ LEGEND = {
 # -- sizes and cases ------------------------------------------------------------------
 
 def parse_size(text: str) -> int:
-    """'16M' -> 16 * 2**20; K, M, B (2**30) suffixes, or a plain integer."""
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "B": 1 << 30, "G": 1 << 30}
-    if text and text[-1] in scale:
-        return int(float(text[:-1]) * scale[text[-1]])
-    return int(text)
+    """'16M' -> 16 * 2**20: a positive integer with an optional K, M, G (or B), T suffix
+    (2**10, 2**20, 2**30, 2**40). Anything else raises argparse.ArgumentTypeError."""
+    return parse_count(text, BINARY, "64M")
+
+
+def _size_list(text: str) -> list[int]:
+    return [parse_size(s) for s in text.split(",")]
+
+
+def _many(text: str) -> tuple[int, int]:
+    count, x, size = text.lower().partition("x")
+    if not x:
+        raise argparse.ArgumentTypeError(f"{text!r} is not COUNTxSIZE; pass e.g. 8192x4096")
+    return parse_size(count), parse_size(size)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number; pass e.g. 0.25")
+    return value
 
 
 def format_size(n: int) -> str:
@@ -836,12 +856,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--cases", default=",".join(ALL_CASES),
                     help=f"comma list of {','.join(ALL_CASES)} (default: all)")
-    ap.add_argument("--sizes", default=None,
-                    help="params per flat buffer for the fp32 and bf16 cases, e.g. 64M,256M,1B "
-                         "(K/M/B = 2**10/2**20/2**30; default: fp32 16M,64M and bf16 64M)")
-    ap.add_argument("--scale", type=float, default=None,
+    ap.add_argument("--sizes", type=_size_list, default=None,
+                    help="params per flat buffer for the fp32 and bf16 cases, e.g. 64M,256M,1G "
+                         "(K/M/G/T = 2**10/2**20/2**30/2**40, B = G; default: fp32 16M,64M "
+                         "and bf16 64M)")
+    ap.add_argument("--scale", type=_positive_float, default=None,
                     help="GPT-2 small element count scale (default 0.25 on cpu, 1 on cuda)")
-    ap.add_argument("--many", default="8192x4096", help="COUNTxSIZE for the many-tensors case")
+    ap.add_argument("--many", type=_many, default="8192x4096",
+                    help="COUNTxSIZE for the many-tensors case")
     ap.add_argument("--providers", default=None,
                     help=f"comma list to keep (the case baseline and the limit always stay): "
                          f"{','.join(PROVIDER_IDS)}")
@@ -866,8 +888,6 @@ def parse_args(argv):
     bad = [c for c in args.cases if c not in ALL_CASES]
     if bad:
         ap.error(f"unknown case(s) {bad}; choose from {','.join(ALL_CASES)}")
-    count, _, size = args.many.lower().partition("x")
-    args.many = (parse_size(count), parse_size(size))
     if args.providers:
         args.providers = [p.strip() for p in args.providers.split(",") if p.strip()]
         bad = [p for p in args.providers if p not in PROVIDER_IDS]
@@ -883,7 +903,7 @@ def parse_args(argv):
         args.max_sets = 2  # exercises the rotation without timing caches honestly
     else:
         if args.sizes:
-            args.sizes = args.bf16_sizes = [parse_size(s) for s in args.sizes.split(",")]
+            args.bf16_sizes = args.sizes
         else:
             args.sizes, args.bf16_sizes = [16 << 20, 64 << 20], [64 << 20]
         args.scale = args.scale or (1.0 if cuda else 0.25)
@@ -947,4 +967,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zero_triton.cli import run
+    sys.exit(run(main))

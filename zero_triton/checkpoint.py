@@ -866,4 +866,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zero_triton.cli import run
+    sys.exit(run(main))

@@ -1,6 +1,7 @@
 """python -m zero_triton demo | memory | bench | info | checkpoint"""
 from __future__ import annotations
 
+import os
 import platform
 import sys
 
@@ -31,7 +32,6 @@ def info() -> int:
     devices = ["cpu"] + [f"cuda:{i} {torch.cuda.get_device_name(i)}"
                          for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
     print(f"devices     {', '.join(devices)}")
-    import os
     print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
     print()
     print(f"{'backend':8s} {'device':6s} usable")
@@ -46,7 +46,32 @@ def info() -> int:
     return 0
 
 
+def silence_stdout() -> None:
+    """Point stdout at os.devnull: what is left to print once its reader went away goes
+    nowhere, and Python's final flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def run(command, argv=None) -> int:
+    """``command(argv)``'s exit status; a reader that goes away (``... | head``) ends it
+    quietly with 141, the status of a Unix tool stopped by SIGPIPE, not a traceback."""
+    try:
+        try:
+            return command(argv)
+        finally:  # argparse's --help and errors exit: flush here, not at interpreter exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        return 141  # 128 + SIGPIPE
+
+
 def main(argv=None) -> int:
+    return run(_dispatch, argv)
+
+
+def _dispatch(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

@@ -18,6 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from zero_triton.cli import run, silence_stdout
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -41,6 +43,15 @@ def _batch(step: int, rank: int, device):
     teacher = torch.randn(32, 10, generator=torch.Generator().manual_seed(12345))
     y = (x @ teacher).argmax(dim=1)
     return x.to(device), y.to(device)
+
+
+def _say(*lines) -> None:
+    """Print (rank 0). A reader that went away (``demo | head``) silences this rank, not
+    its training: the other ranks wait for it in every collective."""
+    try:
+        print(*lines, sep="\n", flush=True)
+    except BrokenPipeError:
+        silence_stdout()
 
 
 def train(args, rank: int, world_size: int, device) -> dict:
@@ -77,7 +88,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
         dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
         lines.append(f"step {step:3d}  loss {mean_loss.item() / world_size:.6f}")
         if rank == 0:
-            print(lines[-1], flush=True)
+            _say(lines[-1])
     # Largest difference vs unsharded Adam: fp32 params directly; fp16/bf16 through the
     # fp32 master this rank owns (the parameters are its rounding).
     diff = torch.zeros((), device=device)
@@ -95,23 +106,20 @@ def train(args, rank: int, world_size: int, device) -> dict:
     if rank == 0:
         master = "fp32" if dtype != torch.float32 else "none"
         table = memory_table(n_params, world_size, master_dtype=master)
-        print()
-        print(format_table(table))
         formula = {s["stage"]: s for s in table["stages"]}
-        print()
         held = "exp_avg + exp_avg_sq" if dtype == torch.float32 else "fp32 master + exp_avg + exp_avg_sq"
-        print(f"optimizer state per rank ({held}), {n_params:,} params, "
-              f"{world_size} ranks:")
-        print(f"  DDP formula      {formula['ddp']['optimizer_bytes']:>12,} bytes  (every rank holds all)")
-        print(f"  ZeRO-1 formula   {formula['zero1']['optimizer_bytes']:>12,} bytes  (1/{world_size})")
         shard = sum(flat.layout.shard_numel for flats in opt._flats for flat in flats)
-        print(f"  ZeRO-1 measured  {report['optimizer_state']:>12,} bytes  on rank 0 "
-              f"(a shard of {shard:,} elements incl. alignment padding)")
-        print(f"  padding          {report['padding']:>12,} bytes  (params + grads, held by every rank)")
-        print()
-        print(f"max |ZeroAdam - torch.optim.Adam on the mean gradient| = {diff.item():.3e} "
-              f"({'fp32 params' if dtype == torch.float32 else 'fp32 master'}, {args.steps} steps, "
-              f"{world_size} ranks, backend {opt._flats[0][0].backend})")
+        _say("", format_table(table), "",
+             f"optimizer state per rank ({held}), {n_params:,} params, {world_size} ranks:",
+             f"  DDP formula      {formula['ddp']['optimizer_bytes']:>12,} bytes  (every rank holds all)",
+             f"  ZeRO-1 formula   {formula['zero1']['optimizer_bytes']:>12,} bytes  (1/{world_size})",
+             f"  ZeRO-1 measured  {report['optimizer_state']:>12,} bytes  on rank 0 "
+             f"(a shard of {shard:,} elements incl. alignment padding)",
+             f"  padding          {report['padding']:>12,} bytes  (params + grads, held by every rank)",
+             "",
+             f"max |ZeroAdam - torch.optim.Adam on the mean gradient| = {diff.item():.3e} "
+             f"({'fp32 params' if dtype == torch.float32 else 'fp32 master'}, {args.steps} steps, "
+             f"{world_size} ranks, backend {opt._flats[0][0].backend})")
     return {"max_diff": diff.item(), "memory": report, "losses": lines}
 
 
@@ -161,8 +169,8 @@ def main(argv=None) -> int:
             rank, world = dist.get_rank(), dist.get_world_size()
             device = torch.device("cuda", torch.cuda.current_device()) if use_nccl else torch.device("cpu")
             if rank == 0:
-                print(f"zero_triton demo: {world} ranks from torchrun, "
-                      f"{'nccl' if use_nccl else 'gloo'}, {args.dtype}", flush=True)
+                _say(f"zero_triton demo: {world} ranks from torchrun, "
+                     f"{'nccl' if use_nccl else 'gloo'}, {args.dtype}")
             train(args, rank, world, device)
             dist.barrier()
         finally:
@@ -178,4 +186,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

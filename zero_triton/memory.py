@@ -18,7 +18,8 @@ shard has the same size, and the rank that pays most is the one that runs out of
 memory. Activations, temporary buffers and fragmentation are not modelled. The
 measured counterpart is the optimizer's ``memory_report()``.
 
-CLI: ``python -m zero_triton memory --params 7.5e9 --world-size 64 [--json]``.
+CLI: ``python -m zero_triton memory --params 7.5e9 --world-size 64 [--json]``; ``--params``
+takes K/M/B/G/T suffixes too (7B = 7e9).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from decimal import Decimal, InvalidOperation
 from numbers import Integral
 from typing import Dict, List, Optional, Sequence
+
+from zero_triton.units import DECIMAL, parse_count
 
 __all__ = [
     "STAGES",
@@ -157,19 +159,8 @@ def formula_optimizer_bytes(params: int, world_size: int, master: bool = True) -
 
 
 def _param_count(text: str) -> int:
-    # Decimal, not float: "7.5e9" and "175e9" convert exactly, and counts beyond
-    # 2**53 keep every digit.
-    try:
-        value = Decimal(text.replace("_", ""))
-    except InvalidOperation:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number; pass a parameter count such as 7.5e9 or 7500000000")
-    if not value.is_finite() or value != value.to_integral_value():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number of parameters; pass e.g. 7.5e9")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; pass a count >= 0")
-    return int(value)
+    """A parameter count > 0: 7500000000, 7.5e9, 7.5B (K/M/B/G/T = 1e3/1e6/1e9/1e9/1e12)."""
+    return parse_count(text, DECIMAL, "7.5e9 or 7.5B")
 
 
 def _world_size(text: str) -> int:
@@ -189,7 +180,8 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
         description="Bytes per rank of parameters, gradients and Adam state under DDP "
                     "and ZeRO stages 1-3 (mixed precision: K = 12).")
     parser.add_argument("--params", type=_param_count, required=True,
-                        help="number of parameters, e.g. 7.5e9")
+                        help="number of parameters, e.g. 7.5e9 or 7B "
+                             "(K/M/B/G/T = 1e3/1e6/1e9/1e9/1e12)")
     parser.add_argument("--world-size", type=_world_size, required=True,
                         help="number of data-parallel ranks N")
     parser.add_argument("--master-dtype", choices=sorted(_PRECISIONS), default="fp32",
@@ -210,4 +202,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zero_triton.cli import run
+    sys.exit(run(main))

@@ -1,0 +1,50 @@
+"""Counts on the command line: a positive whole number with an optional unit suffix.
+
+``memory --params 7B`` counts parameters, where 7B means 7e9 (``DECIMAL``);
+``bench --sizes 64M`` sizes flat buffers, where 64M means 64 * 2**20 (``BINARY``).
+Both parse with ``parse_count``, exactly (Decimal, not float: 7.5e9 and 2**60 + 1 keep
+every digit).
+"""
+from __future__ import annotations
+
+import argparse
+from decimal import Decimal, InvalidOperation, localcontext
+
+DECIMAL = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+BINARY = {"K": 2**10, "M": 2**20, "B": 2**30, "G": 2**30, "T": 2**40}
+MAX_COUNT = 2**63 - 1  # torch counts elements in int64
+
+
+def parse_count(text: str, units: dict = DECIMAL, example: str = "7B") -> int:
+    """``text`` as a positive int: digits (``_`` separators allowed), a decimal or an
+    exponent form (``7.5e9``), optionally followed by a suffix of ``units`` (``7B``,
+    ``1.5K``, ``64M``; either case). Raises ``argparse.ArgumentTypeError`` naming the
+    fix, so it serves as an argparse ``type=``."""
+    number = str(text).strip().replace("_", "")
+    scale = 1
+    if number[-1:].upper() in units:
+        number, scale = number[:-1], units[number[-1].upper()]
+    suffixes = "/".join(units)
+    try:
+        value = Decimal(number)
+    except InvalidOperation:
+        value = None
+    if value is None or not value.is_finite():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number; pass a positive count such as {example} "
+            f"(suffixes {suffixes})")
+    if value.adjusted() > 30:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; pass a count up to "
+                                         f"{MAX_COUNT:.3g}, e.g. {example}")
+    with localcontext() as ctx:
+        ctx.prec = len(number) + 20  # enough digits for the product to be exact
+        value *= scale
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass e.g. {example}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive; pass a count > 0, "
+                                         f"e.g. {example}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; pass a count up to "
+                                         f"{MAX_COUNT:.3g}, e.g. {example}")
+    return int(value)
