@@ -76,3 +76,19 @@ def test_unknown_command_says_what_exists():
                           text=True, env=ENV)
     assert proc.returncode == 2
     assert "unknown command 'train'" in proc.stderr and "demo" in proc.stderr
+
+
+def test_repository_stands_on_its_own():
+    """No file points readers outside the repository (a clone has nothing beside it)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = {".git", ".hypothesis", ".pytest_cache", "__pycache__", "build", "results"}
+    needles = (b"../" + b"shared/", b"DESIGN" + b".md")
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip and not d.endswith(".egg-info")]
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                data = f.read()
+            found += [f"{os.path.relpath(path, root)}: {n.decode()}" for n in needles if n in data]
+    assert not found, found

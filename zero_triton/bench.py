@@ -18,8 +18,8 @@ What is timed, per case, side by side in one process:
 Providers run interleaved: every round times each provider once, in an order rotated
 round by round, so that drifting memory bandwidth hits all of them alike; we report
 the median and p20/p80 over rounds. Bytes are counted at 28 B/param for every case
-(DESIGN.md, "Performance bar"), so GB/s compare across providers even when a provider
-moves more bytes (the composite moves 40 B/param).
+(an fp32 step reads p, g, m, v and writes p, m, v), so GB/s compare across providers
+even when a provider moves more bytes (the composite moves 40 B/param).
 
 Before timing, a correctness guard steps each provider twice from identical data and
 compares parameters (or fp32 master) and both moments with torch ``fused=True`` (the

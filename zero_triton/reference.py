@@ -8,8 +8,8 @@ Two halves:
   ZeRO step must equal ordinary Adam on the mean gradient. Everything is float64.
 * A torch reference step (``torch_adam_step_``) and an integer-only round-to-nearest-
   even cast (``rne_cast``) that every backend (triton, cuda, cpu, torch) is tested
-  against. The step computes in float64 and rounds once on write-back, so it is the
-  "upcast reference" the numerics contract in DESIGN.md talks about.
+  against. The step computes in float64 and rounds once on write-back: the "upcast
+  reference".
 
 Nothing here is fast, and nothing here imports the rest of the package: the oracle
 must not depend on what it checks.
