@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 namespace zero_triton {
@@ -169,24 +170,43 @@ int64_t first_foreign_grad(const pybind11::list& params, const pybind11::list& v
   return -1;
 }
 
-// Index of the first parameter that no longer lives at its view of the flat parameter
-// buffer (same address, dtype and device), or -1: `model.to(dtype or device)`, `.half()`
-// or a swapped tensor replaced its storage behind the optimizer's back.
-int64_t first_moved_param(const pybind11::list& params, const pybind11::list& views) {
+// The per-step check of a flat buffer in one C loop (Python's `p.grad is view` costs
+// ~100 ns a tensor, which dominates a step over thousands of small tensors). Returns
+// (first parameter that no longer lives at its view of the flat parameter buffer, i.e.
+// `model.to(dtype or device)` replaced its storage, or -1; first parameter whose .grad is
+// not its view of the flat grad buffer, or -1). A view and the parameter re-homed onto
+// it share one StorageImpl and offset: comparing those is cheaper than data pointers.
+std::pair<int64_t, int64_t> flat_status(const pybind11::list& params,
+                                       const pybind11::list& param_views,
+                                       const pybind11::list& grad_views) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
-  TORCH_CHECK(PyList_GET_SIZE(views.ptr()) == n, "first_moved_param: `params` has ", n,
-              " entries, `views` ", PyList_GET_SIZE(views.ptr()));
-  for (Py_ssize_t i = 0; i < n; ++i) {
+  TORCH_CHECK(PyList_GET_SIZE(param_views.ptr()) == n && PyList_GET_SIZE(grad_views.ptr()) == n,
+              "flat_status: `params`, `param_views` and `grad_views` differ in length");
+  int64_t moved = -1, foreign = -1;
+  for (Py_ssize_t i = 0; i < n && (moved < 0 || foreign < 0); ++i) {
     PyObject* p = PyList_GET_ITEM(params.ptr(), i);
-    PyObject* v = PyList_GET_ITEM(views.ptr(), i);
-    if (!THPVariable_Check(p) || !THPVariable_Check(v)) return i;
+    PyObject* v = PyList_GET_ITEM(param_views.ptr(), i);
+    PyObject* gv = PyList_GET_ITEM(grad_views.ptr(), i);
+    if (!THPVariable_Check(p) || !THPVariable_Check(v) || !THPVariable_Check(gv)) {
+      if (moved < 0) moved = i;
+      if (foreign < 0) foreign = i;
+      continue;
+    }
     const at::Tensor& param = THPVariable_Unpack(p);
-    const at::Tensor& view = THPVariable_Unpack(v);
-    if (param.data_ptr() != view.data_ptr() || param.scalar_type() != view.scalar_type() ||
-        param.device() != view.device())
-      return i;
+    if (moved < 0) {
+      const c10::TensorImpl* a = param.unsafeGetTensorImpl();
+      const c10::TensorImpl* b = THPVariable_Unpack(v).unsafeGetTensorImpl();
+      if (!a->has_storage() || a->unsafe_storage().unsafeGetStorageImpl() !=
+              b->unsafe_storage().unsafeGetStorageImpl() ||
+          a->storage_offset() != b->storage_offset() || a->dtype() != b->dtype())
+        moved = i;
+    }
+    if (foreign < 0) {
+      const at::Tensor& grad = param.grad();
+      if (!grad.defined() || !grad.is_same(THPVariable_Unpack(gv))) foreign = i;
+    }
   }
-  return -1;
+  return {moved, foreign};
 }
 
 }  // namespace
@@ -217,9 +237,10 @@ All tensors on param's device; scalars are read there (no host sync on CUDA).)do
   m.def("first_foreign_grad", &zero_triton::first_foreign_grad, py::arg("params"),
         py::arg("views"),
         "Index of the first parameter whose .grad is not views[i] (same tensor), or -1.");
-  m.def("first_moved_param", &zero_triton::first_moved_param, py::arg("params"),
-        py::arg("views"),
-        "Index of the first parameter whose data is not views[i] (address, dtype, device), or -1.");
+  m.def("flat_status", &zero_triton::flat_status, py::arg("params"), py::arg("param_views"),
+        py::arg("grad_views"),
+        "(first parameter no longer at its view of the flat buffer, first parameter whose "
+        ".grad is not its grad view), each -1 when there is none.");
   m.def("cpu_isa", &zero_triton::cpu_isa,
         "Instruction-set variant used by the CPU kernel: 'avx512', 'avx2' or 'default'.");
   m.def("_set_cpu_isa", &zero_triton::set_cpu_isa, py::arg("isa"),

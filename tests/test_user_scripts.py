@@ -211,7 +211,7 @@ def test_step_without_backward_changes_nothing():
 
 def test_gradients_written_by_hand_are_stepped():
     """No backward at all: gradients written into ``.grad`` count, as with torch; a
-    parameter whose gradient nobody wrote is not stepped (its step stays 0)."""
+    parameter whose ``.grad`` was set to None is not stepped (its step stays 0)."""
     params = [nn.Parameter(torch.randn(5)) for _ in range(3)]
     twins = [nn.Parameter(p.detach().clone()) for p in params]
     opt = FusedAdam(params, lr=1e-2, backend=CPU_BACKEND)
@@ -223,6 +223,7 @@ def test_gradients_written_by_hand_are_stepped():
             g = torch.randn(5)
             p.grad.copy_(g)
             q.grad = g.clone()
+        params[2].grad = None
         opt.step()
         topt.step()
     for p, q in zip(params, twins):
@@ -252,11 +253,13 @@ def _job_missing_on_some_ranks(rank, world_size):
     for t in range(3):
         opt.zero_grad()
         g = torch.Generator().manual_seed(100 * t + rank)
+        loss = 0
         for i, p in enumerate(params):
             # param 1: only rank 0 has a gradient; param 3: no rank has one.
             if i == 3 or (i == 1 and rank != 0):
                 continue
-            p.grad.copy_(torch.randn(37, generator=g))
+            loss = loss + (p * torch.randn(37, generator=g)).sum()   # d loss / d p = the draw
+        loss.backward()
         opt.step()
     sd = opt.state_dict()
     out = {"params": [p.detach().tolist() for p in params],  # plain lists: the queue shares tensors by fd

@@ -116,7 +116,8 @@ class FlatShard:
     across ``zero_grad``, "has a gradient" means that backward reached it since the
     last ``zero_grad`` (a post-accumulate-grad hook sets ``reached``), or that its
     ``.grad`` is a tensor of its own, or, when no backward ran at all, that something
-    wrote into the gradient buffer. Parameters that were not stepped keep their state;
+    wrote into the gradient buffer (then every view counts: writes by hand into views
+    of one buffer cannot be told apart per parameter). Parameters that were not stepped keep their state;
     ``lag`` then counts the steps each one missed (None while they all agree).
     """
 
@@ -130,10 +131,9 @@ class FlatShard:
         self.flat_grad = torch.zeros_like(self.flat_param)
         self.grad_views = self.layout.views(self.flat_grad)
         native = _ext.loaded_or_prebuilt()
-        self._first_foreign_grad = getattr(native, "first_foreign_grad", None)
-        self._first_moved_param = getattr(native, "first_moved_param", None)
+        self._check_flat = getattr(native, "flat_status", None)
+        self._foreign_hint = None  # first foreign .grad, found by this step's check_flat
         self.reached = bytearray(len(params))
-        self._bounds = None
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(params, self.grad_views)):
                 if p.grad is not None:
@@ -185,11 +185,15 @@ class FlatShard:
         self.hooks = []
 
     # -- the parameters moved behind our back ------------------------------------------
-    def first_moved(self) -> int:
+    def first_moved(self, hint: bool = False) -> int:
         """Index of the first parameter whose storage is no longer its place in the flat
-        buffer (``model.to(...)`` after construction), or -1."""
-        if self._first_moved_param is not None:
-            return self._first_moved_param(self.params, self.param_views)
+        buffer (``model.to(...)`` after construction), or -1. With the extension, one C
+        loop also finds the first foreign ``.grad``; ``hint=True`` keeps it for the
+        ``sync_grads`` that follows in the same step."""
+        if self._check_flat is not None:
+            moved, foreign = self._check_flat(self.params, self.param_views, self.grad_views)
+            self._foreign_hint = foreign if hint else None
+            return moved
         for i, (p, view) in enumerate(zip(self.params, self.param_views)):
             if p.data_ptr() != view.data_ptr() or p.dtype != self.dtype or p.device != self.device:
                 return i
@@ -262,25 +266,25 @@ class FlatShard:
         allocates a fresh one) is copied in; a None one is zeroed and not stepped."""
         written = self.flat_grad._version != self.grad_version
         reached = self.reached
-        start = 0
-        if self._first_foreign_grad is not None:  # the common case in one C loop
-            start = self._first_foreign_grad(self.params, self.grad_views)
+        start, self._foreign_hint = self._foreign_hint, None
+        if start is None and self._check_flat is not None:  # the common case in one C loop
+            start = self._check_flat(self.params, self.param_views, self.grad_views)[1]
+        if start is not None:
             if start < 0:
                 if backward_seen:
                     self.stepped = None if 0 not in reached else [r == 1 for r in reached]
                 elif written:
-                    by_hand = self._nonzero_grads()
-                    self.stepped = None if all(by_hand) else by_hand
+                    self.stepped = None
                 else:
                     self.stepped = [False] * len(reached)
                 return
-        by_hand = self._nonzero_grads() if written and not backward_seen else None
+        by_hand = written and not backward_seen
         present = []
         for i in range(len(self.params)):
             p, view = self.params[i], self.grad_views[i]
             g = p.grad
             if g is view:
-                present.append(reached[i] == 1 or (by_hand is not None and by_hand[i]))
+                present.append(reached[i] == 1 or by_hand)
                 continue
             if g is None:
                 view.zero_()
@@ -296,19 +300,6 @@ class FlatShard:
                 present.append(True)
             p.grad = view
         self.stepped = None if all(present) else present
-
-    def _nonzero_grads(self) -> list:
-        """Per parameter: is any element of its gradient view nonzero. Used only when no
-        backward ran since ``zero_grad`` and gradients were written by hand: a view
-        still all zeros is then taken as never written (no gradient)."""
-        if self._bounds is None:
-            ends = [o + math.prod(s) for o, s in zip(self.layout.offsets, self.layout.shapes)]
-            self._bounds = (torch.tensor(self.layout.offsets, device=self.device),
-                            torch.tensor(ends, device=self.device))
-        starts, ends = self._bounds
-        count = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device),
-                           self.flat_grad.ne(0).cumsum(0)])
-        return (count[ends] - count[starts] > 0).tolist()
 
     def mark_zeroed(self):
         """After ``zero_grad``: no parameter has a gradient until backward reaches it."""
@@ -573,13 +564,13 @@ class FusedAdam(torch.optim.Optimizer):
             for flat in flats:
                 yield group, flat
 
-    def _current_flats(self) -> list:
+    def _current_flats(self, hint: bool = False) -> list:
         """(group, flat) pairs after following parameters that moved since the last call
         (``model.to(device or dtype)`` after the optimizer was built): their flat buffers
         are rebuilt at the new dtype and device, state carried over."""
         for gi, flats in enumerate(self._flats):
             for k, flat in enumerate(flats):
-                if flat.first_moved() < 0:
+                if flat.first_moved(hint) < 0:
                     continue
                 flats[k] = flat.rehomed(master_weights=self._master_weights, backend=self._backend)
                 self._grads_reduced = False
@@ -697,7 +688,7 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        flats = self._current_flats()
+        flats = self._current_flats(hint=True)
         self._check_frozen()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
