@@ -460,3 +460,43 @@ def test_ddp_wrapped_model_is_reported_once_and_the_hook_removes_the_double_redu
             assert messages == [], f"rank {rank}: reported although DDP communicates nothing"
             assert allreduces == bare[rank][2], \
                 f"rank {rank}: {allreduces} all-reduces with the hook, {bare[rank][2]} without DDP"
+
+
+# -- per-parameter steps survive state dicts and sharded checkpoints ---------------------------
+def test_missed_steps_survive_state_dict_and_checkpoint(tmp_path):
+    from zero_triton import checkpoint
+    a, b, oa, ob = _pair()
+    xs = _batches(8)
+    for t, x in enumerate(xs[:5]):
+        for model, o in ((a, oa), (b, ob)):
+            model[2].weight.requires_grad_(t < 2)   # frozen from step 2 on
+            o.zero_grad()
+            model(x).pow(2).mean().backward()
+            o.step()
+    steps = [float(s["step"]) for s in oa.state_dict()["state"].values()]
+    assert steps == [5.0, 5.0, 2.0, 5.0, 5.0, 5.0]
+    checkpoint.save(str(tmp_path / "ck"), oa, a)
+    for load in ("state_dict", "checkpoint", "torch"):
+        c = _model()
+        c[2].weight.requires_grad_(True)
+        oc = FusedAdam(c.parameters(), lr=1e-2, backend=CPU_BACKEND)
+        if load == "state_dict":
+            c.load_state_dict(a.state_dict())
+            oc.load_state_dict(copy.deepcopy(oa.state_dict()))
+        elif load == "checkpoint":
+            checkpoint.load(str(tmp_path / "ck"), oc, c)
+        else:  # torch.optim.Adam's own state dict, per-parameter steps included
+            c.load_state_dict(b.state_dict())
+            oc.load_state_dict(copy.deepcopy(ob.state_dict()))
+        got = [float(s["step"]) for s in oc.state_dict()["state"].values()]
+        assert got == steps, f"{load}: steps {got}"
+        d_ref = copy.deepcopy(b)
+        od = torch.optim.Adam(d_ref.parameters(), lr=1e-2)
+        od.load_state_dict(copy.deepcopy(ob.state_dict()))
+        for x in xs[5:]:   # the unfrozen weight resumes with its own bias correction
+            for model, o in ((c, oc), (d_ref, od)):
+                model[2].weight.requires_grad_(True)
+                o.zero_grad()
+                model(x).pow(2).mean().backward()
+                o.step()
+        assert _max_diff(c, d_ref) < 1e-5, load

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import glob
 import io
+import math
 import json
 import os
 import secrets
@@ -192,7 +193,9 @@ def _dtype(name: str) -> torch.dtype:
 
 # -- what the optimizer holds ---------------------------------------------------------------
 def _flats(optimizer):
-    return [flat for _, flat in optimizer._all_flats()]
+    """The optimizer's flat buffers, after following parameters moved since the last
+    step (``model.to(...)``)."""
+    return [flat for _, flat in optimizer._current_flats()]
 
 
 def _flat_states(flat) -> dict:
@@ -448,9 +451,12 @@ def _manifest(optimizer, model, world_size, files) -> dict:
     flats = []
     for k, (gi, flat) in enumerate((gi, flat) for gi, flats in enumerate(optimizer._flats)
                                    for flat in flats):
-        flats.append({"group": gi, "dtype": _dtype_name(flat.dtype), "numel": flat.layout.numel,
-                      "has_master": flat.has_master, "step": float(flat.step[0]),
-                      "states": list(_flat_states(flat))})
+        entry = {"group": gi, "dtype": _dtype_name(flat.dtype), "numel": flat.layout.numel,
+                 "has_master": flat.has_master, "step": float(flat.step[0]),
+                 "states": list(_flat_states(flat))}
+        if flat.lag is not None:  # parameters that missed steps (no gradient) count their own
+            entry["param_steps"] = [flat.param_step(i) for i in range(len(flat.params))]
+        flats.append(entry)
     steps = {f["step"] for f in flats}
     return {"format": FORMAT, "version": VERSION, "optimizer": type(optimizer).__name__,
             "world_size": world_size, "step": max(steps) if steps else 0.0,
@@ -576,6 +582,13 @@ def _prepare(directory, manifest, optimizer, model) -> dict:
             if saved["numel"] != flat.layout.numel:
                 raise ValueError(f"checkpoint {directory}: flat buffer {k} holds {saved['numel']} "
                                  f"elements, this optimizer's {flat.layout.numel}")
+            steps = saved.get("param_steps")
+            if steps is not None and (not isinstance(steps, list) or len(steps) != len(flat.params) or
+                                      not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                              and math.isfinite(t) and 0 <= t <= saved["step"]
+                                              for t in steps)):
+                raise ValueError(f"checkpoint {directory}: flat buffer {k}'s param_steps must be "
+                                 f"{len(flat.params)} finite counts in [0, step]; the manifest is corrupt")
             lo, hi = flat.shard
             end = min(hi, flat.layout.numel)
             got = {}
@@ -631,7 +644,7 @@ def _apply(plan, manifest, optimizer, model, directory) -> None:
     _apply_hyperparameters(optimizer, manifest["param_groups"], directory)
     for k, flat in enumerate(_flats(optimizer)):
         saved, got = manifest["flats"][k], plan["states"][k]
-        flat.step.fill_(saved["step"])
+        flat.set_param_steps(saved.get("param_steps") or [saved["step"]] * len(flat.params))
         # The saved flat weights go back into the parameters (views of flat_param).
         unflatten_into(flat.params, plan["params"][k], flat.layout)
         if "max_exp_avg_sq" in got:
@@ -695,6 +708,7 @@ def consolidate(path) -> tuple[dict, dict]:
         flat_params = {}
         for k, saved in enumerate(manifest["flats"]):
             flat_params[k] = _read_model_flat(readers, manifest, k)
+        seen_in_flat = {}
         for entry in manifest["params"]:
             k = entry["flat"]
             if k is None:
@@ -702,7 +716,10 @@ def consolidate(path) -> tuple[dict, dict]:
             saved = manifest["flats"][k]
             numel = int(np.prod(entry["shape"], dtype=np.int64))
             lo, end = entry["offset"], entry["offset"] + numel
-            s = {"step": torch.tensor(saved["step"], dtype=torch.float32)}
+            index = seen_in_flat.get(k, 0)  # entries of one flat come in its parameters' order
+            seen_in_flat[k] = index + 1
+            step = saved["param_steps"][index] if "param_steps" in saved else saved["step"]
+            s = {"step": torch.tensor(step, dtype=torch.float32)}
             for name in saved["states"]:
                 if name == "master" and not saved["has_master"]:
                     continue
