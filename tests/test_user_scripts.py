@@ -500,33 +500,3 @@ def test_missed_steps_survive_state_dict_and_checkpoint(tmp_path):
                 model(x).pow(2).mean().backward()
                 o.step()
         assert _max_diff(c, d_ref) < 1e-5, load
-
-
-def _job_own_shard(rank, world_size):
-    from zero_triton import ZeroAdamW
-    torch.manual_seed(0)
-    m = nn.Linear(5, 7)
-    opt = ZeroAdamW(m.parameters(), lr=1e-2, backend=CPU_BACKEND)
-    for _ in range(2):
-        opt.zero_grad()
-        m(torch.randn(3, 5)).sum().backward()
-        opt.step()
-    sd = opt.state_dict()          # not collective: libraries call it on rank 0 only
-    before = opt.consolidated_state_dict(None)
-    opt.load_state_dict(sd)        # what accelerate's prepare does, on every rank
-    after = opt.consolidated_state_dict(None)
-    same = all(torch.equal(before["state"][i][k], after["state"][i][k])
-               for i in before["state"] for k in before["state"][i])
-    other = dict(sd, zero_shard=dict(sd["zero_shard"], rank=1 - rank))
-    try:
-        opt.load_state_dict(other)
-        err = None
-    except ValueError as e:
-        err = str(e)
-    return same, err, sd["state"] == {}
-
-
-def test_zero_state_dict_is_this_ranks_shard_and_loads_back_on_its_rank():
-    for rank, (same, err, empty) in enumerate(run_ranks(_job_own_shard, 2)):
-        assert same and empty, f"rank {rank}"
-        assert err and "checkpoint.save" in err, f"rank {rank}: {err}"

@@ -434,9 +434,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     The parameters' storage moves into flat buffers at construction: build the
     optimizer after ``model.to(device, dtype)``. ``zero_grad`` zeroes the buffers and
-    keeps the ``.grad`` views. Unlike torch.optim.Adam, a parameter whose gradient is
-    None at ``step`` is stepped with a zero gradient (its moments decay); parameters
-    with ``requires_grad=False`` are left out entirely.
+    keeps the ``.grad`` views. As in torch.optim.Adam, a parameter without a gradient
+    at ``step`` is not updated (see FlatShard for what "has a gradient" means);
+    parameters with ``requires_grad=False`` at construction are left out.
     """
 
     _step_supports_amp_scaling = True
@@ -608,11 +608,16 @@ class FusedAdam(torch.optim.Optimizer):
         backward_seen = any(1 in flat.reached for flat in flats)
         for flat in flats:
             flat.sync_grads(backward_seen)
+        self._before_reduce(flats)
         if self._comm.world_size > 1 or any(f.reduce_buf is not None for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
                 for flat in flats:
                     flat.reduce_grads()
         self._grads_reduced = True
+
+    def _before_reduce(self, flats) -> None:
+        """Called once the local gradients are all in the flat buffers, before any
+        reduction (ZeroAdam looks at them there)."""
 
     def _agree(self, flats, found_inf):
         """Under ZeRO: one MAX all-reduce of [found_inf, has-gradient flag per parameter],

@@ -103,12 +103,16 @@ class ZeroAdam(FusedAdam):
             self._check_same_model(self._comm, [param_group])
         super().add_param_group(param_group)
 
-    def _reduce_grads(self, flats=None):
-        fingerprint = None
-        if not self._grads_reduced and not getattr(self, "_ddp_checked", True):
+    def _before_reduce(self, flats) -> None:
+        # The local gradients, every .grad copied in (HF Trainer's model.zero_grad() makes
+        # DDP hand over tensors of their own), before the reduce-scatter changes them.
+        if not getattr(self, "_ddp_checked", True):
             self._ddp_checked = True
-            fingerprint = self._grad_fingerprint(flats)
+            self._fingerprint = self._grad_fingerprint([(None, f) for f in flats])
+
+    def _reduce_grads(self, flats=None):
         super()._reduce_grads(flats)
+        fingerprint, self._fingerprint = getattr(self, "_fingerprint", None), None
         if fingerprint is not None:  # exchanged after the reduce-scatter: it fails first
             self._warn_if_already_averaged(fingerprint)
 
@@ -169,61 +173,16 @@ class ZeroAdam(FusedAdam):
     _GATHER_CHUNK = 4 << 20
 
     def state_dict(self) -> dict:
-        """At world size > 1: this rank's shard, not collective (libraries call it on
-        rank 0 only, e.g. HF Trainer's checkpointing, or on every rank, e.g. accelerate).
-        torch.optim.Adam's layout with an empty ``state`` plus ``zero_shard``: this
-        rank's slice of every state buffer, its rank, world size and layout.
-        ``load_state_dict`` on the same rank of the same world size restores it (what
-        accelerate's ``prepare`` does). To save and resume (at any world size), call
-        ``zero_triton.checkpoint.save`` on every rank, or ``consolidated_state_dict()``
-        for torch.optim.Adam's full format."""
+        """The full state in torch.optim.Adam's format on every rank (collective: every
+        rank must call it, as accelerate's ``prepare`` and ``save_state`` do; HF
+        Trainer's checkpointing calls it on rank 0 only and would deadlock: see the
+        README's HF Trainer recipe). Each rank receives the whole state as CPU tensors,
+        gathered chunk by chunk; ``load_state_dict`` on any world size keeps each rank's
+        shard. For large models prefer ``zero_triton.checkpoint.save`` (each rank writes
+        only its shard) or ``consolidated_state_dict(to_rank=0)`` (one receiver)."""
         if self._comm.world_size == 1:
             return super().state_dict()
-        groups, _ = self._packed_groups()
-        flats = []
-        for _, flat in self._current_flats():
-            flats.append({"numel": flat.layout.numel, "shard": list(flat.shard),
-                          "steps": [flat.param_step(i) for i in range(len(flat.params))],
-                          "buffers": {k: v.detach().to("cpu", copy=True)
-                                      for k, v in flat.state_buffers().items()}})
-        return {"state": {}, "param_groups": groups,
-                "zero_shard": {"rank": self._comm.rank, "world_size": self._comm.world_size,
-                               "flats": flats}}
-
-    def _load_own_shard(self, state_dict: dict) -> None:
-        shard = state_dict["zero_shard"]
-        flats = [flat for _, flat in self._current_flats()]
-        where = (f"this state dict holds rank {shard.get('rank')}'s shard of world size "
-                 f"{shard.get('world_size')}")
-        if shard.get("rank") != self._comm.rank or shard.get("world_size") != self._comm.world_size:
-            raise ValueError(
-                f"{where}, this is rank {self._comm.rank} of {self._comm.world_size}: a shard loads "
-                "only into the rank that saved it (accelerate's save_state keeps rank 0's only). "
-                "To resume a ZeroAdam, save with zero_triton.checkpoint.save(dir, optimizer, "
-                "model) on every rank and load with zero_triton.checkpoint.load")
-        saved = shard.get("flats", [])
-        if len(saved) != len(flats) or any(
-                f["numel"] != flat.layout.numel or list(f["shard"]) != list(flat.shard) or
-                len(f["steps"]) != len(flat.params) or
-                set(f["buffers"]) - set(flat.state_buffers()) - {"max_exp_avg_sq"} or
-                any(t.numel() != flat.exp_avg.numel() for t in f["buffers"].values())
-                for f, flat in zip(saved, flats)):
-            raise ValueError(f"{where}, but its flat buffers do not match this optimizer's; "
-                             "build the same model and param groups before loading")
-        with torch.no_grad():
-            for group, got in zip(self.param_groups, state_dict["param_groups"]):
-                for k, v in got.items():
-                    if k not in ("params", "param_names"):
-                        group[k] = v
-            for f, flat in zip(saved, flats):
-                if "max_exp_avg_sq" in f["buffers"]:
-                    flat.ensure_amsgrad()
-                for k, buf in flat.state_buffers().items():
-                    if k in f["buffers"]:
-                        buf.copy_(f["buffers"][k])
-                flat.set_param_steps(f["steps"])
-        # Not collective: the parameters are left as they are (a shard restored on its own
-        # rank, as accelerate's prepare does, holds the master they were rounded from).
+        return self.consolidated_state_dict(to_rank=None)
 
     @torch.no_grad()
     def consolidated_state_dict(self, to_rank: int | None = 0):
@@ -283,8 +242,6 @@ class ZeroAdam(FusedAdam):
         ``master_param`` the master is the current parameter upcast."""
         if self._comm.world_size == 1:
             return super().load_state_dict(state_dict)
-        if "zero_shard" in state_dict:  # this rank's own state_dict(): not collective
-            return self._load_own_shard(state_dict)
         plan, error = None, None
         try:
             plan = self._plan_full_load(state_dict)
