@@ -105,12 +105,6 @@ SAFETENSORS_MODEL = (
     "that do not cover their whole storage (_remove_duplicate_names: 'None is covering the "
     "entire storage'); FusedAdam/ZeroAdam make every parameter such a view of their flat "
     "buffer. save_file(model.state_dict()) and load_file + load_state_dict work")
-TRAINER_DDP_WARNING = (
-    "ZeroAdam's once-only warning that the gradients arrived already averaged (a DDP "
-    "wrapper) never fires under HF Trainer: the Trainer clears gradients with "
-    "model.zero_grad() (set_to_none), so autograd/DDP hand ZeroAdam .grad tensors of their "
-    "own, and ZeroAdam._reduce_grads takes its fingerprint from the flat grad buffer "
-    "(still zero) before sync_grads copies those tensors in")
 TRAINER_CHECKPOINT = (
     "ZeroAdam.state_dict() at world size > 1 is collective, but transformers' "
     "Trainer._save_optimizer_and_scheduler calls it only where args.should_save (rank 0): "
@@ -464,7 +458,6 @@ def test_trainer_two_processes_zero_adamw_matches_one_process(trainer1_ref, trai
     assert_equal(run, finals[0], finals[1], "rank 0 vs rank 1 parameters")
 
 
-@pytest.mark.xfail(strict=True, raises=KnownIssue, reason=TRAINER_DDP_WARNING)
 def test_trainer_two_processes_reports_the_ddp_wrapper(trainer2_zero):
     """The README says ZeroAdam reports once, at the first step, that a DDP wrapper
     averaged the gradients already (as it does under accelerate's prepare): under HF
@@ -475,7 +468,7 @@ def test_trainer_two_processes_reports_the_ddp_wrapper(trainer2_zero):
         run.check(not hooked, f"rank {r}: warnings with ddp_local_grads_hook: {hooked}")
         plain = run.phase(r, "train_instance")["warnings"]
         run.check(len([w for w in plain if "DistributedDataParallel" in w]) == 1,
-                  f"rank {r}: {TRAINER_DDP_WARNING}; zero_triton warnings seen: {plain}", KnownIssue)
+                  f"rank {r}: expected one report of the DDP wrapper; zero_triton warnings seen: {plain}")
 
 
 def test_trainer_two_processes_checkpoint_resume_with_zero_trainer(trainer2_zero, tmp):
