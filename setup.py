@@ -117,7 +117,7 @@ setup(
     package_dir=PACKAGE_DIR,
     package_data={"zero_triton": ["csrc/*.cpp", "csrc/*.h", "csrc/cpu/*.cpp", "csrc/cpu/*.h", "csrc/cuda/*.cu", "csrc/cuda/*.cpp", "csrc/cuda/*.h"]},
     install_requires=install_requires,
-    extras_require={"test": ["pytest", "hypothesis", "accelerate", "transformers"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest", "hypothesis", "accelerate", "transformers", "expecttest"], "bench": ["matplotlib"]},
     ext_modules=EXT_MODULES,
     cmdclass={"build_py": BuildPyWithCsrc, **EXT_CMDCLASS},
     entry_points={"console_scripts": ["zero-triton=zero_triton.cli:main"]},

@@ -500,3 +500,25 @@ def test_missed_steps_survive_state_dict_and_checkpoint(tmp_path):
                 model(x).pow(2).mean().backward()
                 o.step()
         assert _max_diff(c, d_ref) < 1e-5, load
+
+
+def test_a_move_keeps_which_parameters_have_a_gradient():
+    """Module.to converts every .grad (the optimizer's zeroed views too): a parameter
+    frozen before the move must not count as having a gradient after it."""
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    xs = _batches(4)
+    _train(model, opt, xs[:2])
+    model[2].weight.requires_grad_(False)
+    opt.zero_grad()
+    model.to(torch.bfloat16)
+    frozen = model[2].weight.detach().clone()
+    for x in xs[2:]:
+        model(x.bfloat16()).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model[2].weight, frozen), "a frozen parameter moved after model.to"
+    model[2].weight.requires_grad_(True)   # unfrozen after the move: trained again
+    model(xs[0].bfloat16()).float().pow(2).mean().backward()
+    opt.step()
+    assert not torch.equal(model[2].weight, frozen), "an unfrozen parameter did not train"

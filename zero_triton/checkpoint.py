@@ -451,11 +451,12 @@ def _manifest(optimizer, model, world_size, files) -> dict:
     flats = []
     for k, (gi, flat) in enumerate((gi, flat) for gi, flats in enumerate(optimizer._flats)
                                    for flat in flats):
+        steps = flat.param_steps()
         entry = {"group": gi, "dtype": _dtype_name(flat.dtype), "numel": flat.layout.numel,
-                 "has_master": flat.has_master, "step": float(flat.step[0]),
+                 "has_master": flat.has_master, "step": max(steps, default=0.0),
                  "states": list(_flat_states(flat))}
-        if flat.lag is not None:  # parameters that missed steps (no gradient) count their own
-            entry["param_steps"] = [flat.param_step(i) for i in range(len(flat.params))]
+        if flat.steps is not None:  # parameters that missed steps (no gradient) count their own
+            entry["param_steps"] = steps
         flats.append(entry)
     steps = {f["step"] for f in flats}
     return {"format": FORMAT, "version": VERSION, "optimizer": type(optimizer).__name__,

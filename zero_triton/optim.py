@@ -107,6 +107,19 @@ def _mark_reached(reached: bytearray, i: int, _param) -> None:
     reached[i] = 1
 
 
+def _post_accumulate_hook(p: torch.Tensor, fn):
+    """register_post_accumulate_grad_hook, also on a parameter frozen right now (a
+    re-home after ``requires_grad_(False)``): torch refuses the hook on a tensor that
+    does not require grad, and it must fire once the parameter is unfrozen."""
+    if p.requires_grad:
+        return p.register_post_accumulate_grad_hook(fn)
+    p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(fn)
+    finally:
+        p.requires_grad_(False)
+
+
 class FlatShard:
     """One flat buffer (a param group's parameters of one dtype and device) and the
     optimizer state of this rank's shard of it.
@@ -117,8 +130,9 @@ class FlatShard:
     last ``zero_grad`` (a post-accumulate-grad hook sets ``reached``), or that its
     ``.grad`` is a tensor of its own, or, when no backward ran at all, that something
     wrote into the gradient buffer (then every view counts: writes by hand into views
-    of one buffer cannot be told apart per parameter). Parameters that were not stepped keep their state;
-    ``lag`` then counts the steps each one missed (None while they all agree).
+    of one buffer cannot be told apart per parameter). Parameters that were not stepped
+    keep their state, step included: ``steps`` then holds each parameter's own count
+    (None while they all have ``step``).
     """
 
     def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None):
@@ -141,11 +155,11 @@ class FlatShard:
                     self.reached[i] = 1  # a gradient from before the optimizer counts
                 p.grad = view
         self.grad_version = self.flat_grad._version
-        self.hooks = [p.register_post_accumulate_grad_hook(functools.partial(_mark_reached, self.reached, i))
+        self.hooks = [_post_accumulate_hook(p, functools.partial(_mark_reached, self.reached, i))
                       for i, p in enumerate(params)]
-        # Steps missed per parameter (device, float32) and a host label per parameter
-        # that is equal for parameters with the same history (so equal lags).
-        self.lag = None
+        # Per-parameter step counts (device, float32) once they differ, and a host label
+        # per parameter, equal for parameters with the same history (so equal counts).
+        self.steps = None
         self.history = None
         lo, hi = self.layout.shard_range(comm.rank)
         self.shard = (lo, hi)
@@ -178,6 +192,7 @@ class FlatShard:
         self.fused = self.device.type == "cuda"
         # Host list: which parameters are stepped this step (None: all of them).
         self.stepped = None
+        self.exposed_steps = None  # what optimizer.state[p]["step"] views (world size 1)
 
     def remove_hooks(self):
         for h in self.hooks:
@@ -222,15 +237,18 @@ class FlatShard:
         new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
                         amsgrad=self.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype)
         with torch.no_grad():
-            for i, r in enumerate(self.reached):
-                new.reached[i] |= r
+            # The new buffer copied every .grad in (Module.to converts them all, views
+            # included); which parameters have a gradient is still the old answer.
+            new.reached[:] = self.reached
+            if self.flat_grad._version == self.grad_version:
+                new.grad_version = new.flat_grad._version
             new.exp_avg.copy_(self.exp_avg)
             new.exp_avg_sq.copy_(self.exp_avg_sq)
             if self.max_exp_avg_sq is not None:
                 new.max_exp_avg_sq.copy_(self.max_exp_avg_sq)
             new.step.copy_(self.step)
-            if self.lag is not None:
-                new.lag = self.lag.to(new.device)
+            if self.steps is not None:
+                new.steps = self.steps.to(new.device)
                 new.history = list(self.history)
             # Same precision before and after (a device move): the old master is exact.
             # A cast: the parameters as they are now, as an optimizer built after it.
@@ -314,22 +332,21 @@ class FlatShard:
         else:
             self.comm.reduce_scatter_avg(self.grad_shard, self.flat_grad)
 
-    def param_step(self, i: int) -> float:
-        """Parameter i's own step count (host value)."""
-        step = float(self.step[0])
-        return step if self.lag is None else step - float(self.lag[i])
+    def param_steps(self) -> list:
+        """Each parameter's own step count (host floats, one read of the device)."""
+        if self.steps is not None:
+            return self.steps.tolist()
+        return [float(self.step[0])] * len(self.params)
 
     def set_param_steps(self, steps) -> None:
-        """Per-parameter step counts (host floats): the flat's step is the largest, each
-        parameter's lag the difference."""
-        top = max(steps)
-        self.step.fill_(top)
-        if all(s == top for s in steps):
-            self.lag, self.history = None, None
+        """Per-parameter step counts (host floats): one ``step`` while they agree."""
+        if all(t == steps[0] for t in steps):
+            self.step.fill_(steps[0])
+            self.steps, self.history = None, None
             return
-        self.lag = torch.tensor([top - s for s in steps], dtype=torch.float32, device=self.device)
+        self.steps = torch.tensor(steps, dtype=torch.float32, device=self.device)
         labels = {}
-        self.history = [labels.setdefault(top - s, len(labels)) for s in steps]
+        self.history = [labels.setdefault(t, len(labels)) for t in steps]
 
     def update(self, group, grad_scale, found_inf, clip_coef):
         lr = group["lr"]
@@ -341,9 +358,6 @@ class FlatShard:
             found_inf = found_inf.to(self.device, torch.float32, non_blocking=True)
             # torch's fused Adam convention: a skipped step does not count.
             self.skipped.copy_(found_inf).clamp_(max=1.0)
-            self.step.add_(self.one).sub_(self.skipped)
-        else:
-            self.step.add_(self.one)
         if grad_scale is not None:
             grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
         beta1, beta2 = group["betas"]
@@ -354,7 +368,10 @@ class FlatShard:
         if self.backend == "torch":
             kwargs["scratch"] = self.scratch
         amsgrad = group["amsgrad"]
-        if self.stepped is None and self.lag is None:  # the common case: one launch
+        if self.stepped is None and self.steps is None:  # the common case: one launch
+            self.step.add_(self.one)
+            if found_inf is not None:
+                self.step.sub_(self.skipped)
             self.step_fn(self.master, self.grad_shard, self.exp_avg, self.exp_avg_sq,
                          self.max_exp_avg_sq if amsgrad else None,
                          self.param_shard if self.has_master else None,
@@ -365,32 +382,31 @@ class FlatShard:
             a, b = start - lo, end - lo
             if "scratch" in kwargs:
                 kwargs["scratch"] = self.scratch[a:b]
-            step = self.step if self.lag is None else self.step - self.lag[i:i + 1]
+            step = self.step if self.steps is None else self.steps[i:i + 1]
             self.step_fn(self.master[a:b], self.grad_shard[a:b], self.exp_avg[a:b],
                          self.exp_avg_sq[a:b], self.max_exp_avg_sq[a:b] if amsgrad else None,
                          self.param_shard[a:b] if self.has_master else None,
                          step, self.lr, **kwargs)
 
     def _runs(self, has_found_inf: bool):
-        """Account the steps that parameters without a gradient miss, then yield the
+        """Count this step for the parameters that have a gradient, then return the
         (start, end, first parameter) of each run of this rank's shard whose parameters
         are stepped and share one step count (padding between them included)."""
         n = len(self.params)
         stepped = self.stepped if self.stepped is not None else [True] * n
-        missed = [i for i in range(n) if not stepped[i]]
-        if missed:
-            if self.lag is None:
-                self.lag = torch.zeros(n, dtype=torch.float32, device=self.device)
-                self.history = [0] * n
+        if self.steps is None:
+            self.steps = self.step.expand(n).clone()
+            self.history = [0] * n
+        counted = [i for i in range(n) if stepped[i]]
+        if counted:
             inc = (self.one - self.skipped) if has_found_inf else self.one
-            idx = torch.tensor(missed, dtype=torch.long, device=self.device)
-            self.lag.index_add_(0, idx, inc.expand(len(missed)))
-            labels = {}
-            self.history = [labels.setdefault((h, s), len(labels))
-                            for h, s in zip(self.history, stepped)]
-            if len(labels) == 1:  # every parameter missed this step: they agree again
-                self.step.sub_(self.lag[0:1])
-                self.lag, self.history = None, None
+            idx = torch.tensor(counted, dtype=torch.long, device=self.device)
+            self.steps.index_add_(0, idx, inc.expand(len(counted)))
+        labels = {}
+        self.history = [labels.setdefault((h, s), len(labels)) for h, s in zip(self.history, stepped)]
+        if len(labels) == 1:  # one history for all (e.g. none had a gradient): one step again
+            self.step.copy_(self.steps[0:1])
+            self.steps, self.history = None, None
         history = self.history
         lo, hi = self.shard
         runs, last = [], None
@@ -399,7 +415,7 @@ class FlatShard:
                 last = None
                 continue
             start, end = self.layout.offsets[i] + a, self.layout.offsets[i] + b
-            if last is not None and last == i - 1 and (history is None or history[i] == history[last]):
+            if last == i - 1 and (history is None or history[i] == history[last]):
                 runs[-1][1] = end
             else:
                 runs.append([start, end, i])
@@ -497,8 +513,10 @@ class FusedAdam(torch.optim.Optimizer):
         if len({id(p) for p in params}) != len(params):
             warnings.warn("optimizer contains a parameter group with duplicate parameters; each "
                           "one is kept once (FusedAdam steps a parameter once per step)", stacklevel=3)
-            unique = list({id(p): i for i, p in reversed(list(enumerate(params)))}.values())
-            keep = sorted(unique)
+            first = {}
+            for i, p in enumerate(params):
+                first.setdefault(id(p), i)
+            keep = sorted(first.values())
             raw = param_group["params"]
             raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
             param_group = {**param_group, "params": [raw[i] for i in keep]}
@@ -556,8 +574,9 @@ class FusedAdam(torch.optim.Optimizer):
         """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
         views = flat.state_views()
         for i, p in enumerate(flat.params):
-            step = flat.step if flat.lag is None else flat.step - flat.lag[i:i + 1]
+            step = flat.step if flat.steps is None else flat.steps[i:i + 1]
             self.state[p] = {"step": step, **{k: v[i] for k, v in views.items()}}
+        flat.exposed_steps = flat.steps
 
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
@@ -623,7 +642,7 @@ class FusedAdam(torch.optim.Optimizer):
         """Under ZeRO: one MAX all-reduce of [found_inf, has-gradient flag per parameter],
         so that every rank skips an inf step together and steps a parameter if any rank
         has a gradient for it. Returns the agreed found_inf (or None)."""
-        if self._comm.world_size == 1:
+        if self._comm.world_size == 1 or not flats:
             return found_inf
         n = sum(len(f.params) for f in flats)
         device = flats[0].device
@@ -715,7 +734,7 @@ class FusedAdam(torch.optim.Optimizer):
                     flat.gather_params()
         if self._comm.world_size == 1:
             for _, flat in flats:
-                if flat.lag is not None:
+                if flat.exposed_steps is not flat.steps:  # one step became several, or back
                     self._expose_state(flat)
         self._grads_reduced = False
         self._clip_coef = None
@@ -756,11 +775,11 @@ class FusedAdam(torch.optim.Optimizer):
         groups, ids = self._packed_groups()
         state = {}
         for _, flat in self._current_flats():
-            views = flat.state_views()
+            views, steps = flat.state_views(), flat.param_steps()
             for i, p in enumerate(flat.params):
                 # A step tensor of its own per parameter: torch.optim.Adam increments
                 # each one, a shared one would count N times per step.
-                state[ids[id(p)]] = {"step": torch.tensor(flat.param_step(i), dtype=torch.float32),
+                state[ids[id(p)]] = {"step": torch.tensor(steps[i], dtype=torch.float32),
                                      **{k: v[i] for k, v in views.items()}}
         return {"state": state, "param_groups": groups}
 

@@ -108,7 +108,7 @@ class ZeroAdam(FusedAdam):
         # DDP hand over tensors of their own), before the reduce-scatter changes them.
         if not getattr(self, "_ddp_checked", True):
             self._ddp_checked = True
-            self._fingerprint = self._grad_fingerprint([(None, f) for f in flats])
+            self._fingerprint = self._grad_fingerprint(flats)
 
     def _reduce_grads(self, flats=None):
         super()._reduce_grads(flats)
@@ -116,10 +116,10 @@ class ZeroAdam(FusedAdam):
         if fingerprint is not None:  # exchanged after the reduce-scatter: it fails first
             self._warn_if_already_averaged(fingerprint)
 
+    @staticmethod
     @torch.no_grad()
-    def _grad_fingerprint(self, flats=None):
+    def _grad_fingerprint(flats):
         """(sum, sum of squares) of this rank's local gradients, before any reduction."""
-        flats = [f for _, f in (flats or self._current_flats())]
         if not flats:
             return None
         device = flats[0].device
@@ -207,9 +207,9 @@ class ZeroAdam(FusedAdam):
             chunk = max(1, min(shard, self._GATHER_CHUNK))
             recv = None
             if me:
-                out = []
+                out, steps = [], flat.param_steps()
                 for i, p in enumerate(flat.params):
-                    entry = {"step": torch.tensor(flat.param_step(i), dtype=torch.float32)}
+                    entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
                     entry.update({k: torch.empty(p.shape, dtype=torch.float32) for k in bufs})
                     state[ids[id(p)]] = entry
                     out.append(entry)
