@@ -324,6 +324,7 @@ class FlatShard:
         self.reached[:] = bytes(len(self.reached))
         self.grad_version = self.flat_grad._version
         self.stepped = None
+        self._foreign_hint = None
 
     def reduce_grads(self):
         if self.reduce_buf is not None:
@@ -602,11 +603,12 @@ class FusedAdam(torch.optim.Optimizer):
         """Zero the flat grad buffers. The ``.grad`` views stay (``set_to_none`` is
         accepted for compatibility and ignored: the buffers are the gradients); until
         backward reaches a parameter again, it counts as having no gradient."""
-        for _, flat in self._current_flats():
+        for _, flat in self._current_flats(hint=True):
             flat.flat_grad.zero_()
-            for p, view in zip(flat.params, flat.grad_views):
-                if p.grad is not view:
-                    p.grad = view
+            if flat._foreign_hint != -1:  # some .grad replaced (or no C check): repair
+                for p, view in zip(flat.params, flat.grad_views):
+                    if p.grad is not view:
+                        p.grad = view
             flat.mark_zeroed()
         self._grads_reduced = False
         self._clip_coef = None
