@@ -204,7 +204,7 @@ def main():
     phases.save(args.out, rank)
     acc.wait_for_everyone()
     acc.end_training()
-    print(f"rank {rank}: done", flush=True)
+    common.finish(rank)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,18 @@ def arm_watchdog(seconds=None):
     faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
 
 
+def finish(rank):
+    """Call last: every rank reaches here, then the process group is torn down before
+    the interpreter exits (gloo's threads alive at exit abort the process: "terminate
+    called without an active exception", seen once on a loaded machine)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    print(f"rank {rank}: done", flush=True)
+
+
 IN, HIDDEN, OUT = 8, 32, 4
 SAMPLES = 128
 LR, WEIGHT_DECAY, BETAS = 1e-2, 0.1, (0.9, 0.99)

@@ -169,7 +169,7 @@ def main():
                                  seed=7, resume=ckpt)
             rec["final"] = common.params_of(model)
     phases.save(args.out, rank)
-    print(f"rank {rank}: done", flush=True)
+    common.finish(rank)
 
 
 if __name__ == "__main__":
