@@ -13,6 +13,7 @@ divided by the world size.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 
 import torch
@@ -182,6 +183,16 @@ class ZeroAdam(FusedAdam):
         only its shard) or ``consolidated_state_dict(to_rank=0)`` (one receiver)."""
         if self._comm.world_size == 1:
             return super().state_dict()
+        if _in_hf_trainer_single_rank_save():
+            raise RuntimeError(
+                "ZeroAdam.state_dict() gathers the shards of every rank, but HF Trainer's "
+                "checkpoint calls it on the saving rank only: the other ranks would never join "
+                "and the job would hang. Pass save_only_model=True in TrainingArguments (the "
+                "Trainer then saves no optimizer state) and save the optimizer with "
+                "zero_triton.checkpoint.save(dir, optimizer, model) on every rank (e.g. from a "
+                "TrainerCallback.on_save), or use a Trainer subclass whose "
+                "_save_optimizer_and_scheduler calls optimizer.state_dict() on every rank "
+                "(the README shows one)")
         return self.consolidated_state_dict(to_rank=None)
 
     @torch.no_grad()
@@ -274,6 +285,27 @@ class ZeroAdamW(ZeroAdam):
                          decoupled_weight_decay=True, master_weights=master_weights,
                          backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
                          max_grad_norm=max_grad_norm, **torch_flags)
+
+
+def _in_hf_trainer_single_rank_save() -> bool:
+    """True when called from transformers' own ``Trainer._save_optimizer_and_scheduler``
+    (not a subclass's override), which calls ``optimizer.state_dict()`` on the saving rank
+    only: a collective there can only hang. A few frames are looked at, on a call that
+    gathers the whole state anyway."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_save_optimizer_and_scheduler":
+            trainer = frame.f_locals.get("self")
+            transformers = sys.modules.get("transformers")
+            if transformers is None or trainer is None:
+                return False
+            base = getattr(transformers, "Trainer", None)
+            return (base is not None and isinstance(trainer, base) and
+                    type(trainer)._save_optimizer_and_scheduler is base._save_optimizer_and_scheduler)
+        frame = frame.f_back
+    return False
 
 
 def ddp_local_grads_hook(state, bucket):
