@@ -11,9 +11,8 @@ Recipes found
 -------------
 accelerate, 1 process (FusedAdamW):
     build the model and FusedAdamW, then ``acc.prepare(model, opt, dl, sched)``; train
-    as usual. Checkpoint with ``acc.save_state(dir, safe_serialization=False)``: the
-    default (safetensors) save keeps one tensor per storage and all of a FusedAdamW's
-    parameters share one (see the xfail below).
+    as usual. ``acc.save_state(dir)`` / ``acc.load_state(dir)`` round-trip, with the
+    default safetensors and with ``safe_serialization=False``.
 
 accelerate, 2 processes (ZeroAdamW; build it after ``Accelerator()``, which initialises
 torch.distributed):
@@ -51,14 +50,14 @@ initialises torch.distributed):
     ``ddp_local_grads_hook`` registered on ``trainer.model_wrapped`` in a callback's
     ``on_train_begin`` (then the optimizer must clip: the Trainer's clipping would see
     local gradients). Checkpoints: the Trainer calls ``optimizer.state_dict()``
-    (collective under ZeroAdam) on rank 0 only and deadlocks; subclass it so that the
-    other ranks join (tests/ecosystem/trainer_train.py, ZeroTrainer); resuming then needs
-    nothing more.
+    (collective under ZeroAdam) on rank 0 only, which ZeroAdam refuses with an error
+    (not a hang); subclass it so that the other ranks join
+    (tests/ecosystem/trainer_train.py, ZeroTrainer); resuming then needs nothing more.
 
 safetensors:
-    ``save_file(model.state_dict(), f)`` / ``model.load_state_dict(load_file(f))`` work;
-    ``safetensors.torch.save_model`` / ``load_model`` refuse a model whose parameters
-    live in an optimizer's flat buffer (see the xfail below).
+    ``save_file(model.state_dict(), f)`` / ``model.load_state_dict(load_file(f))`` and
+    ``safetensors.torch.save_model`` / ``load_model`` work: each parameter has a storage
+    of its own over its part of the optimizer's flat buffer.
 """
 import os
 import signal
@@ -83,28 +82,11 @@ import common  # noqa: E402  (no side effects on import)
 
 TIMEOUT_S = 240       # hard limit per subprocess run
 HANG_S = 150          # the scripts' own watchdog (stack dump, then exit)
-SAVE_HANG_S = 10      # watchdog from the checkpoint step of the run known to deadlock
+SAVE_HANG_S = 10      # watchdog from the checkpoint step of the plain-Trainer run
 RTOL, ATOL = 1e-5, 1e-6
 STEPS, SAVE_AT, BATCH, CLIP = 6, 3, 8, 7.0  # CLIP: clips the first steps of 6, not the last
 
 
-class KnownIssue(AssertionError):
-    """A known failure that a strict xfail expects (any other failure fails the test)."""
-
-
-SHARED_STORAGE = (
-    "accelerate's save_state(safe_serialization=True), its default, dedups the model's "
-    "tensors by storage (accelerate.utils.other.clean_state_dict_for_safetensors keys on "
-    "id_tensor_storage: storage pointer and size) and writes only the first tensor of each "
-    "storage, with a 'Removed shared tensor' warning; FusedAdam/ZeroAdam re-home all "
-    "parameters of one dtype into views of one flat buffer, so model.safetensors holds one "
-    "parameter. load_state then calls safetensors.torch.load_model, which raises 'None is "
-    "covering the entire storage' on a model whose parameters are views of a larger storage")
-SAFETENSORS_MODEL = (
-    "safetensors.torch.save_model and load_model refuse a model whose parameters are views "
-    "that do not cover their whole storage (_remove_duplicate_names: 'None is covering the "
-    "entire storage'); FusedAdam/ZeroAdam make every parameter such a view of their flat "
-    "buffer. save_file(model.state_dict()) and load_file + load_state_dict work")
 # -- running the scripts ---------------------------------------------------------------
 class Run:
     """One script run: its per-rank results, output, exit code; ``fail`` reports with the
@@ -127,20 +109,15 @@ class Run:
         if not ok:
             self.fail(msg, exc)
 
-    def phase(self, rank, name, known=None):
-        """The phase's record on ``rank``; a failed phase fails the test (as KnownIssue
-        when its traceback contains known[0], with reason known[1])."""
+    def phase(self, rank, name):
+        """The phase's record on ``rank``; a failed phase fails the test."""
         if rank not in self.results:
-            self.fail(f"rank {rank} wrote no results (crashed or hung before the end)",
-                      KnownIssue if known and known[0] in self.output else AssertionError)
+            self.fail(f"rank {rank} wrote no results (crashed or hung before the end)")
         rec = self.results[rank].get(name)
         if rec is None:
             self.fail(f"rank {rank}: phase {name!r} did not run")
         if not rec["ok"]:
-            err = rec.get("error", "")
-            exc = KnownIssue if known and known[0] in err else AssertionError
-            self.fail(f"rank {rank}: phase {name!r} raised{': ' + known[1] if exc is KnownIssue else ''}"
-                      f"\n{err}", exc)
+            self.fail(f"rank {rank}: phase {name!r} raised\n{rec.get('error', '')}")
         return rec
 
 
@@ -240,7 +217,6 @@ def check_resume(run, kind, world):
     """acc.save_state at step SAVE_AT, a new model + optimizer, acc.load_state: the model
     and optimizer state equal the saved ones bit for bit, and training continues exactly
     as the uninterrupted run."""
-    known = ("None is covering the entire storage", SHARED_STORAGE) if kind == "safetensors" else None
     for r in range(world):
         train = run.phase(r, "train")
         run.check(f"save_error_{kind}" not in train, f"rank {r}: acc.save_state failed: "
@@ -249,9 +225,10 @@ def check_resume(run, kind, world):
             keys = train.get("safetensors_keys")
             run.check(keys is not None, "no model.safetensors was written")
             missing = sorted(set(train["saved_model"]) - set(common.strip_prefix(dict.fromkeys(keys))))
-            run.check(not missing, f"{SHARED_STORAGE}: model.safetensors holds {keys}, lacks "
-                                   f"{missing}", KnownIssue)
-        resumed = run.phase(r, f"resume_{kind}", known)
+            # Each parameter has a storage of its own (FlatLayout.aliases): accelerate's
+            # dedup by storage, meant for tied weights, must drop none of them.
+            run.check(not missing, f"model.safetensors holds {keys}, lacks {missing}")
+        resumed = run.phase(r, f"resume_{kind}")
         assert_equal(run, resumed["loaded_model"], train["saved_model"],
                      f"rank {r}: model after load_state vs at save_state")
         assert_same_optimizer_state(run, train["saved_opt"], resumed["loaded_opt"],
@@ -324,22 +301,20 @@ def test_accelerate_one_process_save_load_state_pickle(acc1_fused):
     check_resume(acc1_fused, "pickle", 1)
 
 
-@pytest.mark.xfail(strict=True, raises=KnownIssue, reason=SHARED_STORAGE)
 def test_accelerate_one_process_save_load_state_default_safetensors(acc1_fused):
     """As above with accelerate's default acc.save_state(dir) (safetensors)."""
     check_resume(acc1_fused, "safetensors", 1)
 
 
-@pytest.mark.xfail(strict=True, raises=KnownIssue, reason=SAFETENSORS_MODEL)
 def test_safetensors_save_model_load_model_round_trip(acc1_fused):
     """safetensors.torch.save_model of a model trained with FusedAdamW, and load_model
     into a fresh model whose parameters a FusedAdamW holds (and into a plain one): every
     tensor round-trips."""
-    run, known = acc1_fused, ("None is covering the entire storage", SAFETENSORS_MODEL)
+    run = acc1_fused
     expected = run.phase(0, "expected")["model"]
-    run.phase(0, "st_save_model", known)
+    run.phase(0, "st_save_model")
     for into in ("plain", "flat"):
-        assert_equal(run, run.phase(0, f"st_load_model_{into}", known)["loaded"], expected,
+        assert_equal(run, run.phase(0, f"st_load_model_{into}")["loaded"], expected,
                      f"load_model into a {into} model")
 
 
@@ -411,7 +386,6 @@ def test_accelerate_two_processes_save_load_state_pickle(acc2):
     check_resume(run, "pickle", 2)
 
 
-@pytest.mark.xfail(strict=True, raises=KnownIssue, reason=SHARED_STORAGE)
 def test_accelerate_two_processes_save_load_state_default_safetensors(acc2):
     """As above with accelerate's default acc.save_state(dir) (safetensors)."""
     run, _ = acc2

@@ -66,6 +66,19 @@ class FlatLayout:
         """One view of ``flat`` per parameter, shaped like it."""
         return [flat[o:o + _numel(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
 
+    def aliases(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Like ``views``, but each tensor has a storage of its own over its part of
+        ``flat``'s memory (a slice of ``flat``'s storage, which keeps ``flat`` alive).
+        Savers that take tensors sharing one storage for tied weights (safetensors,
+        accelerate, transformers) then see each parameter as the separate tensor it is,
+        and ``torch.save`` of one writes only its own bytes."""
+        storage, base, size = flat.untyped_storage(), flat.storage_offset(), flat.element_size()
+        out = []
+        for o, s in zip(self.offsets, self.shapes):
+            lo, hi = (base + o) * size, (base + o + _numel(s)) * size
+            out.append(torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage[lo:hi], 0, s))
+        return out
+
     def ranges_in(self, start: int, end: int):
         """(param index, lo, hi) for the part [lo, hi) of each parameter (in its own
         flat numbering) that falls inside the buffer range [start, end)."""
@@ -94,8 +107,9 @@ def flatten_params(module_or_params, *, world_size: int = 1, align: int = ALIGN,
 
     Returns ``(flat, layout)``: ``flat`` is a 1-D tensor of ``layout.padded_numel``
     elements of the parameters' dtype and device, padding zeroed. With
-    ``rehome=True`` every parameter's ``.data`` becomes a view into ``flat`` (the
-    optimizers do this), so the buffer *is* the model's storage afterwards.
+    ``rehome=True`` every parameter's ``.data`` lives in ``flat`` (the optimizers do
+    this), so the buffer *is* the model's storage afterwards; each parameter keeps a
+    storage of its own over its part of it (``FlatLayout.aliases``).
     All parameters must share dtype and device.
     """
     params = _as_params(module_or_params)
@@ -110,7 +124,7 @@ def flatten_params(module_or_params, *, world_size: int = 1, align: int = ALIGN,
     layout = FlatLayout.build([p.shape for p in params], world_size, align)
     flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
     with torch.no_grad():
-        for p, view in zip(params, layout.views(flat)):
+        for p, view in zip(params, layout.aliases(flat) if rehome else layout.views(flat)):
             view.copy_(p)
             if rehome:
                 p.data = view

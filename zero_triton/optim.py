@@ -141,7 +141,7 @@ class FlatShard:
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True)
-        self.param_views = self.layout.views(self.flat_param)
+        self.param_views = [p.detach() for p in params]  # where each parameter lives now
         self.flat_grad = torch.zeros_like(self.flat_param)
         self.grad_views = self.layout.views(self.flat_grad)
         native = _ext.loaded_or_prebuilt()
