@@ -44,6 +44,8 @@ def finish(rank):
         dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
     print(f"rank {rank}: done", flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalisation with gloo's threads around (see demo.py)
 
 
 IN, HIDDEN, OUT = 8, 32, 4
