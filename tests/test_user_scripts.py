@@ -522,3 +522,17 @@ def test_a_move_keeps_which_parameters_have_a_gradient():
     model(xs[0].bfloat16()).float().pow(2).mean().backward()
     opt.step()
     assert not torch.equal(model[2].weight, frozen), "an unfrozen parameter did not train"
+
+
+def test_a_parameter_that_views_another_is_refused_before_anything_changes():
+    w = nn.Parameter(torch.randn(4, 4))
+    v = nn.Parameter(w.data[1])           # shares w's memory
+    with pytest.raises(ValueError, match="shares memory with.*own place in a flat buffer"):
+        FusedAdam([w, v], backend=CPU_BACKEND)
+    assert w.grad is None and v.grad is None
+    assert v.data_ptr() == w[1].data_ptr(), "the refused optimizer moved a parameter"
+    # Tied weights (one Parameter in two modules) stay fine.
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    FusedAdam(nn.ModuleList([emb, head]).parameters(), backend=CPU_BACKEND)

@@ -77,6 +77,28 @@ def _check_drop_in_flags(foreach, fused, capturable, differentiable):
                            "through the optimizer step")
 
 
+def _check_no_shared_memory(existing, params) -> None:
+    """Refuse a parameter whose memory overlaps another's (``nn.Parameter(w[:2])`` of a
+    parameter ``w``): re-homing gives each its own place in a flat buffer, which would
+    silently undo the sharing that the model relies on."""
+    spans = []
+    for where, group in (("an earlier param group's", existing), ("the group's", params)):
+        for i, p in enumerate(group):
+            if p.numel() == 0 or p.device.type == "meta":
+                continue
+            start = p.data_ptr()
+            spans.append((p.untyped_storage().data_ptr(), start,
+                          start + p.numel() * p.element_size(), f"{where} parameter {i} {tuple(p.shape)}"))
+    spans.sort()
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError(
+                f"{b[3]} shares memory with {a[3]}; FusedAdam gives every parameter its own "
+                "place in a flat buffer, which would break that sharing. Make one parameter "
+                "and derive the other from it in forward (tied weights: the same Parameter "
+                "object in both modules is fine)")
+
+
 def _to_float(x):
     return float(x.item()) if isinstance(x, torch.Tensor) else x
 
@@ -552,6 +574,7 @@ class FusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"parameter {i} ({tuple(p.shape)}) is on the meta device: it has "
                                  "no data to optimize; materialise the model first (model.to_empty("
                                  "device=...) and initialise it), then build the optimizer")
+        _check_no_shared_memory([q for g in self.param_groups for q in g["params"]], params)
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
         trainable = [p for p in params if p.requires_grad]
