@@ -5,6 +5,7 @@ grouped: one 8-rank run covers saving at 4 and loading at 2, 3, 4 and 8 (subgrou
 one 2-rank run covers bad input under a group; two cover killed ranks; one the soak.
 """
 import errno
+import io
 import json
 import os
 import random
@@ -142,7 +143,9 @@ def test_manifest_and_files(tmp_path):
     assert m["params"][4]["flat"] is None and m["params"][3]["offset"] == 80
     # fp32 state of 91 + 13 and 65 + 5 elements (tail padding is not written), 3 and 4 states
     shard = m["files"]["rank00000.bin"]
-    assert shard["bytes"] == 4 * (3 * (96 + 13) + 4 * (80 + 5))
+    assert shard["bytes"] == 64 + 4 * (3 * (96 + 13) + 4 * (80 + 5))  # 64: the header
+    head = (tmp_path / "ck" / "rank00000.bin").read_bytes()[:64]
+    assert head == f"zero_triton checkpoint {m['save_id']} rank00000.bin\n".encode().ljust(64, b"\0")
     assert m["param_groups"][1]["amsgrad"] is True and m["param_groups"][1]["weight_decay"] == 0.01
 
 
@@ -172,6 +175,17 @@ def test_consolidate_and_inspect_cli(tmp_path, capsys):
     net2.load_state_dict(model_sd)
     opt2.load_state_dict(sd)
     assert_state_equal(full_state(opt2), full_state(opt), "FusedAdam from consolidated file")
+
+
+def read_blob(path):
+    """A .pt file of a checkpoint: torch.save bytes after the 64-byte header."""
+    return torch.load(io.BytesIO(path.read_bytes()[64:]), weights_only=True)
+
+
+def reseal(ck, manifest):
+    """Write ``manifest`` with a valid checksum: what validation must catch on its own."""
+    manifest = {k: v for k, v in manifest.items() if k != "checksum"}
+    (ck / "manifest.json").write_bytes(checkpoint.manifest.seal(manifest))
 
 
 def _snapshot(net, opt):
@@ -253,7 +267,7 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
     checkpoint.save(ck, opt, net)
     saved = full_state(opt)
     synthetic_steps(opt, 2, 2)
-    real, calls = checkpoint._write_bytes, []
+    real, calls = checkpoint.files._write_bytes, []
 
     def full_disk(f, data):
         calls.append(len(data))
@@ -261,8 +275,8 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(f, data)
 
-    monkeypatch.setattr(checkpoint, "_write_bytes", full_disk)
-    with pytest.raises(CheckpointError, match="failed on rank 0: OSError: .*No space left"):
+    monkeypatch.setattr(checkpoint.files, "_write_bytes", full_disk)
+    with pytest.raises(CheckpointError, match="failed on rank 0 while writing its files: OSError: .*No space left.*untouched"):
         checkpoint.save(ck, opt, net)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["ck"], "the failed save left files behind"
@@ -272,12 +286,17 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_load_falls_back_between_the_two_renames(tmp_path):
-    """A kill after PATH was renamed to PATH.old-x and before the new one took its place."""
+    """A kill after PATH was renamed to PATH.old-<its save id> and before the new one
+    took its place: load falls back to it; the next save removes both leftovers."""
     net, opt = make()
     synthetic_steps(opt, 0, 2)
     checkpoint.save(tmp_path / "ck", opt, net)
-    os.rename(tmp_path / "ck", tmp_path / "ck.old-1234")
-    (tmp_path / "ck.tmp-1234").mkdir()  # the new one, complete but for its manifest
+    save_id = json.loads((tmp_path / "ck" / "manifest.json").read_text())["save_id"]
+    os.rename(tmp_path / "ck", tmp_path / f"ck.old-{save_id}")
+    new = tmp_path / "ck.tmp-0123456789abcdef"  # the new one, complete but for its manifest
+    new.mkdir()
+    (new / ".zero_triton-save").write_text("0123456789abcdef")
+    (new / "rank00000.bin").write_bytes(b"x" * 100)
     net2, opt2 = make(seed=4)
     checkpoint.load(tmp_path / "ck", opt2, net2)
     assert_state_equal(full_state(opt2), full_state(opt), "loaded from the .old directory")
@@ -319,7 +338,9 @@ def test_consolidate_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     manifest = json.loads((ck / "manifest.json").read_text())
     del manifest["params"]
     (ck / "manifest.json").write_text(json.dumps(manifest))
-    fails(["inspect", ck], "lacks 'params'")
+    fails(["inspect", ck], "checksum mismatch in")
+    reseal(ck, manifest)  # as if the checksum had been recomputed: the structure is checked
+    fails(["inspect", ck], "field params is missing")
 
 
 def _compiled(net):
@@ -359,7 +380,7 @@ def test_wrapped_and_bare_models_load_each_other(tmp_path):
         m = json.loads((ck / "manifest.json").read_text())
         assert [p["name"] for p in m["params"]] == ["a.weight", "a.bias", "b.weight", "b.bias",
                                                    "frozen"], what
-        extra = torch.load(ck / "model_extra.pt", weights_only=True)
+        extra = read_blob(ck / "model_extra.pt")
         assert sorted(extra) == ["frozen", "scale"], f"{what}: {sorted(extra)}"
         net2, opt2 = make(seed=1)
         checkpoint.load(ck, opt2, net2)
@@ -381,7 +402,7 @@ def test_wrapped_and_bare_models_load_each_other(tmp_path):
     m = json.loads((tmp_path / "bare" / "manifest.json").read_text())
     for p in m["params"]:
         p["name"] = "module._orig_mod." + p["name"]
-    (tmp_path / "bare" / "manifest.json").write_text(json.dumps(m))
+    reseal(tmp_path / "bare", m)
     net4, opt4 = make(seed=4)
     checkpoint.load(tmp_path / "bare", opt4, net4)
     assert_state_equal(params_of(net4), want_params, "prefixed names -> bare")
@@ -407,7 +428,7 @@ def test_model_file_holds_only_each_tensors_own_bytes(tmp_path):
     opt = FusedAdam(net.parameters(), lr=1e-2, backend="torch")
     synthetic_steps(opt, 0, 1)
     checkpoint.save(tmp_path / "ck", opt, net)
-    saved = torch.load(tmp_path / "ck" / "model_extra.pt", weights_only=True)
+    saved = read_blob(tmp_path / "ck" / "model_extra.pt")
     assert sorted(saved) == ["head.weight", "window"]
     own = sum(t.numel() * t.element_size() for t in saved.values())
     size = os.path.getsize(tmp_path / "ck" / "model_extra.pt")
@@ -416,7 +437,7 @@ def test_model_file_holds_only_each_tensors_own_bytes(tmp_path):
     checkpoint.load(tmp_path / "ck", FusedAdam(net2.parameters(), lr=1e-2, backend="torch"), net2)
     assert_state_equal(params_of(net2), params_of(net), "tied model after load")
     owner = torch.randn(3)
-    assert checkpoint._own_bytes(owner).data_ptr() == owner.data_ptr(), "copied an owner"
+    assert checkpoint.target.own_bytes(owner).data_ptr() == owner.data_ptr(), "copied an owner"
 
 
 # -- several ranks --------------------------------------------------------------------------------
@@ -469,7 +490,8 @@ def test_reshard_to_any_world_size(tmp_path):
     assert m["world_size"] == 4 and sorted(f for f in m["files"] if f.startswith("rank")) == [
         f"rank0000{i}.bin" for i in range(4)]
     # Each rank wrote only its shard: the four shard files add up to one copy.
-    assert sum(m["files"][f"rank0000{i}.bin"]["bytes"] for i in range(4)) == 4 * (3 * 109 + 4 * 85)
+    assert sum(m["files"][f"rank0000{i}.bin"]["bytes"] for i in range(4)) == \
+        4 * 64 + 4 * (3 * 109 + 4 * 85)  # a 64-byte header each
 
     want, want_params = r["uninterrupted"], r["uninterrupted_params"]
     assert_state_equal(r["resumed_at_4"], want, "save at 4, load at 4")
@@ -505,16 +527,16 @@ def _group_faults(rank, world_size, path, fused_path):
     synthetic_steps(opt, 2, 1)
     before = full_state(opt)
 
-    real = checkpoint._write_bytes
+    real = checkpoint.files._write_bytes
     if rank == 1:
         def full_disk(f, data):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        checkpoint._write_bytes = full_disk
+        checkpoint.files._write_bytes = full_disk
     try:
         checkpoint.save(path, opt, net)
     except CheckpointError as exc:
         out["enospc"] = str(exc)
-    checkpoint._write_bytes = real
+    checkpoint.files._write_bytes = real
 
     dist.barrier()
     if rank == 0:  # rank 1's file goes bad; only rank 1 reads it at world size 2
@@ -548,7 +570,7 @@ def test_faults_under_a_process_group(tmp_path):
     (r0, saved), (r1, _) = run_ranks(_group_faults, 2, str(tmp_path / "ck"), str(tmp_path / "fused"))
     assert_state_equal(r0["from_fused"], full_state(opt), "FusedAdam checkpoint into ZeroAdam")
     for r in (r0, r1):
-        assert "failed on rank 1: OSError" in r["enospc"] and "No space left" in r["enospc"], r["enospc"]
+        assert "failed on rank 1 while writing its files: OSError" in r["enospc"] and "No space left" in r["enospc"], r["enospc"]
         assert r["untouched"], "a rejected load changed the optimizer"
     assert "checksum mismatch in checkpoint file rank00001.bin" in r1["corrupt"], r1["corrupt"]
     assert "failed on rank 1" in r0["corrupt"] and "rank00001.bin" in r0["corrupt"], r0["corrupt"]
@@ -565,13 +587,13 @@ def _killed_during_save(rank, world_size, path, report):
         torch.save(params_of(net), report + ".params")
     synthetic_steps(opt, 2, 2)
     if rank == 1:
-        real = checkpoint._write_bytes
+        real = checkpoint.files._write_bytes
 
         def die(f, data):
             real(f, bytes(data)[:len(data) // 2])
             f.flush()
             os._exit(3)
-        checkpoint._write_bytes = die
+        checkpoint.files._write_bytes = die
     try:
         checkpoint.save(path, opt, net)
     except RuntimeError as exc:
@@ -601,7 +623,7 @@ def test_rank_killed_during_save_then_mid_step(tmp_path):
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died without reporting"):
         run_ranks(_killed_during_save, 2, path, report, timeout=90, pg_timeout_s=20)
     msg = open(report).read()
-    assert "zero_triton: checkpoint save (write shards) failed on rank 0" in msg, msg
+    assert "zero_triton: checkpoint save to" in msg and "(writing its files) failed on rank 0" in msg, msg
     assert sorted(os.listdir(tmp_path)) == ["ck", "report", "report.params"]
     saved_params = torch.load(report + ".params", weights_only=True)
 

@@ -1,0 +1,227 @@
+"""Offline tools: consolidate a checkpoint into torch.optim.Adam's format, verify it,
+print it; the ``python -m zero_triton checkpoint`` command line."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import sys
+import zlib
+
+import torch
+
+from zero_triton.checkpoint import directory as dirs
+from zero_triton.checkpoint.errors import CheckpointError
+from zero_triton.checkpoint.files import (HEADER_BYTES, MODEL_EXTRA_FILE, Readers,
+                                          file_crc, header)
+from zero_triton.checkpoint.manifest import _numel
+from zero_triton.checkpoint.protocol import read_model_flat, read_state_range
+from zero_triton.checkpoint.target import own_bytes
+
+
+def consolidate(path) -> tuple[dict, dict]:
+    """The checkpoint at ``path`` as ``(optimizer_state_dict, model_state_dict)``:
+    torch.optim.Adam's format (per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq],
+    master_param for fp16/bf16) and a plain state dict keyed by parameter name. Needs no
+    process group, no GPU and not the world size it was saved at."""
+    directory, manifest = dirs.resolve(path)
+    with directory:
+        readers = Readers(directory, manifest)
+        try:
+            state, model_sd = {}, {}
+            flat_params = {k: read_model_flat(readers, manifest, k)
+                           for k in range(len(manifest["flats"]))}
+            seen_in_flat = {}
+            for entry in manifest["params"]:
+                k = entry["flat"]
+                if k is None:
+                    continue
+                saved = manifest["flats"][k]
+                numel = _numel(entry["shape"])
+                lo, end = entry["offset"], entry["offset"] + numel
+                index = seen_in_flat.get(k, 0)  # entries of one flat come in its parameters' order
+                seen_in_flat[k] = index + 1
+                step = saved["param_steps"][index] if "param_steps" in saved else saved["step"]
+                s = {"step": torch.tensor(step, dtype=torch.float32)}
+                for name in saved["states"]:
+                    if name == "master" and not saved["has_master"]:
+                        continue
+                    t = torch.empty(numel, dtype=torch.float32)
+                    if numel:
+                        read_state_range(readers, manifest, k, name, lo, end, t)
+                    s["master_param" if name == "master" else name] = t.view(entry["shape"])
+                state[entry["index"]] = s
+                model_sd[entry["name"]] = flat_params[k][lo:end].clone().view(entry["shape"])
+            if manifest["model_extra"]:
+                blob = readers.get_reader(MODEL_EXTRA_FILE).read_blob()
+                if not isinstance(blob, dict):
+                    raise CheckpointError(f"checkpoint {directory.path}: {MODEL_EXTRA_FILE} holds a "
+                                          f"{type(blob).__name__}, not a state dict")
+                for n, t in blob.items():
+                    model_sd.setdefault(n, own_bytes(t) if isinstance(t, torch.Tensor) else t)
+        finally:
+            readers.close()
+    groups = []
+    for gi, saved in enumerate(manifest["param_groups"]):
+        g = dict(saved)
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+        g.update({"foreach": None, "capturable": False, "differentiable": False, "fused": None})
+        g["params"] = [e["index"] for e in manifest["params"] if e["group"] == gi]
+        groups.append(g)
+    return {"state": state, "param_groups": groups}, model_sd
+
+
+def _verify_open(directory, manifest) -> list[tuple[str, int, bool, str]]:
+    out = []
+    for name, record in manifest["files"].items():
+        try:
+            f, size = directory.open(name)
+        except FileNotFoundError:
+            out.append((name, record["bytes"], False, "missing"))
+            continue
+        except CheckpointError as exc:
+            out.append((name, record["bytes"], False, str(exc).split(";")[0]))
+            continue
+        with f:
+            if size != record["bytes"]:
+                out.append((name, record["bytes"], False, f"{size} bytes on disk"))
+                continue
+            crcs, first = [], b""
+            while block := f.read(min(record["chunk_bytes"], record["bytes"] - f.tell())):
+                first = first or block[:HEADER_BYTES]
+                crcs.append(zlib.crc32(block))
+        bad = [c for c, (a, b) in enumerate(zip(crcs, record["chunk_crc32"])) if a != b]
+        if bad or file_crc(crcs) != record["crc32"]:
+            out.append((name, record["bytes"], False,
+                        f"checksum mismatch in chunk {bad[0] if bad else '?'}"))
+        elif first != header(manifest["save_id"], name):
+            out.append((name, record["bytes"], False, "written by another save"))
+        else:
+            out.append((name, record["bytes"], True, ""))
+    return out
+
+
+def verify(path) -> list[tuple[str, int, bool, str]]:
+    """Check every file of the checkpoint against its CRC32 and its header's save id:
+    ``(file, bytes, ok, why)``. The manifest's own checksum and structure are checked
+    first (a failure raises CheckpointError)."""
+    directory, manifest = dirs.resolve(path)
+    with directory:
+        return _verify_open(directory, manifest)
+
+
+def _table(rows, header_row) -> str:
+    rows = [header_row] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header_row))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _inspect(path) -> int:
+    directory, manifest = dirs.resolve(path)
+    with directory:
+        results = _verify_open(directory, manifest)
+    params = manifest["params"]
+    n_elem = sum(_numel(p["shape"]) for p in params)
+    print(f"checkpoint   {directory.path}")
+    print(f"format       {manifest['format']} v{manifest['version']} ({manifest['optimizer']}), "
+          f"save {manifest['save_id']}, manifest checksum ok")
+    print(f"world size   {manifest['world_size']}")
+    print(f"step         {manifest['step']:g}")
+    print(f"parameters   {len(params)} tensors, {n_elem:,} elements")
+    for gi, g in enumerate(manifest["param_groups"]):
+        print(f"group {gi}      " + ", ".join(f"{k}={v}" for k, v in sorted(g.items())))
+    print()
+    print(_table([[p["index"], p["name"], "x".join(map(str, p["shape"])) or "scalar", p["dtype"],
+                   p["group"], "-" if p["flat"] is None else p["flat"],
+                   "-" if p["offset"] is None else p["offset"]] for p in params],
+                 ["#", "name", "shape", "dtype", "group", "flat", "offset"]))
+    print()
+    print(_table([[name, manifest["files"][name]["rank"], f"{size:,}",
+                   "ok" if ok else f"FAILED ({why})"] for name, size, ok, why in results],
+                 ["file", "rank", "bytes", "crc32"]))
+    total = sum(size for _, size, _, _ in results)
+    bad = [name for name, _, ok, _ in results if not ok]
+    print(f"\ntotal {total:,} bytes; " + (f"{len(bad)} file(s) FAILED: {', '.join(bad)}" if bad
+                                          else "all checksums ok"))
+    return 1 if bad else 0
+
+
+def _check_output_file(path) -> None:
+    """Refuse, before any work, a ``path`` that cannot become a file: a directory, or one
+    whose nearest existing ancestor is a file or not writable. Missing directories in
+    between are fine: ``_save_file`` creates them."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a directory; pass a file path such as "
+                              f"{os.path.join(path, 'adam.pt')}")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise CheckpointError(f"cannot write {path}: {ancestor} is not a directory; "
+                              "pass a path in a writable directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {path}: directory {ancestor} is not writable; "
+                              "pass a path in a writable directory")
+
+
+def _save_file(obj, path) -> None:
+    """``torch.save`` into a temporary file renamed over ``path`` (parent directories
+    created): no half-written file."""
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise CheckpointError(f"cannot write {path}: {exc.strerror or exc}; pass a path in a "
+                              "writable directory with room for it") from exc
+
+
+def main(argv=None) -> int:
+    """``python -m zero_triton checkpoint inspect PATH`` |
+    ``python -m zero_triton checkpoint consolidate PATH OUT.pt [--model MODEL.pt]``.
+    A missing, damaged or tampered checkpoint and an output that cannot be written are
+    one line on stderr and exit status 1."""
+    parser = argparse.ArgumentParser(prog="python -m zero_triton checkpoint",
+                                     description="Inspect or consolidate a sharded checkpoint.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="print the manifest as tables and verify every checksum")
+    p.add_argument("path")
+    p = sub.add_parser("consolidate", help="write one torch.optim.Adam-format state dict file "
+                       "(and a plain model state dict), at no particular world size")
+    p.add_argument("path")
+    p.add_argument("out", help="optimizer state dict file (torch.save); missing parent "
+                   "directories are created")
+    p.add_argument("--model", default=None,
+                   help="model state dict file (default: OUT with .model.pt for .pt)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return _inspect(args.path)
+        model_out = args.model or (args.out[:-3] if args.out.endswith(".pt") else args.out) + ".model.pt"
+        if os.path.abspath(model_out) == os.path.abspath(args.out):
+            parser.error("--model names the same file as OUT; pass another file for the model")
+        _check_output_file(args.out)
+        _check_output_file(model_out)
+        optimizer_sd, model_sd = consolidate(args.path)
+        _save_file(optimizer_sd, args.out)
+        _save_file(model_sd, model_out)
+        print(f"wrote {args.out} ({len(optimizer_sd['state'])} parameter states, torch.optim.Adam "
+              f"format) and {model_out} ({len(model_sd)} entries)")
+        return 0
+    except BrokenPipeError:
+        raise  # the reader went away: the command line's entry point ends quietly
+    except (CheckpointError, OSError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a manifest that validation let through: still one line
+        print(f"error: {args.path}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}; the "
+              "checkpoint is damaged: load an earlier one", file=sys.stderr)
+        return 1
