@@ -328,8 +328,8 @@ def validate(m: dict, source: str) -> None:
                            f"{'covered twice' if start < pos else 'not covered'} from {min(start, pos)}")
                 pos = end
             if pos != flat["numel"]:
-                v.fail("files", f"cover {state} of flat buffer {k} up to {pos} of "
-                       f"{flat['numel']} elements")
+                v.fail("files", f"cover {state} of flat buffer {k} only up to element {pos} "
+                       f"of {flat['numel']}")
 
 
 def describe(entry: dict) -> str:
