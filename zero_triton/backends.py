@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import warnings
+import sys
 
 import torch
 
@@ -107,6 +107,18 @@ def why_not(name: str, device: torch.device) -> str | None:
     raise ValueError(f"unknown backend {name!r}; choose one of {NAMES}")
 
 
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """One line on stderr, once per process: resolve() runs for every parameter group
+    and flat buffer, and a warning's usual second line (the calling source line) only
+    repeats what the message says."""
+    if message not in _said:
+        _said.add(message)
+        print(" ".join(message.split()), file=sys.stderr, flush=True)
+
+
 def resolve(name: str, device: torch.device) -> str:
     """The concrete backend for ``name`` on ``device``; raises with the fix if unusable.
 
@@ -127,9 +139,8 @@ def resolve(name: str, device: torch.device) -> str:
         reason = why_not(candidate, device)
         if reason is None:
             if candidate == "torch" and reasons:
-                warnings.warn("zero_triton: falling back to the plain torch step (slower, "
-                              "several passes over memory) because " + "; ".join(reasons),
-                              stacklevel=3)
+                _say_once("zero_triton: falling back to the plain torch step (slower, several "
+                          "passes over memory) because " + "; ".join(reasons))
             return candidate
         reasons.append(f"{candidate}: {reason}")
     raise AssertionError("unreachable: the torch backend is always usable")

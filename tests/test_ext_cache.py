@@ -1,0 +1,247 @@
+"""The first-use build of the CPU extension and its cache (zero_triton._ext), in fresh
+processes: a build killed part-way, a truncated cached .so, a cache that cannot be
+written, no compiler, and a lock held past the bound. Every child runs under a hard
+timeout, so a hang fails the test instead of hanging the suite.
+
+Each test gets its own cache (ZERO_TRITON_EXT_DIR). Real builds (~20-40 s on two
+cores) are kept to two: the module fixture's (which also kills one part-way) and the
+rebuild of a truncated file.
+"""
+import contextlib
+import fcntl
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from zero_triton import _ext
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD_TIMEOUT = 300  # one real build in a child process, on a slow shared CI machine
+QUICK_TIMEOUT = 90   # a child that builds nothing: import torch, step, exit
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("zero_triton._C") is not None,
+    reason="a prebuilt zero_triton._C is installed, so the first-use build is never used")
+
+STEP = textwrap.dedent("""
+    import torch
+    from zero_triton import FusedAdam
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = FusedAdam([p], lr=0.1)
+    p.grad = torch.ones(8)
+    opt.step()
+    print("backend", opt._flats[0][0].backend, round(float(p.detach()[0]), 4))
+""")
+
+
+def env_for(cache, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_TRITON_")}
+    env["ZERO_TRITON_EXT_DIR"] = str(cache)
+    env.update(extra)
+    return env
+
+
+def run(args, cache, timeout=QUICK_TIMEOUT, prefix=(), **extra):
+    start = time.monotonic()
+    proc = subprocess.run([*prefix, sys.executable, *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, env=env_for(cache, **extra))
+    proc.seconds = time.monotonic() - start
+    return proc
+
+
+def said(stderr):
+    """zero_triton's own lines on stderr."""
+    return [line for line in stderr.splitlines() if "zero_triton" in line]
+
+
+def cache_dir(cache, monkeypatch):
+    """The folder the child processes use for these sources, under ``cache``."""
+    monkeypatch.setenv("ZERO_TRITON_EXT_DIR", str(cache))
+    root = _ext.source_dir()
+    return _ext._cache_dir(_ext._cpu_sources(root), root)
+
+
+def no_compiler_env(tmp_path):
+    empty = tmp_path / "empty-bin"
+    empty.mkdir(exist_ok=True)
+    return {"PATH": str(empty), "CXX": ""}
+
+
+def bound_by_permissions():
+    """A command prefix under which file permissions apply: nothing for a regular user;
+    for root, setpriv without the capabilities that override them."""
+    if os.geteuid() != 0:
+        return []
+    drop = "-dac_override,-dac_read_search"
+    prefix = [shutil.which("setpriv") or "setpriv", f"--inh-caps={drop}", f"--bounding-set={drop}"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        probe = None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(reason="running as root without setpriv: read-only folders are writable")
+    return prefix
+
+
+def needs_compiler():
+    if shutil.which(os.environ.get("CXX") or "c++") is None:
+        pytest.skip(reason="no C++ compiler here (c++ / $CXX): the extension cannot be built")
+
+
+@pytest.fixture(scope="module")
+def recovered(tmp_path_factory):
+    """A first build SIGKILLed part-way (with its compilers), then three processes
+    started at once on that cache, as torchrun ranks would be."""
+    needs_compiler()
+    cache = tmp_path_factory.mktemp("killed-build")
+    log_path = cache.parent / "killed-build.log"
+    with open(log_path, "w") as log:
+        victim = subprocess.Popen([sys.executable, "-c", STEP], cwd=REPO, env=env_for(cache),
+                                  stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + QUICK_TIMEOUT
+        while "compiling" not in log_path.read_text() and victim.poll() is None:
+            assert time.monotonic() < deadline, "the build did not start: " + log_path.read_text()
+            time.sleep(0.1)
+        time.sleep(4)  # well into the compile, well before its end
+        assert victim.poll() is None, "the build ended before it could be killed"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGKILL)  # its own session: the compilers too
+        victim.wait()
+    left = sorted(p.name for p in cache.glob("*/*"))
+    start = time.monotonic()
+    ranks = [subprocess.Popen([sys.executable, "-c", STEP], cwd=REPO, env=env_for(cache),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outputs = []
+    try:
+        for rank in ranks:
+            remaining = max(1.0, BUILD_TIMEOUT - (time.monotonic() - start))
+            outputs.append((rank.communicate(timeout=remaining), rank.returncode))
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    return {"cache": cache, "left": left, "outputs": outputs,
+            "seconds": time.monotonic() - start}
+
+
+def test_killed_build_blocks_nothing_and_concurrent_ranks_build_once(recovered):
+    left = recovered["left"]
+    assert "zero_triton_C.so" not in left, f"the kill came too late: {left}"
+    compiling = 0
+    for (out, err), returncode in recovered["outputs"]:
+        assert returncode == 0, err
+        assert "backend cpu 0.9" in out, (out, err)
+        compiling += sum(line.startswith("zero_triton: compiling") for line in said(err))
+        assert "falling back" not in err
+    assert compiling == 1, [err for (_, err), _ in recovered["outputs"]]
+    (build_dir,) = recovered["cache"].iterdir()
+    names = sorted(p.name for p in build_dir.iterdir())
+    # the killed build's private folder is cleaned up; nothing half-built remains
+    assert names == ["build.lock", "zero_triton_C.so", "zero_triton_C.so.sha256"], names
+
+
+def test_truncated_cached_so_is_said_in_one_line_and_rebuilt(recovered, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(recovered["cache"], cache)
+    (so,) = cache.glob("*/zero_triton_C.so")
+    size = so.stat().st_size
+    with open(so, "r+b") as f:
+        f.truncate(100_000)
+    info = run(["-m", "zero_triton", "info"], cache, timeout=BUILD_TIMEOUT)
+    assert info.returncode == 0, (info.returncode, info.stderr)  # SIGBUS: -7
+    lines = said(info.stderr)
+    assert len(lines) == 1 and "damaged" in lines[0] and "100000 bytes" in lines[0], lines
+    assert "cpu      cpu    yes" in info.stdout, info.stdout
+    assert so.stat().st_size == size
+    step = run(["-c", STEP], cache)
+    assert step.returncode == 0, step.stderr
+    assert "backend cpu 0.9" in step.stdout
+    assert said(step.stderr) == [], step.stderr
+
+
+def test_truncated_cached_so_in_read_only_cache_is_skipped(recovered, tmp_path):
+    prefix = bound_by_permissions()
+    cache = tmp_path / "cache"
+    shutil.copytree(recovered["cache"], cache)
+    (so,) = cache.glob("*/zero_triton_C.so")
+    with open(so, "r+b") as f:
+        f.truncate(100_000)
+    so.parent.chmod(0o555)
+    try:
+        step = run(["-c", STEP], cache, prefix=prefix)
+    finally:
+        so.parent.chmod(0o755)
+    assert step.returncode == 0, (step.returncode, step.stderr)
+    assert "backend torch 0.9" in step.stdout
+    lines = said(step.stderr)
+    assert len(lines) == 1, lines
+    assert "damaged" in lines[0] and "cannot be written" in lines[0], lines
+
+
+def test_unwritable_cache_is_said_once_in_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    step = run(["-c", STEP], blocker / "cache")  # mkdir fails, whoever runs this
+    assert step.returncode == 0, step.stderr
+    assert "backend torch 0.9" in step.stdout
+    lines = step.stderr.strip().splitlines()
+    assert len(lines) == 1, step.stderr
+    assert "falling back to the plain torch step" in lines[0]
+    assert "cannot be written" in lines[0] and "ZERO_TRITON_EXT_DIR" in lines[0], lines
+
+
+def test_no_compiler_is_said_in_one_line_recorded_and_not_retried(tmp_path):
+    cache = tmp_path / "cache"
+    env = no_compiler_env(tmp_path)
+    first = run(["-c", STEP], cache, **env)
+    assert first.returncode == 0, first.stderr
+    assert "backend torch 0.9" in first.stdout
+    lines = first.stderr.strip().splitlines()
+    assert len(lines) == 1, first.stderr  # not torch's "!! WARNING !!" banner, not twice
+    assert "no C++ compiler" in lines[0] and "ZERO_TRITON_EXT_RETRY=1" in lines[0], lines
+    (record,) = cache.glob("*/build-failed.json")
+
+    second = run(["-c", STEP], cache, **env)
+    assert second.returncode == 0, second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1, second.stderr
+    assert "earlier build" in lines[0] and "not retried" in lines[0], lines
+    assert "no C++ compiler" in lines[0] and str(record) in lines[0], lines
+
+    retried = run(["-c", STEP], cache, ZERO_TRITON_EXT_RETRY="1", **env)
+    assert retried.returncode == 0, retried.stderr
+    lines = retried.stderr.strip().splitlines()
+    assert len(lines) == 1 and "building the CPU extension failed" in lines[0], lines
+
+
+def test_lock_held_past_the_bound_is_not_waited_on_forever(tmp_path, monkeypatch):
+    """A live owner that never finishes (hung, or on another host): wait at most
+    ZERO_TRITON_EXT_TIMEOUT, then build separately (here: no compiler, so fall back)."""
+    cache = tmp_path / "cache"
+    build_dir = cache_dir(cache, monkeypatch)
+    build_dir.mkdir(parents=True)
+    with open(build_dir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write(f"{os.getpid()} {socket.gethostname()} {time.time()}\n")
+        lock.flush()
+        step = run(["-c", STEP], cache, ZERO_TRITON_EXT_TIMEOUT="3", **no_compiler_env(tmp_path))
+    assert step.returncode == 0, step.stderr
+    assert "backend torch 0.9" in step.stdout
+    lines = said(step.stderr)
+    assert len(lines) == 3, lines
+    assert f"waiting for pid {os.getpid()}" in lines[0], lines
+    assert "after 3 s" in lines[1] and "building separately" in lines[1], lines
+    assert "no C++ compiler" in lines[2], lines
