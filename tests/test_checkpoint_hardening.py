@@ -101,6 +101,18 @@ def test_1_save_never_replaces_a_directory_it_did_not_write(tmp_path):
     checkpoint.save(ck, opt, net)
     assert sorted(os.listdir(tmp_path)) == ["app", "ck", "empty", "link"]
 
+    # a checkpoint of format version 1 (before the seal) is ours too: a save replaces it;
+    # load refuses it, saying how to carry it over
+    m = manifest_of(ck)
+    m["version"] = 1
+    for key in ("checksum", "save_id", "time", "model_extra", "extra"):
+        m.pop(key)
+    (ck / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="format version 1; .* with the zero_triton that wrote it"):
+        checkpoint.load(ck, opt, net)
+    checkpoint.save(ck, opt, net)
+    assert manifest_of(ck)["version"] == checkpoint.VERSION
+
 
 # -- 2. what save removes and what load falls back to --------------------------------------------
 def test_2_cleanup_and_fallback_touch_only_our_own_leftovers(tmp_path):

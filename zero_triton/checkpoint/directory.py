@@ -118,6 +118,23 @@ def read_manifest(directory: Directory, validate: bool = True) -> dict:
     return manifest
 
 
+def _ours_any_version(directory: Directory) -> dict:
+    """The manifest of a checkpoint this or an earlier zero_triton wrote: sealed (current
+    version), or format version 1 (before the seal), which a save may still replace."""
+    f, size = directory.open(MANIFEST, "manifest")
+    with f:
+        data = f.read(min(size, mf.MAX_MANIFEST_BYTES + 1))
+    source = os.path.join(directory.path, MANIFEST)
+    try:
+        claim = json.loads(data)
+    except (ValueError, RecursionError):
+        claim = None
+    if isinstance(claim, dict) and claim.get("format") == mf.FORMAT and claim.get("version") == 1 \
+            and type(claim.get("version")) is int:
+        return claim
+    return mf.parse(data, source)
+
+
 def _only_ours(path: str, names, allowed) -> list[str]:
     """Entries of ``path`` that are not regular files named in ``allowed``."""
     foreign = []
@@ -147,10 +164,10 @@ def check_replaceable(path: str) -> str | None:
             raise CheckpointError(f"{path} exists and is not a checkpoint directory (no {MANIFEST});"
                                   " refusing to replace it: choose another path")
         try:
-            manifest = read_manifest(d, validate=False)
-            save_id = manifest.get("save_id")
+            manifest = _ours_any_version(d)
+            save_id = manifest.get("save_id")  # None in a version 1 checkpoint
             files = manifest.get("files")
-            if not (isinstance(save_id, str) and re.fullmatch(_ID, save_id)
+            if not ((save_id is None or isinstance(save_id, str) and re.fullmatch(_ID, save_id))
                     and isinstance(files, dict) and all(is_member_name(n) for n in files)):
                 raise CheckpointError("its save id or file list is malformed")
         except (CheckpointError, OSError) as exc:
