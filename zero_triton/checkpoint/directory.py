@@ -19,7 +19,9 @@ not exist: a save interrupted between its two renames.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import json
 import os
 import re
@@ -27,6 +29,7 @@ import shutil
 import socket
 import stat
 import time
+import warnings
 
 from zero_triton.checkpoint import manifest as mf
 from zero_triton.checkpoint.errors import CheckpointError
@@ -62,7 +65,16 @@ class SaveLock:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            except OSError as exc:
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    os.close(fd)  # a filesystem without locks: say so once, save unlocked
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.lock_path)
+                    _warn_unlocked(os.path.dirname(self.path), exc.strerror)
+                    return self
+                if not isinstance(exc, BlockingIOError):
+                    os.close(fd)
+                    raise
                 os.close(fd)
                 if time.monotonic() >= deadline:
                     raise CheckpointError(
@@ -95,10 +107,19 @@ class SaveLock:
             return f"{self.lock_path} is locked"
 
     def __exit__(self, *exc):
+        if self.fd is None:  # unlocked: see _warn_unlocked
+            return
         with contextlib.suppress(OSError):
             os.unlink(self.lock_path)  # while still holding it: see __enter__
         os.close(self.fd)
         self.fd = None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unlocked(directory: str, why: str) -> None:
+    warnings.warn(f"zero_triton.checkpoint.save: cannot lock files in {directory} "
+                  f"({why}): saves to one path from two jobs at once are not "
+                  "serialised on this filesystem", stacklevel=4)
 
 
 # -- what is ours -------------------------------------------------------------------------
