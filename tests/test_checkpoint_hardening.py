@@ -8,6 +8,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,19 @@ from zero_triton import ZeroAdam, checkpoint  # noqa: E402
 from zero_triton.checkpoint import CheckpointError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def hard_timeout():
+    """A load that waits on a FIFO or reads /dev/zero used to hang: fail instead (SIGALRM
+    interrupts a blocking open or read in this process)."""
+    def expired(signum, frame):
+        raise TimeoutError("the test ran past its hard timeout of 240 s (a hang)")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(240)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 def saved(tmp_path, name="ck", steps=2, **kw):
