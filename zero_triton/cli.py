@@ -1,4 +1,4 @@
-"""python -m zero_triton demo | memory | bench | info | checkpoint"""
+"""python -m zero_triton demo | memory | bench | profile | info | checkpoint"""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,8 @@ commands:
   demo        train the seed's MLP with ZeroAdam on N ranks (default 4, gloo on CPU)
   memory      memory per rank of DDP and ZeRO-1/2/3 for mixed-precision Adam
   bench       time one optimizer step against torch and the memory limit
+  profile     profile training steps of a GPT (ZeroAdamW vs DDP + AdamW): traces,
+              forward/backward/communication split, bytes on the wire, memory per phase
   info        versions, devices, and which backends are usable here (and why not)
   checkpoint  inspect | consolidate a sharded checkpoint
 
@@ -86,6 +88,9 @@ def _dispatch(argv=None) -> int:
     if command == "bench":
         from zero_triton.bench import main as bench
         return bench(rest)
+    if command == "profile":
+        from zero_triton.profiling import main as profile
+        return profile(rest)
     if command == "info":
         return info()
     if command == "checkpoint":
