@@ -101,7 +101,7 @@ def native_extensions():
 
 EXT_MODULES, EXT_CMDCLASS = native_extensions()
 
-PACKAGES = ["zero_triton", "zero_triton.checkpoint", "zero_triton.kernels"]
+PACKAGES = ["zero_triton", "zero_triton.checkpoint", "zero_triton.profiling", "zero_triton.kernels"]
 PACKAGE_DIR = {"zero_triton": "zero_triton", "zero_triton.kernels": "kernels"}
 
 install_requires = ["torch>=2.4", "numpy", "triton; platform_system == 'Linux'"]
