@@ -2,6 +2,9 @@
 
 ``LocalComm`` is world size 1: each rank's shard is the whole buffer, so reduce-scatter
 and all-gather have nothing to move. ``GroupComm`` wraps a torch.distributed group.
+With ``async_op=True`` the gradient and parameter collectives return a ``Pending``
+handle: ``wait()`` ends it (on CUDA: the current stream waits for it, the host does not)
+and turns a failure into an error that names the phase.
 """
 from __future__ import annotations
 
@@ -24,18 +27,41 @@ def phase(name: str, cuda: bool):
                 torch.cuda.nvtx.range_pop()
 
 
+class Pending:
+    """A collective in flight (or, with no work, one already done)."""
+
+    __slots__ = ("work", "comm", "name")
+
+    def __init__(self, work=None, comm=None, name: str = ""):
+        self.work, self.comm, self.name = work, comm, name
+
+    def wait(self) -> None:
+        work, self.work = self.work, None
+        if work is None:
+            return
+        try:
+            work.wait()
+        except RuntimeError as exc:  # DistBackendError and gloo's errors derive from it
+            raise self.comm._failed(self.name, exc) from exc
+
+
+DONE = Pending()
+
+
 class LocalComm:
     world_size = 1
     rank = 0
     group = None
 
-    def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor) -> None:
+    def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor, async_op: bool = False):
         if shard.data_ptr() != flat.data_ptr():
             shard.copy_(flat)
+        return DONE if async_op else None
 
-    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if shard.data_ptr() != flat.data_ptr():
             flat.copy_(shard)
+        return DONE if async_op else None
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         pass
@@ -83,14 +109,17 @@ class GroupComm:
         except RuntimeError as exc:  # DistBackendError and gloo's errors derive from it
             raise self._failed(name, exc) from exc
 
-    def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor) -> None:
+    def reduce_scatter_avg(self, shard: torch.Tensor, flat: torch.Tensor, async_op: bool = False):
         # In place when shard is this rank's slice of flat: no extra buffer.
         with self._collective("reduce_scatter"):
-            _reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group)
+            work = _reduce_scatter(shard, flat, op=dist.ReduceOp.AVG, group=self.group,
+                                   async_op=async_op)
+        return Pending(work, self, "reduce_scatter") if async_op else None
 
-    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         with self._collective("all_gather"):
-            _all_gather(flat, shard, group=self.group)
+            work = _all_gather(flat, shard, group=self.group, async_op=async_op)
+        return Pending(work, self, "all_gather") if async_op else None
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         with self._collective("all_reduce"):

@@ -349,11 +349,12 @@ class FlatShard:
         self._foreign_hint = None
 
     def reduce_grads(self):
+        """Start averaging this rank's shard of the gradients over the group; returns
+        the ``Pending`` reduce-scatter."""
         if self.reduce_buf is not None:
             self.reduce_buf.copy_(self.flat_grad)
-            self.comm.reduce_scatter_avg(self.grad_shard, self.reduce_buf)
-        else:
-            self.comm.reduce_scatter_avg(self.grad_shard, self.flat_grad)
+            return self.comm.reduce_scatter_avg(self.grad_shard, self.reduce_buf, async_op=True)
+        return self.comm.reduce_scatter_avg(self.grad_shard, self.flat_grad, async_op=True)
 
     def param_steps(self) -> list:
         """Each parameter's own step count (host floats, one read of the device)."""
@@ -446,7 +447,8 @@ class FlatShard:
         return runs
 
     def gather_params(self):
-        self.comm.all_gather(self.flat_param, self.param_shard)
+        """Start gathering every rank's updated shard; returns the ``Pending`` all-gather."""
+        return self.comm.all_gather(self.flat_param, self.param_shard, async_op=True)
 
     def nbytes(self) -> dict:
         def size(t):
@@ -655,8 +657,8 @@ class FusedAdam(torch.optim.Optimizer):
         self._before_reduce(flats)
         if self._comm.world_size > 1 or any(f.reduce_buf is not None for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
-                for flat in flats:
-                    flat.reduce_grads()
+                for pending in [flat.reduce_grads() for flat in flats]:  # all in flight, then wait
+                    pending.wait()
         self._grads_reduced = True
 
     def _before_reduce(self, flats) -> None:
@@ -755,8 +757,8 @@ class FusedAdam(torch.optim.Optimizer):
                 flat.update(group, grad_scale, found_inf, clip)
         if self._comm.world_size > 1:
             with phase("zero_triton.all_gather", cuda):
-                for _, flat in flats:
-                    flat.gather_params()
+                for pending in [flat.gather_params() for _, flat in flats]:
+                    pending.wait()
         if self._comm.world_size == 1:
             for _, flat in flats:
                 if flat.exposed_steps is not flat.steps:  # one step became several, or back
@@ -890,7 +892,7 @@ class FusedAdam(torch.optim.Optimizer):
         # Every rank decides this from the same state dict: the all-gather is collective.
         if flat.has_master and any(e is not None and "master_param" in e for e in entries):
             flat.param_shard.copy_(flat.master)
-            flat.gather_params()
+            flat.gather_params().wait()
 
 
 class FusedAdamW(FusedAdam):
