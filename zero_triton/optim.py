@@ -14,15 +14,12 @@ import warnings
 
 import torch
 
-from zero_triton import _ext, backends
+from zero_triton import _ext, adam_state, backends
 from zero_triton.comm import LocalComm, phase
 from zero_triton.flat import flatten_params
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float32,) + _LOW_PRECISION
-# Keys torch.optim.Adam keeps in every param group, with the values that describe this
-# optimizer: a torch.optim.Adam loading our state dict behaves as its defaults.
-_TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, foreach=None, capturable=False):
@@ -507,7 +504,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._clip_coef = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-                        **_TORCH_GROUP_KEYS)
+                        **adam_state.TORCH_GROUP_KEYS)
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
         # leaves the parameters as it found them.
@@ -528,7 +525,7 @@ class FusedAdam(torch.optim.Optimizer):
         named = [isinstance(p, tuple) for p in params]
         if any(named) and not all(named):
             raise ValueError("all optimizer params should be with/without names. Some param names "
-                             f"are missing: give every parameter of the group as a (name, tensor) "
+                             "are missing: give every parameter of the group as a (name, tensor) "
                              "pair, or none")
         if params and all(named):  # (name, tensor) pairs
             params = [p for _, p in params]
@@ -778,122 +775,20 @@ class FusedAdam(torch.optim.Optimizer):
         total["optimizer_state"] = total["master"] + total["moments"]
         return total
 
-    # -- state dict (torch.optim.Adam format) ------------------------------------------
-    def _packed_groups(self):
-        """torch's param_groups with parameters replaced by their state-dict index, and
-        the map id(param) -> index."""
-        groups, ids = [], {}
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = list(range(len(ids), len(ids) + len(group["params"])))
-            ids.update({id(p): i for p, i in zip(group["params"], packed["params"])})
-            groups.append(packed)
-        return groups, ids
-
+    # -- state dict (torch.optim.Adam format: zero_triton.adam_state) ------------------
     def state_dict(self) -> dict:
         """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
         parameters. Tensors are views of the live state, as torch's are."""
-        if self._comm.world_size > 1:
-            raise RuntimeError(
-                "state_dict() of a sharded optimizer would hold only this rank's shard; use "
-                "consolidated_state_dict() for torch.optim.Adam's format, or "
-                "zero_triton.checkpoint.save for a sharded checkpoint")
-        groups, ids = self._packed_groups()
-        state = {}
-        for _, flat in self._current_flats():
-            views, steps = flat.state_views(), flat.param_steps()
-            for i, p in enumerate(flat.params):
-                # A step tensor of its own per parameter: torch.optim.Adam increments
-                # each one, a shared one would count N times per step.
-                state[ids[id(p)]] = {"step": torch.tensor(steps[i], dtype=torch.float32),
-                                     **{k: v[i] for k, v in views.items()}}
-        return {"state": state, "param_groups": groups}
+        return adam_state.local_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current
         parameter upcast."""
         self._current_flats()
-        plan = self._plan_full_load(state_dict)
-        self._apply_full_load(state_dict, plan)
-
-    def _apply_full_load(self, state_dict, plan) -> None:
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            for k, v in saved.items():
-                if k not in ("params", "param_names"):
-                    group[k] = v
-            group.setdefault("decoupled_weight_decay", False)
-        for flat, entries, step in plan:
-            self._load_shard(flat, entries, step)
-        if self._comm.world_size == 1:
-            for _, flat in self._all_flats():
-                self._expose_state(flat)
-
-    def _plan_full_load(self, state_dict) -> list:
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
-                             f"{len(self.param_groups)}; build the optimizer with the same groups")
-        ids = {}
-        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(f"param group {gi} has {len(group['params'])} parameters, the "
-                                 f"state dict's {len(saved['params'])}")
-            ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
-        saved_state, plan = state_dict["state"], []
-        for gi, flats in enumerate(self._flats):
-            for flat in flats:
-                entries = [saved_state.get(ids[id(p)]) for p in flat.params]
-                if all(e is None for e in entries):
-                    plan.append((flat, None, None))
-                    continue
-                # A parameter torch.optim.Adam never stepped (no gradient yet) has no state.
-                steps = [0.0 if e is None else float(e["step"]) for e in entries]
-                if not all(math.isfinite(t) and t >= 0 for t in steps):
-                    raise ValueError(f"param group {gi} has a step that is not a finite count >= 0 "
-                                     f"({sorted(set(steps))}); the state dict is corrupt")
-                for i, (p, e) in enumerate(zip(flat.params, entries)):
-                    if e is None:
-                        continue
-                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
-                        if key in e and tuple(e[key].shape) != tuple(p.shape):
-                            raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
-                                             f"has shape {tuple(e[key].shape)}, the parameter "
-                                             f"{tuple(p.shape)}")
-                plan.append((flat, entries, steps))
-        return plan
-
-    @torch.no_grad()
-    def _load_shard(self, flat, entries, step) -> None:
-        """Copy this rank's [lo, hi) of each full per-parameter state into the shard."""
-        flat.exp_avg.zero_()
-        flat.exp_avg_sq.zero_()
-        flat.set_param_steps(step if step is not None else [0.0] * len(flat.params))
-        has_max = entries is not None and any(e is not None and "max_exp_avg_sq" in e for e in entries)
-        if has_max:
-            flat.ensure_amsgrad()
-            flat.max_exp_avg_sq.zero_()
-        elif flat.max_exp_avg_sq is not None:
-            flat.max_exp_avg_sq.zero_()
-        if flat.has_master:
-            flat.master.copy_(flat.param_shard)
-        if entries is None:
-            return
-        lo, hi = flat.shard
-        targets = flat.state_buffers()
-        if not has_max:
-            targets.pop("max_exp_avg_sq", None)  # zeroed above: not every entry has it
-        for i, a, b in flat.layout.ranges_in(lo, hi):
-            o = flat.layout.offsets[i] + a - lo
-            for key, buf in targets.items():
-                if entries[i] is not None and key in entries[i]:
-                    buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
-        # Every rank decides this from the same state dict: the all-gather is collective.
-        if flat.has_master and any(e is not None and "master_param" in e for e in entries):
-            flat.param_shard.copy_(flat.master)
-            flat.gather_params().wait()
-
+        plan = adam_state.plan_load(self, state_dict)
+        adam_state.apply_load(self, state_dict, plan)
 
 class FusedAdamW(FusedAdam):
     """AdamW: FusedAdam with decoupled weight decay (default 1e-2), as torch.optim.AdamW."""

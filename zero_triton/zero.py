@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from zero_triton import adam_state
 from zero_triton.comm import GroupComm
 from zero_triton.optim import FusedAdam
 
@@ -168,10 +169,8 @@ class ZeroAdam(FusedAdam):
     def rank(self) -> int:
         return self._comm.rank
 
-    # -- full (torch.optim.Adam-format) state dicts ---------------------------------------
-    # Elements gathered per rank per round: bounds the receiver's transient buffers to
-    # world_size * this * 4 bytes on top of the one full copy it returns.
-    _GATHER_CHUNK = 4 << 20
+    # -- full (torch.optim.Adam-format) state dicts: zero_triton.adam_state -------------
+    _GATHER_CHUNK = adam_state.GATHER_CHUNK
 
     def state_dict(self) -> dict:
         """The full state in torch.optim.Adam's format on every rank (collective: every
@@ -195,7 +194,6 @@ class ZeroAdam(FusedAdam):
                 "(the README shows one)")
         return self.consolidated_state_dict(to_rank=None)
 
-    @torch.no_grad()
     def consolidated_state_dict(self, to_rank: int | None = 0):
         """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
         per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
@@ -205,44 +203,7 @@ class ZeroAdam(FusedAdam):
         Collective. Gathered one chunk of one state of one flat buffer at a time, so the
         receiver's peak memory is one full copy plus ``world_size`` chunks (not
         ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
-        comm = self._comm
-        if to_rank is not None and not 0 <= to_rank < comm.world_size:
-            raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "
-                             f"got {to_rank}")
-        me = to_rank is None or comm.rank == to_rank
-        groups, ids = self._packed_groups()
-        state = {}
-        for _, flat in self._current_flats():
-            bufs = flat.state_buffers()
-            layout, shard = flat.layout, flat.layout.shard_numel
-            chunk = max(1, min(shard, self._GATHER_CHUNK))
-            recv = None
-            if me:
-                out, steps = [], flat.param_steps()
-                for i, p in enumerate(flat.params):
-                    entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
-                    entry.update({k: torch.empty(p.shape, dtype=torch.float32) for k in bufs})
-                    state[ids[id(p)]] = entry
-                    out.append(entry)
-                recv = torch.empty(comm.world_size, chunk, dtype=torch.float32, device=flat.device)
-            for key, buf in bufs.items():
-                for c in range(0, shard, chunk):
-                    n = min(chunk, shard - c)
-                    if to_rank is None:  # every rank receives: one all-gather per chunk
-                        received = recv.view(-1)[:comm.world_size * n]
-                        comm.all_gather(received, buf[c:c + n])
-                        pieces = received.view(comm.world_size, n)
-                    else:
-                        pieces = [recv[r, :n] for r in range(comm.world_size)] if me else None
-                        comm.gather(buf[c:c + n], pieces, to_rank, "consolidated_state_dict gather")
-                    if not me:
-                        continue
-                    for r in range(comm.world_size):
-                        start = r * shard + c
-                        for i, a, b in layout.ranges_in(start, start + n):
-                            o = layout.offsets[i] + a - start
-                            out[i][key].view(-1)[a:b].copy_(pieces[r][o:o + b - a])
-        return {"state": state, "param_groups": groups} if me else None
+        return adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -255,7 +216,7 @@ class ZeroAdam(FusedAdam):
             return super().load_state_dict(state_dict)
         plan, error = None, None
         try:
-            plan = self._plan_full_load(state_dict)
+            plan = adam_state.plan_load(self, state_dict)
         except (ValueError, KeyError, TypeError) as exc:
             error = exc
         every = self._comm.all_gather_object(
@@ -265,7 +226,7 @@ class ZeroAdam(FusedAdam):
         for r, msg in enumerate(every):
             if msg is not None:
                 raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
-        self._apply_full_load(state_dict, plan)
+        adam_state.apply_load(self, state_dict, plan)
 
 
 def _describe(entry) -> str:

@@ -11,6 +11,7 @@ import zlib
 
 import torch
 
+from zero_triton import adam_state
 from zero_triton.checkpoint import directory as dirs
 from zero_triton.checkpoint.errors import CheckpointError
 from zero_triton.checkpoint.files import (HEADER_BYTES, MODEL_EXTRA_FILE, Readers,
@@ -62,14 +63,8 @@ def consolidate(path) -> tuple[dict, dict]:
                     model_sd.setdefault(n, own_bytes(t) if isinstance(t, torch.Tensor) else t)
         finally:
             readers.close()
-    groups = []
-    for gi, saved in enumerate(manifest["param_groups"]):
-        g = dict(saved)
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-        g.update({"foreach": None, "capturable": False, "differentiable": False, "fused": None})
-        g["params"] = [e["index"] for e in manifest["params"] if e["group"] == gi]
-        groups.append(g)
+    groups = [adam_state.torch_group(saved, [e["index"] for e in manifest["params"] if e["group"] == gi])
+              for gi, saved in enumerate(manifest["param_groups"])]
     return {"state": state, "param_groups": groups}, model_sd
 
 

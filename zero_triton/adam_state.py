@@ -1,0 +1,200 @@
+"""torch.optim.Adam's state-dict format, both ways, for FusedAdam and ZeroAdam: the
+one place that translates between it and the flat, sharded state.
+
+A state dict is ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]
+[, "master_param"]}}, "param_groups": [...]}`` with parameters numbered in param-group
+order, as torch.optim.Adam writes it (``master_param``: the fp32 master of an fp16/bf16
+parameter). ``local_state_dict`` views a single process's live state; ``gathered_state_dict``
+collects the shards of every rank, chunk by chunk; ``plan_load`` checks a state dict
+against the optimizer and ``apply_load`` copies each rank's part of it in.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Keys torch.optim.Adam keeps in every param group, with the values that describe this
+# optimizer: a torch.optim.Adam loading our state dict behaves as its defaults.
+TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
+
+# Elements gathered per rank per round: bounds the receiver's transient buffers to
+# world_size * this * 4 bytes on top of the one full copy it returns.
+GATHER_CHUNK = 4 << 20
+
+
+def packed_groups(opt):
+    """torch's param_groups with parameters replaced by their state-dict index, and
+    the map id(param) -> index."""
+    groups, ids = [], {}
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(len(ids), len(ids) + len(group["params"])))
+        ids.update({id(p): i for p, i in zip(group["params"], packed["params"])})
+        groups.append(packed)
+    return groups, ids
+
+
+def torch_group(hyperparameters: dict, indices: list) -> dict:
+    """A param group as torch.optim.Adam's state dict holds it, from saved
+    hyperparameters (betas as a tuple) and the group's parameter indices."""
+    group = dict(hyperparameters)
+    if "betas" in group:
+        group["betas"] = tuple(group["betas"])
+    group.update(TORCH_GROUP_KEYS)
+    group["params"] = list(indices)
+    return group
+
+
+def local_state_dict(opt) -> dict:
+    """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
+    ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
+    parameters. Tensors are views of the live state, as torch's are."""
+    if opt._comm.world_size > 1:
+        raise RuntimeError(
+            "state_dict() of a sharded optimizer would hold only this rank's shard; use "
+            "consolidated_state_dict() for torch.optim.Adam's format, or "
+            "zero_triton.checkpoint.save for a sharded checkpoint")
+    groups, ids = packed_groups(opt)
+    state = {}
+    for _, flat in opt._current_flats():
+        views, steps = flat.state_views(), flat.param_steps()
+        for i, p in enumerate(flat.params):
+            # A step tensor of its own per parameter: torch.optim.Adam increments
+            # each one, a shared one would count N times per step.
+            state[ids[id(p)]] = {"step": torch.tensor(steps[i], dtype=torch.float32),
+                                 **{k: v[i] for k, v in views.items()}}
+    return {"state": state, "param_groups": groups}
+
+
+def plan_load(opt, state_dict) -> list:
+    """Check ``state_dict`` against the optimizer (groups, parameter counts, finite
+    steps, state shapes) and return, per flat buffer, ``(flat, entries, steps)``:
+    nothing changes here, so a bad state dict leaves the optimizer as it was."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
+                         f"{len(opt.param_groups)}; build the optimizer with the same groups")
+    ids = {}
+    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(group["params"]) != len(saved["params"]):
+            raise ValueError(f"param group {gi} has {len(group['params'])} parameters, the "
+                             f"state dict's {len(saved['params'])}")
+        ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
+    saved_state, plan = state_dict["state"], []
+    for gi, flats in enumerate(opt._flats):
+        for flat in flats:
+            entries = [saved_state.get(ids[id(p)]) for p in flat.params]
+            if all(e is None for e in entries):
+                plan.append((flat, None, None))
+                continue
+            # A parameter torch.optim.Adam never stepped (no gradient yet) has no state.
+            steps = [0.0 if e is None else float(e["step"]) for e in entries]
+            if not all(math.isfinite(t) and t >= 0 for t in steps):
+                raise ValueError(f"param group {gi} has a step that is not a finite count >= 0 "
+                                 f"({sorted(set(steps))}); the state dict is corrupt")
+            for i, (p, e) in enumerate(zip(flat.params, entries)):
+                if e is None:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                    if key in e and tuple(e[key].shape) != tuple(p.shape):
+                        raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
+                                         f"has shape {tuple(e[key].shape)}, the parameter "
+                                         f"{tuple(p.shape)}")
+            plan.append((flat, entries, steps))
+    return plan
+
+
+def apply_load(opt, state_dict, plan) -> None:
+    """Copy a checked state dict in: hyperparameters, then each flat buffer's shard."""
+    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        for k, v in saved.items():
+            if k not in ("params", "param_names"):
+                group[k] = v
+        group.setdefault("decoupled_weight_decay", False)
+    for flat, entries, step in plan:
+        load_shard(flat, entries, step)
+    if opt._comm.world_size == 1:
+        for _, flat in opt._all_flats():
+            opt._expose_state(flat)
+
+
+@torch.no_grad()
+def load_shard(flat, entries, step) -> None:
+    """Copy this rank's [lo, hi) of each full per-parameter state into the shard."""
+    flat.exp_avg.zero_()
+    flat.exp_avg_sq.zero_()
+    flat.set_param_steps(step if step is not None else [0.0] * len(flat.params))
+    has_max = entries is not None and any(e is not None and "max_exp_avg_sq" in e for e in entries)
+    if has_max:
+        flat.ensure_amsgrad()
+        flat.max_exp_avg_sq.zero_()
+    elif flat.max_exp_avg_sq is not None:
+        flat.max_exp_avg_sq.zero_()
+    if flat.has_master:
+        flat.master.copy_(flat.param_shard)
+    if entries is None:
+        return
+    lo, hi = flat.shard
+    targets = flat.state_buffers()
+    if not has_max:
+        targets.pop("max_exp_avg_sq", None)  # zeroed above: not every entry has it
+    for i, a, b in flat.layout.ranges_in(lo, hi):
+        o = flat.layout.offsets[i] + a - lo
+        for key, buf in targets.items():
+            if entries[i] is not None and key in entries[i]:
+                buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
+    # Every rank decides this from the same state dict: the all-gather is collective.
+    if flat.has_master and any(e is not None and "master_param" in e for e in entries):
+        flat.param_shard.copy_(flat.master)
+        flat.gather_params().wait()
+
+
+@torch.no_grad()
+def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_CHUNK):
+    """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
+    per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
+    fp16/bf16) on group rank ``to_rank`` (every rank for None), as CPU tensors; None
+    on the other ranks.
+
+    Collective. Gathered one chunk of one state of one flat buffer at a time, so the
+    receiver's peak memory is one full copy plus ``world_size`` chunks (not
+    ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
+    comm = opt._comm
+    if to_rank is not None and not 0 <= to_rank < comm.world_size:
+        raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "
+                         f"got {to_rank}")
+    me = to_rank is None or comm.rank == to_rank
+    groups, ids = packed_groups(opt)
+    state = {}
+    for _, flat in opt._current_flats():
+        bufs = flat.state_buffers()
+        layout, shard = flat.layout, flat.layout.shard_numel
+        chunk = max(1, min(shard, chunk_elems))
+        recv = None
+        if me:
+            out, steps = [], flat.param_steps()
+            for i, p in enumerate(flat.params):
+                entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
+                entry.update({k: torch.empty(p.shape, dtype=torch.float32) for k in bufs})
+                state[ids[id(p)]] = entry
+                out.append(entry)
+            recv = torch.empty(comm.world_size, chunk, dtype=torch.float32, device=flat.device)
+        for key, buf in bufs.items():
+            for c in range(0, shard, chunk):
+                n = min(chunk, shard - c)
+                if to_rank is None:  # every rank receives: one all-gather per chunk
+                    received = recv.view(-1)[:comm.world_size * n]
+                    comm.all_gather(received, buf[c:c + n])
+                    pieces = received.view(comm.world_size, n)
+                else:
+                    pieces = [recv[r, :n] for r in range(comm.world_size)] if me else None
+                    comm.gather(buf[c:c + n], pieces, to_rank, "consolidated_state_dict gather")
+                if not me:
+                    continue
+                for r in range(comm.world_size):
+                    start = r * shard + c
+                    for i, a, b in layout.ranges_in(start, start + n):
+                        o = layout.offsets[i] + a - start
+                        out[i][key].view(-1)[a:b].copy_(pieces[r][o:o + b - a])
+    return {"state": state, "param_groups": groups} if me else None
