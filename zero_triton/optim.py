@@ -482,7 +482,18 @@ class FusedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", max_grad_norm=None, foreach=None,
-                 fused=None, capturable=False, differentiable=False, _comm=None, _reduce_dtype=None):
+                 fused=None, capturable=False, differentiable=False):
+        self._build(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                    decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
+                    backend=backend, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
+                    capturable=capturable, differentiable=differentiable, comm=LocalComm(),
+                    reduce_dtype=None)
+
+    def _build(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize,
+               decoupled_weight_decay, master_weights, backend, max_grad_norm, comm,
+               reduce_dtype, foreach=None, fused=None, capturable=False, differentiable=False):
+        """The constructor proper, over ``comm`` (``LocalComm`` here; ZeroAdam passes its
+        process group's) with gradients averaged in ``reduce_dtype`` (None: their own)."""
         _check_drop_in_flags(foreach, fused, capturable, differentiable)
         _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
@@ -495,10 +506,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._frozen = []  # (group index, parameter) left out at construction
         if backend not in backends.NAMES:
             raise ValueError(f"unknown backend {backend!r}; choose one of {backends.NAMES}")
-        self._comm = _comm if _comm is not None else LocalComm()
+        self._comm = comm
         self._backend = backend
         self._master_weights = True if master_weights is None else bool(master_weights)
-        self._reduce_dtype = _reduce_dtype
+        self._reduce_dtype = reduce_dtype
         self._flats: list[list[FlatShard]] = []   # per param group
         self._grads_reduced = False
         self._clip_coef = None

@@ -66,7 +66,8 @@ class ZeroAdam(FusedAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
-                 max_grad_norm=None, **torch_flags):
+                 max_grad_norm=None, foreach=None, fused=None, capturable=False,
+                 differentiable=False):
         comm = GroupComm(process_group)
         params = list(params)
         if not params:
@@ -78,10 +79,11 @@ class ZeroAdam(FusedAdam):
         self._check_same_model(comm, groups)
         _install_scaler_agreement()
         self._ddp_checked = False
-        super().__init__(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         decoupled_weight_decay=decoupled_weight_decay,
-                         master_weights=master_weights, backend=backend, _comm=comm,
-                         _reduce_dtype=reduce_dtype, max_grad_norm=max_grad_norm, **torch_flags)
+        self._build(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                    decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
+                    backend=backend, max_grad_norm=max_grad_norm, comm=comm,
+                    reduce_dtype=reduce_dtype, foreach=foreach, fused=fused,
+                    capturable=capturable, differentiable=differentiable)
         self._constructed = True
 
     @staticmethod
