@@ -536,3 +536,27 @@ def test_a_parameter_that_views_another_is_refused_before_anything_changes():
     head = nn.Linear(4, 5, bias=False)
     head.weight = emb.weight
     FusedAdam(nn.ModuleList([emb, head]).parameters(), backend=CPU_BACKEND)
+
+
+def test_hooks_go_away_with_the_optimizer():
+    """A sweep that builds an optimizer per trial on one model must not pile up hooks
+    on its parameters (each would run at every backward)."""
+    import gc
+    model = torch.nn.Linear(4, 4)
+
+    def hooks():
+        return len(model.weight._post_accumulate_grad_hooks or {})
+    for _ in range(5):
+        opt = FusedAdam(model.parameters(), backend="torch")
+        del opt
+        gc.collect()
+    assert hooks() == 0
+    opt = FusedAdam(model.parameters(), backend="torch")
+    model.to(torch.bfloat16)  # a re-home replaces the flat buffer and its hooks
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    gc.collect()
+    assert hooks() == 1
+    del opt
+    gc.collect()
+    assert hooks() == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 
 import torch
 
@@ -126,6 +127,13 @@ def _mark_reached(reached: bytearray, i: int, _param) -> None:
     reached[i] = 1
 
 
+def _remove_all(handles: list) -> None:
+    """Remove hook handles (in place: a finalizer holds the same list)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
 def _post_accumulate_hook(p: torch.Tensor, fn):
     """register_post_accumulate_grad_hook, also on a parameter frozen right now (a
     re-home after ``requires_grad_(False)``): torch refuses the hook on a tensor that
@@ -176,6 +184,9 @@ class FlatShard:
         self.grad_version = self.flat_grad._version
         self.hooks = [_post_accumulate_hook(p, functools.partial(_mark_reached, self.reached, i))
                       for i, p in enumerate(params)]
+        # The hooks live on the parameters, which outlive an optimizer that is dropped
+        # (a sweep building one per trial): take them off when this buffer goes away.
+        weakref.finalize(self, _remove_all, self.hooks)
         # Per-parameter step counts (device, float32) once they differ, and a host label
         # per parameter, equal for parameters with the same history (so equal counts).
         self.steps = None
@@ -214,9 +225,7 @@ class FlatShard:
         self.exposed_steps = None  # what optimizer.state[p]["step"] views (world size 1)
 
     def remove_hooks(self):
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
+        _remove_all(self.hooks)
 
     # -- the parameters moved behind our back ------------------------------------------
     def first_moved(self, hint: bool = False) -> int:
