@@ -560,3 +560,53 @@ def test_hooks_go_away_with_the_optimizer():
     del opt
     gc.collect()
     assert hooks() == 0
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_deepcopy_and_pickle_give_an_optimizer_that_trains_the_copies(how):
+    """copy.deepcopy((model, opt)) (EMA, SWA and sweep code does it) and pickle give a
+    working optimizer over the copied parameters, stepping exactly as the original."""
+    import copy
+    import pickle
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    opt = FusedAdamW(model.named_parameters(), lr=0.1, backend="torch", max_grad_norm=1.0)
+
+    def train(m, o, seed):
+        g = torch.Generator().manual_seed(seed)
+        o.zero_grad()
+        m(torch.randn(3, 4, generator=g).bfloat16()).float().sum().backward()
+        o.step()
+    train(model, opt, 1)
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    before = [p.detach().clone() for p in model.parameters()]
+    train(model2, opt2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "the original moved"
+    train(model, opt, 2)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    assert type(opt2) is FusedAdamW and opt2._max_grad_norm == 1.0
+    assert opt2.param_groups[0]["param_names"] == opt.param_groups[0]["param_names"]
+    for (i, s), (_, s2) in zip(opt.state_dict()["state"].items(), opt2.state_dict()["state"].items()):
+        for k in s:
+            assert torch.equal(s[k], s2[k]), (i, k)
+
+
+def _job_copy_zero(rank, world_size):
+    import copy
+    from zero_triton import ZeroAdam
+    model = torch.nn.Linear(4, 4)
+    opt = ZeroAdam(model.parameters(), backend="torch")
+    try:
+        copy.deepcopy(opt)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_sharded_optimizer_refuses_to_be_copied_naming_the_way_out():
+    msg = run_ranks(_job_copy_zero, 2)[0]
+    assert msg and "cannot be deep-copied or pickled" in msg and "zero_triton.checkpoint.save" in msg, msg

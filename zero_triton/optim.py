@@ -784,6 +784,33 @@ class FusedAdam(torch.optim.Optimizer):
         self._clip_coef = None
         return loss
 
+    # -- copy and pickle ------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and ``pickle`` keep: the groups (with their
+        parameters), the options, and the state in torch.optim.Adam's format. A copy
+        is rebuilt from them: new flat buffers over the copied parameters, same state,
+        as a deep copy of torch.optim.Adam gives an optimizer of the copied tensors."""
+        if not isinstance(self._comm, LocalComm):
+            raise TypeError(
+                f"{type(self).__name__} over a process group cannot be deep-copied or pickled: "
+                "its state is sharded over the ranks. Save it with zero_triton.checkpoint.save, "
+                "or take consolidated_state_dict() and load it into a new optimizer")
+        return {"defaults": self.defaults, "param_groups": self.param_groups,
+                "state_dict": self.state_dict(),
+                "options": {"master_weights": self._master_weights, "backend": self._backend,
+                            "max_grad_norm": self._max_grad_norm}}
+
+    def __setstate__(self, saved: dict) -> None:
+        d, options = saved["defaults"], saved["options"]
+        groups = [{k: v for k, v in g.items() if k != "param_names"} | (
+            {"params": list(zip(g["param_names"], g["params"]))} if "param_names" in g else {})
+            for g in saved["param_groups"]]
+        self._build(groups, d["lr"], d["betas"], d["eps"], d["weight_decay"], d["amsgrad"],
+                    maximize=d["maximize"], decoupled_weight_decay=d["decoupled_weight_decay"],
+                    master_weights=options["master_weights"], backend=options["backend"],
+                    max_grad_norm=options["max_grad_norm"], comm=LocalComm(), reduce_dtype=None)
+        self.load_state_dict(saved["state_dict"])
+
     # -- reports --------------------------------------------------------------------
     def memory_report(self) -> dict:
         """This rank's bytes: low-precision params, grads, fp32 master, moments,
