@@ -1,0 +1,499 @@
+#!/usr/bin/env python
+"""One training iteration end to end: DDP + AdamW vs torch's ZeRO vs ZeroAdamW.
+
+The baseline for hiding ZeroAdam's communication: every configuration trains the same
+GPT (``zero_triton.gpt``, same weights, same batches) for one iteration at a time --
+forward, backward, optimizer step, zero_grad -- and we report per world size:
+
+* median ms per iteration (min-max) over ``--steps`` rounds after ``--warmup``; each
+  round runs every configuration once, in an order rotated round by round, and an
+  iteration's time is the slowest rank's (every rank starts it after a barrier);
+* the ratio to DDP (configuration median / DDP median: above 1 is slower);
+* exposed communication as a share of the iteration, from one more iteration recorded
+  by torch.profiler and cut by ``zero_triton.profiling.timeline`` (the same reading as
+  ``python -m zero_triton profile``: time the training thread waits for a collective);
+* peak memory per rank over one iteration (on CPU the process's resident set size,
+  VmHWM after a reset through /proc/self/clear_refs; on a GPU max_memory_allocated).
+
+Profile and memory run in a fresh set of ranks per configuration, which holds that
+configuration alone; the timed rounds hold all of them in one set of ranks, so that
+they are interleaved. Configurations:
+
+  ddp         DDP + torch.optim.AdamW (fused=True where torch has it, else foreach)
+  torch_zero  torch's ZeroRedundancyOptimizer(AdamW, the same flag) + DDP
+  zero        ZeroAdamW as it is: ZeRO-1, reduce-scatter and all-gather inside step()
+
+When ZeroAdamW's signature takes ``stage`` / ``overlap`` / ``bucket_cap_mb``, ZeRO-1 and
+ZeRO-2 with overlap off and on are run instead of ``zero``; until then one line says
+which of them are not available yet.
+
+    python bench/e2e.py                          # 2 and 4 gloo ranks on CPU, one thread each
+    python bench/e2e.py --ranks 2 --steps 20 --dtype bf16
+    python bench/e2e.py --device cuda --layers 12 --width 768 --heads 12 --vocab 50304 \
+        --seq 1024 --batch 8                     # NCCL, one rank per local GPU
+
+Writes e2e_<device>.csv, .json and .png to ``--out`` (bench/results/e2e).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zero_triton.gpt import GPT, build_gpt, synthetic_batch
+from zero_triton.profiling import launch, timeline
+from zero_triton.profiling.harness import (BETAS, DTYPES, LR, WEIGHT_DECAY, model_config,
+                                           torch_adamw)
+from zero_triton.profiling.memory_probe import MemoryProbe
+
+N_BATCHES = 4  # distinct batches per rank, cycled; every configuration sees the same
+MAX_CPU_RANKS = 64
+COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "max_ms", "x_ddp",
+           "exposed_comm_pct", "exposed_comm_ms", "hidden_comm_ms", "profiled_ms",
+           "peak_mb", "start_mb", "loss", "status", "note"]
+
+
+# -- configurations ------------------------------------------------------------------------
+
+def zero_variants(bucket_cap_mb):
+    """(variants to run as [(key, ZeroAdamW kwargs, label)], one line naming what is not
+    available yet or None): the stage/overlap options ZeroAdamW's signature takes."""
+    from zero_triton import ZeroAdamW
+    accepted = inspect.signature(ZeroAdamW.__init__).parameters
+    stages = (1, 2) if "stage" in accepted else (None,)
+    overlaps = (False, True) if "overlap" in accepted else (None,)
+    extra = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb and "bucket_cap_mb" in accepted else {}
+    variants, have = [], set()
+    for s in stages:
+        for o in overlaps:
+            kwargs = {**extra, **({} if s is None else {"stage": s}),
+                      **({} if o is None else {"overlap": o})}
+            have.add((s or 1, bool(o)))
+            if s is None and o is None:
+                variants.append(("zero", kwargs, "ZeroAdamW (ZeRO-1)"))
+            else:
+                variants.append((f"zero_s{s or 1}" + ("_overlap" if o else ""), kwargs,
+                                 f"ZeroAdamW (ZeRO-{s or 1}, overlap {'on' if o else 'off'})"))
+    missing = [f"ZeRO-{s} overlap {'on' if o else 'off'}" for s in (1, 2) for o in (False, True)
+               if (s, o) not in have]
+    absent = [a for a in ("stage", "overlap", "bucket_cap_mb") if a not in accepted]
+    note = None
+    if missing or absent:
+        note = (f"not available yet in ZeroAdamW: {', '.join(missing) or 'none'} (its signature "
+                f"takes no {', '.join(a + '=' for a in absent)}); measuring what it takes today")
+    return variants, note
+
+
+def configurations(args):
+    """[(key, label)] in table order; ``args.variants`` holds ZeroAdamW's kwargs."""
+    return [("ddp", "DDP + AdamW"), ("torch_zero", "ZeroRedundancyOptimizer(AdamW) + DDP")] + \
+        [(key, label) for key, _, label in args.variants]
+
+
+def build(key, args, device):
+    """(model to call, optimizer, label with the optimizer's flags)."""
+    model = build_gpt(model_config(args), device=device, dtype=DTYPES[args.dtype], seed=0)
+    zero = {k: (kw, label) for k, kw, label in args.variants}
+    if key in zero:
+        from zero_triton import ZeroAdamW
+        kwargs, label = zero[key]
+        opt = ZeroAdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, **kwargs)
+        return model, opt, f"{label}, backend {opt._flats[0][0].backend}"
+    ddp_kwargs = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {}
+    net = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
+    opt, how = torch_adamw(model.parameters())
+    if key == "torch_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        flag = {"fused": True} if how.startswith("fused") else {"foreach": True}
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, **flag)
+        return net, opt, f"ZeroRedundancyOptimizer(AdamW({how.split(' ')[0]})) + DDP"
+    return net, opt, f"DDP + AdamW({how})"
+
+
+def iteration(net, opt, batch, sync_ranges=None):
+    """One training iteration inside the ranges ``timeline`` cuts; returns the loss.
+    ``sync_ranges``: a device synchronize that ends each range (profiled GPU runs, so
+    that each range holds its own kernels)."""
+    record = torch.profiler.record_function
+    end = sync_ranges or (lambda: None)
+    idx, targets = batch
+    with record(timeline.ITERATION):
+        with record(timeline.FORWARD):
+            _, loss = net(idx, targets)
+            end()
+        with record(timeline.BACKWARD):
+            loss.backward()
+            end()
+        with record(timeline.OPTIMIZER):
+            opt.step()
+            end()
+        opt.zero_grad()
+    return loss
+
+
+def _batches(args, rank, device):
+    cfg = model_config(args)
+    return [synthetic_batch(cfg, args.batch, args.seq, seed=10_000 * rank + i, device=device)
+            for i in range(N_BATCHES)]
+
+
+def _sync(device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+# -- what each rank runs -----------------------------------------------------------------------
+
+def timed_rank(args, rank, world, device) -> dict:
+    """Every configuration, interleaved: {"ms": {key: [per timed round]}, "loss", "label"}."""
+    torch.manual_seed(0)
+    sync, batches = _sync(device), _batches(args, rank, device)
+    runs = [(key, *build(key, args, device)) for key, _ in configurations(args)]
+    ms = {key: [] for key, *_ in runs}
+    loss = {}
+    for r in range(args.warmup + args.steps):
+        k = r % len(runs)
+        for key, net, opt, _ in runs[k:] + runs[:k]:  # rotated: no configuration always first
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = iteration(net, opt, batches[r % N_BATCHES])
+            sync()
+            if r >= args.warmup:
+                ms[key].append((time.perf_counter() - t0) * 1e3)
+            loss[key] = float(out.detach().float())
+    return {"ms": ms, "loss": loss, "label": {key: label for key, _, _, label in runs}}
+
+
+def detail_rank(args, rank, world, device) -> dict:
+    """``args.config`` alone: peak memory over one iteration, then one profiled iteration
+    cut into exposed and hidden communication."""
+    from zero_triton.profiling.harness import _quiet_kineto  # drops kineto's start/stop lines
+    torch.manual_seed(0)
+    start = MemoryProbe(device).snapshot()["current"]
+    sync, batches = _sync(device), _batches(args, rank, device)
+    net, opt, _ = build(args.config, args, device)
+    iteration(net, opt, batches[0])  # optimizer state and DDP buckets exist from here on
+    probe = MemoryProbe(device)
+    with probe.phase("iteration"):
+        iteration(net, opt, batches[1])
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof = torch.profiler.profile(  # one iteration to warm the profiler up, one recorded
+            activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(str(raw)))
+        with _quiet_kineto():
+            prof.start()
+        for i in (2, 3):
+            sync()
+            dist.barrier()
+            iteration(net, opt, batches[i % N_BATCHES], sync if device.type == "cuda" else None)
+            with _quiet_kineto():
+                prof.step()
+        with _quiet_kineto():
+            prof.stop()
+        with open(raw) as fh:
+            splits = timeline.split_iterations(json.load(fh)["traceEvents"])
+    if len(splits) != 1:
+        raise RuntimeError(f"the trace holds {len(splits)} iterations, 1 was profiled")
+    s = splits[0]
+    return {"start": start, "peak": probe.phases["iteration"]["peak"], "memory_how": probe.how,
+            "iteration_ms": s.iteration_ms, "rows": s.rows, "hidden": s.hidden,
+            "exposed_ms": sum(s.rows[k] for k in timeline.KINDS),
+            "hidden_ms": sum(s.hidden.values())}
+
+
+# -- the run, the table, the files ---------------------------------------------------------------
+
+def _mb(x):
+    return None if x is None else round(x / 2**20, 1)
+
+
+def measure(world, args, say) -> list:
+    """The rows of one world size (an error row per configuration when its ranks failed)."""
+    configs = configurations(args)
+    rows = {key: {**dict.fromkeys(COLUMNS), "world_size": world, "config": key, "label": label,
+                  "status": "ok", "note": ""} for key, label in configs}
+    say(f"world size {world}: {args.warmup} warm-up + {args.steps} timed rounds of "
+        f"{len(configs)} configurations")
+    try:
+        every = launch.spawn(timed_rank, args, world, args.device, args.timeout)
+    except launch.RankFailure as exc:
+        say(f"error: world size {world}, timed rounds: {exc}")
+        for row in rows.values():
+            row.update(status="error", note=str(exc)[:300])
+        return list(rows.values())
+    for key, row in rows.items():
+        per_round = [max(r["ms"][key][i] for r in every) for i in range(args.steps)]
+        row.update(label=every[0]["label"][key], rounds=args.steps,
+                   median_ms=statistics.median(per_round), min_ms=min(per_round),
+                   max_ms=max(per_round), loss=statistics.fmean(r["loss"][key] for r in every))
+    for key, row in rows.items():
+        row["x_ddp"] = row["median_ms"] / rows["ddp"]["median_ms"]
+        say(f"world size {world}: profiled iteration and peak memory of {key}, on its own ranks")
+        try:
+            ranks = launch.spawn(detail_rank, argparse.Namespace(**vars(args), config=key),
+                                 world, args.device, args.timeout)
+        except launch.RankFailure as exc:
+            say(f"error: world size {world}, {key} profile/memory: {exc}")
+            row.update(status="error", note=str(exc)[:300])
+            continue
+        exposed = statistics.fmean(r["exposed_ms"] for r in ranks)
+        profiled = statistics.fmean(r["iteration_ms"] for r in ranks)
+        row.update(exposed_comm_ms=exposed, exposed_comm_pct=100 * exposed / profiled,
+                   hidden_comm_ms=statistics.fmean(r["hidden_ms"] for r in ranks),
+                   profiled_ms=profiled, peak_mb=_mb(max(r["peak"] or 0 for r in ranks) or None),
+                   start_mb=_mb(max(r["start"] or 0 for r in ranks) or None))
+        row["ranks"] = ranks
+    return list(rows.values())
+
+
+def _f(x, spec, empty="-"):
+    return empty if x is None else format(x, spec)
+
+
+def format_table(rows, world, args) -> str:
+    cuda = args.device == "cuda"
+    head = (f"{'configuration':<52} {'median ms':>10} {'min-max ms':>17} {'x DDP':>6} "
+            f"{'exposed comm':>19} {'peak MB/rank':>14}")
+    lines = [f"world size {world} ({'NCCL' if cuda else 'gloo, 1 thread per rank'})", head,
+             "-" * len(head)]
+    if all(r["median_ms"] is None for r in rows):
+        return "\n".join(lines[:1] + [f"error: {rows[0]['note']}"])
+    for r in rows:
+        if r["median_ms"] is None:
+            lines.append(f"{r['label']:<52} error: {r['note'][:120]}")
+            continue
+        exposed = ("-" if r["exposed_comm_pct"] is None else
+                   f"{r['exposed_comm_pct']:.1f}% of {r['profiled_ms']:.0f} ms")
+        peak = _f(r["peak_mb"], ".0f")
+        if r["peak_mb"] is not None and r["start_mb"] is not None and not cuda:
+            peak += f" (+{r['peak_mb'] - r['start_mb']:.0f})"
+        lines.append(f"{r['label'][:52]:<52} {r['median_ms']:>10.1f} "
+                     f"{_f(r['min_ms'], '.1f') + '-' + _f(r['max_ms'], '.1f'):>17} "
+                     f"{r['x_ddp']:>5.2f}x {exposed:>19} {peak:>14}")
+    return "\n".join(lines)
+
+
+def write_png(rows, meta, path) -> str | None:
+    """Bars of median ms (min-max whiskers) per configuration, grouped by world size;
+    returns why it was skipped, or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'zero_triton[bench]')"
+    if not any(r["median_ms"] is not None for r in rows):
+        return "no configuration was timed"
+    worlds = sorted({r["world_size"] for r in rows})
+    keys = list(dict.fromkeys(r["config"] for r in rows))
+    width = 0.8 / len(keys)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + 0.6 * len(worlds) * len(keys)), 4.0))
+    top = 0.0
+    for j, key in enumerate(keys):
+        ok = [(i, r) for i, w in enumerate(worlds) for r in rows
+              if r["world_size"] == w and r["config"] == key and r["median_ms"] is not None]
+        if not ok:
+            continue
+        med = [r["median_ms"] for _, r in ok]
+        ax.bar([i + (j - (len(keys) - 1) / 2) * width for i, _ in ok], med, width,
+               label=ok[0][1]["label"], capsize=3,
+               yerr=[[m - r["min_ms"] for m, (_, r) in zip(med, ok)],
+                     [r["max_ms"] - m for m, (_, r) in zip(med, ok)]])
+        top = max([top] + [r["max_ms"] for _, r in ok])
+    ax.set_ylim(0, 1.45 * top or 1)  # room for the legend above the whiskers
+    ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
+    ax.set_ylabel("ms per iteration (median, min-max)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title(f"one training iteration, GPT {meta['model']['params']:,} params, "
+                 f"{meta['dtype']}\n{meta['dist_backend']} on {meta['device_name']}", fontsize=8)
+    ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def metadata(args, note) -> dict:
+    from zero_triton import __version__
+    from zero_triton.bench import _cpu_model, _git_commit
+    cfg = model_config(args)
+    with torch.device("meta"):
+        params = GPT(cfg).num_params()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "zero_triton": __version__, "torch": torch.__version__,
+            "python": platform.python_version(), "git_commit": _git_commit()[0],
+            "device": args.device, "device_name": (torch.cuda.get_device_name(0) if args.device == "cuda"
+                                                   else _cpu_model()),
+            "dist_backend": "nccl" if args.device == "cuda" else "gloo",
+            "threads_per_rank": 1 if args.device == "cpu" else None,
+            "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+            "warmup": args.warmup, "ranks": args.ranks, "bucket_cap_mb": args.bucket_cap_mb,
+            "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
+                      "vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "params": params},
+            "zero_variants_note": note, "argv": args.argv,
+            "time": "slowest rank's wall clock per iteration, after a barrier; median over rounds",
+            "exposed_comm": "one torch.profiler iteration per configuration, zero_triton.profiling."
+                            "timeline's split; mean over ranks",
+            "peak_mb": "max over ranks; " + ("torch.cuda.max_memory_allocated over one iteration"
+                                             if args.device == "cuda" else
+                                             "VmHWM over one iteration after /proc/self/clear_refs; "
+                                             "start_mb: VmRSS before the model was built")}
+
+
+# -- options -------------------------------------------------------------------------------------
+
+def _count(minimum):
+    def parse(text):
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is less than {minimum}")
+        return value
+    return parse
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def _ranks(text):
+    try:
+        ranks = [int(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of world sizes; pass e.g. 2,4")
+    return list(dict.fromkeys(ranks))
+
+
+def parse_args(argv) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="bench/e2e.py", usage="%(prog)s [options]   (--help lists them)",
+        description="Time one training iteration of a GPT: DDP + AdamW, ZeroRedundancyOptimizer"
+                    " + DDP and ZeroAdamW, interleaved, per world size; exposed communication"
+                    " and peak memory per rank. CSV, JSON and PNG in --out.")
+    ap.add_argument("--ranks", type=_ranks, default=None,
+                    help="world sizes, e.g. 2,4 (default 2,4 on cpu; the local GPU count on cuda)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                    help="parameters and gradients (bf16: ZeroAdamW keeps an fp32 master, "
+                         "torch's AdamW does not)")
+    ap.add_argument("--layers", type=_count(1), default=4, help="transformer blocks (4)")
+    ap.add_argument("--width", type=_count(1), default=384, help="embedding width (384)")
+    ap.add_argument("--heads", type=_count(1), default=6, help="attention heads (6)")
+    ap.add_argument("--vocab", type=_count(1), default=8192, help="vocabulary size (8192)")
+    ap.add_argument("--seq", type=_count(1), default=64, help="tokens per sequence (64)")
+    ap.add_argument("--batch", type=_count(1), default=4, help="sequences per rank (4)")
+    ap.add_argument("--steps", type=_count(1), default=10, help="timed rounds (10)")
+    ap.add_argument("--warmup", type=_count(0), default=3, help="untimed rounds first (3)")
+    ap.add_argument("--bucket-cap-mb", type=_positive_float, default=None,
+                    help="DDP's bucket size, and ZeroAdamW's once it takes one (default: each one's own)")
+    ap.add_argument("--timeout", type=_positive_float, default=300.0,
+                    help="seconds a rank may wait in a collective, and one world size's run "
+                         "may take beyond starting up (300)")
+    ap.add_argument("--out", default=os.path.join("bench", "results", "e2e"),
+                    help="folder for e2e_<device>.csv/.json/.png (bench/results/e2e)")
+    args = ap.parse_args([str(a) for a in argv])
+    args.argv = [str(a) for a in argv]
+    if args.width % args.heads:
+        ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not gpus:
+            ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+        args.ranks = args.ranks or [gpus]
+        if max(args.ranks) > gpus:
+            ap.error(f"--ranks {max(args.ranks)} needs as many GPUs, this machine has {gpus}")
+    else:
+        args.ranks = args.ranks or [2, 4]
+        if max(args.ranks) > MAX_CPU_RANKS:
+            ap.error(f"--ranks {max(args.ranks)}: at most {MAX_CPU_RANKS} CPU ranks")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {args.out} is a file; pass a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: cannot create it ({exc.strerror or exc})")
+    return args
+
+
+def main(argv=None) -> int:
+    """0 when every configuration ran at every world size, else 1; 2 for a bad option."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.variants, note = zero_variants(args.bucket_cap_mb)
+
+    def say(text):
+        print(f"e2e: {text}", file=sys.stderr, flush=True)
+    if note:
+        print(note, flush=True)
+    out = Path(args.out)
+    for stale in out.glob("error_rank*.txt"):
+        stale.unlink()
+    meta = metadata(args, note)
+    m = meta["model"]
+    print(f"GPT {m['n_layer']} x {m['n_embd']}, {m['params']:,} parameters, {args.dtype}, batch "
+          f"{args.batch} x {args.seq} tokens per rank; {args.steps} timed rounds after {args.warmup}, "
+          f"on {meta['device_name']}", flush=True)
+    rows = []
+    try:
+        for world in args.ranks:
+            got = measure(world, args, say)
+            rows += got
+            print("\n" + format_table(got, world, args), flush=True)
+    except KeyboardInterrupt:  # launch.spawn stopped the ranks on the way out
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    print("\nx DDP: median / DDP's median. Exposed comm: share of one profiled iteration (run on "
+          "the configuration's own ranks, under torch.profiler) the training thread waited for "
+          "collectives, mean of ranks. Peak: "
+          + ("max_memory_allocated" if args.device == "cuda" else
+             "VmHWM of the whole process (+ above its VmRSS before the model was built)")
+          + " over one iteration, largest rank.")
+    paths = {"csv": out / f"e2e_{args.device}.csv", "json": out / f"e2e_{args.device}.json"}
+    with open(paths["csv"], "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(paths["json"], "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    png = out / f"e2e_{args.device}.png"
+    why = write_png(rows, meta, png)
+    if why:
+        png.unlink(missing_ok=True)  # not an earlier run's figure next to this run's numbers
+        print(f"PNG skipped: {why}")
+    else:
+        paths["png"] = png
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    from zero_triton.cli import run
+    sys.exit(run(main, sys.argv[1:]))
