@@ -600,13 +600,41 @@ def _job_copy_zero(rank, world_size):
     from zero_triton import ZeroAdam
     model = torch.nn.Linear(4, 4)
     opt = ZeroAdam(model.parameters(), backend="torch")
+    calls = []
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd_post") or {**sd, "mark": rank})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("lsd_pre") or
+                                          {k: v for k, v in sd.items() if k != "mark"})
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
     try:
         copy.deepcopy(opt)
     except TypeError as exc:
-        return str(exc)
-    return None
+        return str(exc), calls, sd["mark"]
+    return None, calls, sd["mark"]
 
 
-def test_a_sharded_optimizer_refuses_to_be_copied_naming_the_way_out():
-    msg = run_ranks(_job_copy_zero, 2)[0]
-    assert msg and "cannot be deep-copied or pickled" in msg and "zero_triton.checkpoint.save" in msg, msg
+def test_a_sharded_optimizer_refuses_to_be_copied_and_runs_state_dict_hooks():
+    for rank, (msg, calls, mark) in enumerate(run_ranks(_job_copy_zero, 2)):
+        assert msg and "cannot be deep-copied or pickled" in msg and "zero_triton.checkpoint.save" in msg, msg
+        assert calls == ["sd_post", "lsd_pre"] and mark == rank, (calls, mark)
+
+
+def test_state_dict_hooks_run_as_torch_runs_them():
+    """register_state_dict_pre/post_hook and register_load_state_dict_pre/post_hook:
+    torch.optim.Adam runs them; an override of state_dict must too."""
+    results = {}
+    for cls in (torch.optim.Adam, FusedAdam):
+        model = torch.nn.Linear(3, 3)
+        opt = cls(model.parameters(), **({"backend": "torch"} if cls is FusedAdam else {}))
+        calls = []
+        opt.register_state_dict_pre_hook(lambda o: calls.append("sd_pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd_post") or {**sd, "extra": 1})
+        opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("lsd_pre") or
+                                              {k: v for k, v in sd.items() if k != "extra"})
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("lsd_post"))
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)
+        results[cls.__name__] = (calls, sd.get("extra"))
+    assert results["FusedAdam"] == results["Adam"] == (["sd_pre", "sd_post", "lsd_pre", "lsd_post"], 1)

@@ -35,6 +35,34 @@ def packed_groups(opt):
     return groups, ids
 
 
+def with_state_dict_hooks(opt, build) -> dict:
+    """``build()`` between the optimizer's state-dict pre- and post-hooks
+    (``register_state_dict_pre_hook`` / ``_post_hook``), run as torch.optim.Optimizer
+    runs them: a post-hook's non-None result replaces the state dict."""
+    for hook in getattr(opt, "_optimizer_state_dict_pre_hooks", {}).values():
+        hook(opt)
+    state_dict = build()
+    for hook in getattr(opt, "_optimizer_state_dict_post_hooks", {}).values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def load_with_hooks(opt, state_dict: dict, load) -> None:
+    """``load(state_dict)`` between the load-state-dict pre-hooks (which may return a
+    replacement) and post-hooks, as torch.optim.Optimizer runs them (on a shallow copy:
+    the caller's dict is not changed)."""
+    state_dict = state_dict.copy()
+    for hook in getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    load(state_dict)
+    for hook in getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(opt)
+
+
 def torch_group(hyperparameters: dict, indices: list) -> dict:
     """A param group as torch.optim.Adam's state dict holds it, from saved
     hyperparameters (betas as a tuple) and the group's parameter indices."""

@@ -826,13 +826,20 @@ class FusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
-        parameters. Tensors are views of the live state, as torch's are."""
-        return adam_state.local_state_dict(self)
+        parameters. Tensors are views of the live state, as torch's are. State-dict
+        hooks registered on the optimizer run as torch runs them."""
+        return adam_state.with_state_dict_hooks(self, self._full_state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current
-        parameter upcast."""
+        parameter upcast. Load-state-dict hooks run as torch runs them."""
+        adam_state.load_with_hooks(self, state_dict, self._load_full_state_dict)
+
+    def _full_state_dict(self) -> dict:
+        return adam_state.local_state_dict(self)
+
+    def _load_full_state_dict(self, state_dict: dict) -> None:
         self._current_flats()
         plan = adam_state.plan_load(self, state_dict)
         adam_state.apply_load(self, state_dict, plan)

@@ -181,9 +181,22 @@ class ZeroAdam(FusedAdam):
         README's HF Trainer recipe). Each rank receives the whole state as CPU tensors,
         gathered chunk by chunk; ``load_state_dict`` on any world size keeps each rank's
         shard. For large models prefer ``zero_triton.checkpoint.save`` (each rank writes
-        only its shard) or ``consolidated_state_dict(to_rank=0)`` (one receiver)."""
+        only its shard) or ``consolidated_state_dict(to_rank=0)`` (one receiver).
+        State-dict hooks run on every rank."""
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state in torch.optim.Adam's format (``consolidated_state_dict()``,
+        ``FusedAdam.state_dict()`` or torch.optim.Adam's own), given on every rank; each
+        rank keeps its shard. Collective: every rank checks everything first, and if any
+        rank rejects the state dict all raise and nothing changes. Without
+        ``master_param`` the master is the current parameter upcast. Load-state-dict
+        hooks run on every rank."""
+        super().load_state_dict(state_dict)
+
+    def _full_state_dict(self) -> dict:
         if self._comm.world_size == 1:
-            return super().state_dict()
+            return super()._full_state_dict()
         if _in_hf_trainer_single_rank_save():
             raise RuntimeError(
                 "ZeroAdam.state_dict() gathers the shards of every rank, but HF Trainer's "
@@ -208,14 +221,9 @@ class ZeroAdam(FusedAdam):
         return adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full state in torch.optim.Adam's format (``consolidated_state_dict()``,
-        ``FusedAdam.state_dict()`` or torch.optim.Adam's own), given on every rank; each
-        rank keeps its shard. Collective: every rank checks everything first, and if any
-        rank rejects the state dict all raise and nothing changes. Without
-        ``master_param`` the master is the current parameter upcast."""
+    def _load_full_state_dict(self, state_dict: dict) -> None:
         if self._comm.world_size == 1:
-            return super().load_state_dict(state_dict)
+            return super()._load_full_state_dict(state_dict)
         plan, error = None, None
         try:
             plan = adam_state.plan_load(self, state_dict)
