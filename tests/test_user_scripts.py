@@ -462,6 +462,12 @@ def test_ddp_wrapped_model_is_reported_once_and_the_hook_removes_the_double_redu
                 f"rank {rank}: {allreduces} all-reduces with the hook, {bare[rank][2]} without DDP"
 
 
+def test_one_rank_is_not_reported_as_ddp_wrapped():
+    """At world size 1 the gradients are trivially 'identical on every rank'."""
+    params, messages, _ = run_ranks(_job_ddp, 1, "bare")[0]
+    assert messages == [], messages
+
+
 # -- per-parameter steps survive state dicts and sharded checkpoints ---------------------------
 def test_missed_steps_survive_state_dict_and_checkpoint(tmp_path):
     from zero_triton import checkpoint

@@ -78,7 +78,7 @@ class ZeroAdam(FusedAdam):
                 g["params"] = list(g["params"])
         self._check_same_model(comm, groups)
         _install_scaler_agreement()
-        self._ddp_checked = False
+        self._ddp_checked = comm.world_size == 1  # one rank: its gradients are trivially 'identical'
         self._build(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                     decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
                     backend=backend, max_grad_norm=max_grad_norm, comm=comm,
