@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import json
 import os
@@ -30,6 +29,11 @@ import socket
 import stat
 import time
 import warnings
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves are not serialised (said once, see SaveLock)
+    fcntl = None
 
 from zero_triton.checkpoint import manifest as mf
 from zero_triton.checkpoint.errors import CheckpointError
@@ -60,6 +64,9 @@ class SaveLock:
         self.fd = None
 
     def __enter__(self):
+        if fcntl is None:
+            _warn_unlocked(os.path.dirname(self.path), "no flock on this system")
+            return self
         deadline = time.monotonic() + self.timeout
         while True:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
