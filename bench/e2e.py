@@ -56,7 +56,9 @@ from zero_triton.gpt import GPT, build_gpt, synthetic_batch
 from zero_triton.profiling import launch, timeline
 from zero_triton.profiling.harness import (BETAS, DTYPES, LR, WEIGHT_DECAY, model_config,
                                            torch_adamw)
+from zero_triton.profiling.cli import check_out_dir
 from zero_triton.profiling.memory_probe import MemoryProbe
+from zero_triton.units import positive_number, whole_number
 
 N_BATCHES = 4  # distinct batches per rank, cycled; every configuration sees the same
 MAX_CPU_RANKS = 64
@@ -360,28 +362,6 @@ def metadata(args, note) -> dict:
 
 # -- options -------------------------------------------------------------------------------------
 
-def _count(minimum):
-    def parse(text):
-        try:
-            value = int(str(text).strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is less than {minimum}")
-        return value
-    return parse
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
-
-
 def _ranks(text):
     try:
         ranks = [int(t) for t in str(text).split(",") if t.strip()]
@@ -404,17 +384,17 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                     help="parameters and gradients (bf16: ZeroAdamW keeps an fp32 master, "
                          "torch's AdamW does not)")
-    ap.add_argument("--layers", type=_count(1), default=4, help="transformer blocks (4)")
-    ap.add_argument("--width", type=_count(1), default=384, help="embedding width (384)")
-    ap.add_argument("--heads", type=_count(1), default=6, help="attention heads (6)")
-    ap.add_argument("--vocab", type=_count(1), default=8192, help="vocabulary size (8192)")
-    ap.add_argument("--seq", type=_count(1), default=64, help="tokens per sequence (64)")
-    ap.add_argument("--batch", type=_count(1), default=4, help="sequences per rank (4)")
-    ap.add_argument("--steps", type=_count(1), default=10, help="timed rounds (10)")
-    ap.add_argument("--warmup", type=_count(0), default=3, help="untimed rounds first (3)")
-    ap.add_argument("--bucket-cap-mb", type=_positive_float, default=None,
+    ap.add_argument("--layers", type=whole_number(1), default=4, help="transformer blocks (4)")
+    ap.add_argument("--width", type=whole_number(1), default=384, help="embedding width (384)")
+    ap.add_argument("--heads", type=whole_number(1), default=6, help="attention heads (6)")
+    ap.add_argument("--vocab", type=whole_number(1), default=8192, help="vocabulary size (8192)")
+    ap.add_argument("--seq", type=whole_number(1), default=64, help="tokens per sequence (64)")
+    ap.add_argument("--batch", type=whole_number(1), default=4, help="sequences per rank (4)")
+    ap.add_argument("--steps", type=whole_number(1), default=10, help="timed rounds (10)")
+    ap.add_argument("--warmup", type=whole_number(0), default=3, help="untimed rounds first (3)")
+    ap.add_argument("--bucket-cap-mb", type=positive_number(), default=None,
                     help="DDP's bucket size, and ZeroAdamW's once it takes one (default: each one's own)")
-    ap.add_argument("--timeout", type=_positive_float, default=300.0,
+    ap.add_argument("--timeout", type=positive_number(), default=300.0,
                     help="seconds a rank may wait in a collective, and one world size's run "
                          "may take beyond starting up (300)")
     ap.add_argument("--out", default=os.path.join("bench", "results", "e2e"),
@@ -434,13 +414,7 @@ def parse_args(argv) -> argparse.Namespace:
         args.ranks = args.ranks or [2, 4]
         if max(args.ranks) > MAX_CPU_RANKS:
             ap.error(f"--ranks {max(args.ranks)}: at most {MAX_CPU_RANKS} CPU ranks")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        ap.error(f"--out {args.out} is a file; pass a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        ap.error(f"--out {args.out}: cannot create it ({exc.strerror or exc})")
+    check_out_dir(ap, args)
     return args
 
 

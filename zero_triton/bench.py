@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from zero_triton.units import BINARY, parse_count
+from zero_triton.units import BINARY, parse_count, positive_number
 
 BYTES_PER_PARAM = 28
 LR = 1e-2           # large enough that a missing update shows in the guard (see _guard)
@@ -93,14 +93,7 @@ def _many(text: str) -> tuple[int, int]:
     return parse_size(count), parse_size(size)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (0 < value < math.inf):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number; pass e.g. 0.25")
-    return value
+_positive_float = positive_number("number", "0.25")
 
 
 def format_size(n: int) -> str:

@@ -1,4 +1,5 @@
-"""Counts on the command line: a positive whole number with an optional unit suffix.
+"""Numbers on the command line: counts with an optional unit suffix, whole numbers,
+positive numbers; each an argparse ``type=`` whose error names the fix.
 
 ``memory --params 7B`` counts parameters, where 7B means 7e9 (``DECIMAL``);
 ``bench --sizes 64M`` sizes flat buffers, where 64M means 64 * 2**20 (``BINARY``).
@@ -8,6 +9,7 @@ every digit).
 from __future__ import annotations
 
 import argparse
+import math
 from decimal import Decimal, InvalidOperation, localcontext
 
 DECIMAL = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -48,3 +50,31 @@ def parse_count(text: str, units: dict = DECIMAL, example: str = "7B") -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is out of range; pass a count up to "
                                          f"{MAX_COUNT:.3g}, e.g. {example}")
     return int(value)
+
+
+def whole_number(minimum: int = 1, example: str = "4"):
+    """An argparse type: a whole number >= ``minimum`` (no suffixes)."""
+    def parse(text) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass e.g. {example}") from None
+        if value < minimum:
+            why = ("is not positive" if minimum == 1 else "is negative" if minimum == 0
+                   else f"is less than {minimum}")
+            raise argparse.ArgumentTypeError(f"{text!r} {why}; pass a whole number >= {minimum}")
+        return value
+    return parse
+
+
+def positive_number(what: str = "number", example: str = "1"):
+    """An argparse type: a finite float > 0 (``what`` names it in the error)."""
+    def parse(text) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {what}; pass e.g. {example}")
+        return value
+    return parse

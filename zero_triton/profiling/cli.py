@@ -4,47 +4,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import sys
 from pathlib import Path
 
-from zero_triton.units import BINARY, parse_count
+from zero_triton.units import BINARY, parse_count, positive_number, whole_number
 
 # Defaults that profile a step on 2 CPU cores in well under a minute.
 MODEL_DEFAULTS = {"layers": 2, "width": 128, "heads": 4, "vocab": 2048, "seq": 64, "batch": 8}
 MAX_SPAWNED_RANKS = 64
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass e.g. 4")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not positive; pass a whole number >= 1")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass e.g. 3")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; pass a whole number >= 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds; pass e.g. 300")
-    return value
+_positive_int = whole_number(1)
+_seconds = positive_number("number of seconds", "300")
 
 
 def _stage(text: str) -> int:
@@ -137,7 +110,7 @@ def parse_args(argv) -> argparse.Namespace:
                  f"gets width / heads channels: pass e.g. --width {args.heads * max(1, round(args.width / args.heads))}")
     _check_stage_and_overlap(ap, args)
     _check_device(ap, args, launch.under_torchrun())
-    _check_out(ap, args)
+    check_out_dir(ap, args)
     return args
 
 
@@ -185,7 +158,9 @@ def _check_device(ap, args, torchrun: bool) -> None:
                      "launch larger jobs with torchrun")
 
 
-def _check_out(ap, args) -> None:
+def check_out_dir(ap, args) -> None:
+    """``--out`` is a folder that exists (created if missing) and can be written, or
+    ``ap.error`` says why."""
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         ap.error(f"--out {args.out} is a file; pass a folder (it is created if missing)")
