@@ -306,28 +306,18 @@ def test_accelerate_one_process_save_load_state_default_safetensors(acc1_fused):
     check_resume(acc1_fused, "safetensors", 1)
 
 
-def test_safetensors_save_model_load_model_round_trip(acc1_fused):
-    """safetensors.torch.save_model of a model trained with FusedAdamW, and load_model
-    into a fresh model whose parameters a FusedAdamW holds (and into a plain one): every
-    tensor round-trips."""
+@pytest.mark.parametrize("recipe", ["model", "file"])
+def test_safetensors_round_trip(acc1_fused, recipe):
+    """safetensors.torch.save_model / load_model ("model"), and save_file of
+    model.state_dict() then model.load_state_dict(load_file(f)) ("file"), of a model
+    trained with FusedAdamW, into a plain model and into one whose parameters a
+    FusedAdamW holds: every tensor round-trips."""
     run = acc1_fused
     expected = run.phase(0, "expected")["model"]
-    run.phase(0, "st_save_model")
+    run.phase(0, f"st_save_{recipe}")
     for into in ("plain", "flat"):
-        assert_equal(run, run.phase(0, f"st_load_model_{into}")["loaded"], expected,
-                     f"load_model into a {into} model")
-
-
-def test_safetensors_save_file_load_file_round_trip(acc1_fused):
-    """The safetensors recipe that works: save_file(model.state_dict(), f), then
-    model.load_state_dict(load_file(f)), into a plain model and into one whose
-    parameters a FusedAdamW holds: every tensor round-trips."""
-    run = acc1_fused
-    expected = run.phase(0, "expected")["model"]
-    run.phase(0, "st_save_file")
-    for into in ("plain", "flat"):
-        assert_equal(run, run.phase(0, f"st_load_file_{into}")["loaded"], expected,
-                     f"load_file + load_state_dict into a {into} model")
+        assert_equal(run, run.phase(0, f"st_load_{recipe}_{into}")["loaded"], expected,
+                     f"safetensors {recipe} recipe into a {into} model")
 
 
 # -- accelerate, two processes ---------------------------------------------------------

@@ -180,14 +180,9 @@ def load_shard(flat, entries, step) -> None:
 
 @torch.no_grad()
 def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_CHUNK):
-    """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
-    per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
-    fp16/bf16) on group rank ``to_rank`` (every rank for None), as CPU tensors; None
-    on the other ranks.
-
-    Collective. Gathered one chunk of one state of one flat buffer at a time, so the
-    receiver's peak memory is one full copy plus ``world_size`` chunks (not
-    ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
+    """``ZeroAdam.consolidated_state_dict``: the shards of every rank gathered into
+    torch.optim.Adam's format on ``to_rank`` (every rank for None), ``chunk_elems``
+    elements of one state of one flat buffer per round; None on the other ranks."""
     comm = opt._comm
     if to_rank is not None and not 0 <= to_rank < comm.world_size:
         raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "

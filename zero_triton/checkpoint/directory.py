@@ -130,16 +130,21 @@ def _warn_unlocked(directory: str, why: str) -> None:
 
 
 # -- what is ours -------------------------------------------------------------------------
-def read_manifest(directory: Directory, validate: bool = True) -> dict:
-    """The sealed (and, by default, validated) manifest of an open directory; raises
-    FileNotFoundError when there is none."""
+def _manifest_bytes(directory: Directory) -> tuple[bytes, str]:
+    """The bytes of ``directory``'s manifest and its path; FileNotFoundError when none."""
+    source = os.path.join(directory.path, MANIFEST)
     f, size = directory.open(MANIFEST, "manifest")
     with f:
         if size > mf.MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{os.path.join(directory.path, MANIFEST)} is {size:,} bytes, "
-                                  "more than any manifest; it is not a zero_triton manifest")
-        data = f.read()
-    source = os.path.join(directory.path, MANIFEST)
+            raise CheckpointError(f"{source} is {size:,} bytes, more than any manifest; it is "
+                                  "not a zero_triton manifest")
+        return f.read(), source
+
+
+def read_manifest(directory: Directory, validate: bool = True) -> dict:
+    """The sealed (and, by default, validated) manifest of an open directory; raises
+    FileNotFoundError when there is none."""
+    data, source = _manifest_bytes(directory)
     manifest = mf.parse(data, source)
     if validate:
         mf.validate(manifest, source)
@@ -149,18 +154,18 @@ def read_manifest(directory: Directory, validate: bool = True) -> dict:
 def _ours_any_version(directory: Directory) -> dict:
     """The manifest of a checkpoint this or an earlier zero_triton wrote: sealed (current
     version), or format version 1 (before the seal), which a save may still replace."""
-    f, size = directory.open(MANIFEST, "manifest")
-    with f:
-        data = f.read(min(size, mf.MAX_MANIFEST_BYTES + 1))
-    source = os.path.join(directory.path, MANIFEST)
+    data, source = _manifest_bytes(directory)
     try:
-        claim = json.loads(data)
-    except (ValueError, RecursionError):
-        claim = None
-    if isinstance(claim, dict) and claim.get("format") == mf.FORMAT and claim.get("version") == 1 \
-            and type(claim.get("version")) is int:
-        return claim
-    return mf.parse(data, source)
+        return mf.parse(data, source)
+    except CheckpointError:
+        try:
+            claim = json.loads(data)
+        except (ValueError, RecursionError):
+            claim = None
+        if (isinstance(claim, dict) and claim.get("format") == mf.FORMAT
+                and type(claim.get("version")) is int and claim["version"] == 1):
+            return claim
+        raise
 
 
 def _only_ours(path: str, names, allowed) -> list[str]:

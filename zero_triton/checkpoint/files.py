@@ -267,16 +267,17 @@ def _short(exc, limit=300) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def _loads_back(obj) -> Exception | None:
-    """None when ``torch.load(weights_only=True)`` reads back what ``torch.save`` wrote."""
+def _round_trip(obj) -> tuple[bytes | None, Exception | None]:
+    """``(torch.save bytes, None)`` when ``torch.load(weights_only=True)`` reads them
+    back, else ``(None, the error)``."""
     buffer = io.BytesIO()
     try:
         torch.save(obj, buffer)
         buffer.seek(0)
         torch.load(buffer, weights_only=True)
     except Exception as exc:
-        return exc
-    return None
+        return None, exc
+    return buffer.getvalue(), None
 
 
 def _first_unloadable(obj, where: str):
@@ -284,7 +285,7 @@ def _first_unloadable(obj, where: str):
     items = (obj.items() if isinstance(obj, dict) else enumerate(obj)
              if isinstance(obj, (list, tuple)) else ())
     for key, value in items:
-        if _loads_back(value) is not None:
+        if _round_trip(value)[1] is not None:
             return _first_unloadable(value, f"{where}[{key!r}]")
     return where, obj
 
@@ -298,7 +299,7 @@ def encode(obj, what: str, plain_tensors_ok: bool = False) -> bytes:
         probe = {k: v for k, v in obj.items() if type(v) not in (torch.Tensor, torch.nn.Parameter)}
     else:
         probe = obj
-    error = _loads_back(probe)
+    data, error = _round_trip(probe)
     if error is not None:
         where, value = _first_unloadable(probe, what)
         raise CheckpointError(
@@ -308,6 +309,8 @@ def encode(obj, what: str, plain_tensors_ok: bool = False) -> bytes:
             "dicts (pass vars(args) for an argparse.Namespace, or register the class with "
             "torch.serialization.add_safe_globals in every process that saves and loads); "
             "nothing was written")
+    if probe is obj:  # the bytes just checked are the ones to write
+        return data
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()

@@ -157,13 +157,6 @@ class _Fields:
         return value
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def validate_hyperparameters(groups, source: str) -> None:
     """Types and ranges of the values the step reads (as torch.optim.Adam checks them)."""
     v = _Fields(source)
@@ -234,7 +227,7 @@ def validate(m: dict, source: str) -> None:
         shape = v.list(p, "shape", f"{field}.shape", max_len=64)
         for d in range(len(shape)):
             v.int(shape, d, f"{field}.shape[{d}]", 0, _MAX_NUMEL)
-        numel = _numel(shape)
+        numel = math.prod(shape)
         if numel > _MAX_NUMEL:
             v.fail(f"{field}.shape", f"is {shape}: {numel} elements")
         dtype = v.get(p, "dtype", f"{field}.dtype", str)

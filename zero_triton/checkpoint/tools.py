@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import secrets
 import sys
@@ -16,7 +17,6 @@ from zero_triton.checkpoint import directory as dirs
 from zero_triton.checkpoint.errors import CheckpointError
 from zero_triton.checkpoint.files import (HEADER_BYTES, MODEL_EXTRA_FILE, Readers,
                                           file_crc, header)
-from zero_triton.checkpoint.manifest import _numel
 from zero_triton.checkpoint.protocol import read_model_flat, read_state_range
 from zero_triton.checkpoint.target import own_bytes
 
@@ -39,7 +39,7 @@ def consolidate(path) -> tuple[dict, dict]:
                 if k is None:
                     continue
                 saved = manifest["flats"][k]
-                numel = _numel(entry["shape"])
+                numel = math.prod(entry["shape"])
                 lo, end = entry["offset"], entry["offset"] + numel
                 index = seen_in_flat.get(k, 0)  # entries of one flat come in its parameters' order
                 seen_in_flat[k] = index + 1
@@ -120,7 +120,7 @@ def _inspect(path) -> int:
     with directory:
         results = _verify_open(directory, manifest)
     params = manifest["params"]
-    n_elem = sum(_numel(p["shape"]) for p in params)
+    n_elem = sum(math.prod(p["shape"]) for p in params)
     print(f"checkpoint   {directory.path}")
     print(f"format       {manifest['format']} v{manifest['version']} ({manifest['optimizer']}), "
           f"save {manifest['save_id']}, manifest checksum ok")
