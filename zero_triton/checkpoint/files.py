@@ -242,7 +242,7 @@ class Reader:
             return torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:  # verified bytes that torch cannot read: say which file
             raise CheckpointError(f"checkpoint file {self.name} in {self.directory} cannot be "
-                                  f"read back ({type(exc).__name__}: {_short(exc)})") from exc
+                                  f"read back ({type(exc).__name__}: {one_line(exc)})") from exc
 
 
 class Readers(dict):
@@ -262,7 +262,8 @@ class Readers(dict):
             reader.close()
 
 
-def _short(exc, limit=300) -> str:
+def one_line(exc, limit=300) -> str:
+    """``exc`` (or any text) on one line, at most ``limit`` characters and " ..."."""
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[:limit] + " ..."
 
@@ -304,7 +305,7 @@ def encode(obj, what: str, plain_tensors_ok: bool = False) -> bytes:
         where, value = _first_unloadable(probe, what)
         raise CheckpointError(
             f"{where} ({type(value).__name__}) could not be loaded back "
-            f"({type(error).__name__}: {_short(error)}); a checkpoint holds what "
+            f"({type(error).__name__}: {one_line(error)}); a checkpoint holds what "
             "torch.load(weights_only=True) reads: tensors, numbers, strings, lists, tuples, "
             "dicts (pass vars(args) for an argparse.Namespace, or register the class with "
             "torch.serialization.add_safe_globals in every process that saves and loads); "

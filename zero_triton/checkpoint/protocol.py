@@ -13,7 +13,7 @@ from zero_triton.checkpoint import directory as dirs
 from zero_triton.checkpoint import manifest as mf
 from zero_triton.checkpoint.errors import CheckpointError
 from zero_triton.checkpoint.files import (EXTRA_FILE, MODEL_EXTRA_FILE, MODEL_FILE, Readers,
-                                          Writer, as_bytes, encode, rank_file)
+                                          Writer, as_bytes, encode, one_line, rank_file)
 from zero_triton.checkpoint.target import Target
 
 LOCK_TIMEOUT_S = 300.0
@@ -24,8 +24,7 @@ class _Replaced(CheckpointError):
 
 
 def _say(exc: BaseException, limit: int = 600) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit] + " ..."
+    return one_line(f"{type(exc).__name__}: {exc}", limit)
 
 
 def agree(comm, phase: str, what: str, fn, share=lambda value: None, after: str = ""):
