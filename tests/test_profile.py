@@ -426,6 +426,27 @@ def test_a_dead_or_failing_rank_is_one_line_not_a_hang(fn, message, tmp_path):
     assert time.monotonic() - t0 < 45, "reported within seconds, not at the timeout"
 
 
+def _abort_once(args, rank, world, device):
+    marker = os.path.join(args.out, "aborted")
+    if rank == 1 and (args.always or not os.path.exists(marker)):
+        open(marker, "w").close()
+        os.abort()
+    dist.barrier()
+    return rank
+
+
+def test_an_aborted_rank_is_run_again_once(tmp_path, capfd):
+    """SIGABRT inside torch/gloo (no Python error): one more try, said on stderr."""
+    got = launch.spawn(_abort_once, argparse.Namespace(out=str(tmp_path), always=False), 2, "cpu",
+                       timeout_s=60)
+    assert got == [0, 1], got
+    err = capfd.readouterr().err
+    assert "rank 1 died without a word (killed by SIGABRT)" in err and "running the ranks again once" in err
+    with pytest.raises(launch.RankFailure, match=r"killed by SIGABRT\).*\(twice\)"):
+        launch.spawn(_abort_once, argparse.Namespace(out=str(tmp_path), always=True), 2, "cpu",
+                     timeout_s=60)
+
+
 def test_a_failing_rank_fails_the_command_with_status_1(monkeypatch, tmp_path, capsys):
     def failed(*a, **kw):
         raise launch.RankFailure("rank 1 died without a word (killed by SIGKILL)")
