@@ -21,11 +21,12 @@ they are interleaved. Configurations:
 
   ddp         DDP + torch.optim.AdamW (fused=True where torch has it, else foreach)
   torch_zero  torch's ZeroRedundancyOptimizer(AdamW, the same flag) + DDP
-  zero        ZeroAdamW as it is: ZeRO-1, reduce-scatter and all-gather inside step()
+  zero_s1            ZeroAdamW, one bucket: reduce-scatter and all-gather inside step()
+  zero_s1_buckets    ZeroAdamW, 25 MiB buckets: reduce-scatters start during backward
+  zero_s1_overlap    the same with zero_triton.overlap(model, opt): all-gathers waited by
+                     the next forward, module by module
 
-When ZeroAdamW's signature takes ``stage`` / ``overlap`` / ``bucket_cap_mb``, ZeRO-1 and
-ZeRO-2 with overlap off and on are run instead of ``zero``; until then one line says
-which of them are not available yet.
+and the same for ZeRO-2 when ZeroAdamW takes ``stage``; until then one line says so.
 
     python bench/e2e.py                          # 2 and 4 gloo ranks on CPU, one thread each
     python bench/e2e.py --ranks 2 --steps 20 --dtype bf16
@@ -70,48 +71,45 @@ COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "ma
 # -- configurations ------------------------------------------------------------------------
 
 def zero_variants(bucket_cap_mb):
-    """(variants to run as [(key, ZeroAdamW kwargs, label)], one line naming what is not
-    available yet or None): the stage/overlap options ZeroAdamW's signature takes."""
+    """(variants to run as [(key, ZeroAdamW kwargs, label, overlap?)], one line naming
+    what is not available yet or None). Per ZeRO stage that ZeroAdamW takes: one bucket
+    (everything communicated inside step(), as before buckets), buckets (reduce-scatters
+    started during backward, all-gathers waited in step()), and buckets with
+    ``zero_triton.overlap`` (all-gathers waited by the next forward)."""
     from zero_triton import ZeroAdamW
     accepted = inspect.signature(ZeroAdamW.__init__).parameters
-    stages = (1, 2) if "stage" in accepted else (None,)
-    overlaps = (False, True) if "overlap" in accepted else (None,)
-    extra = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb and "bucket_cap_mb" in accepted else {}
-    variants, have = [], set()
+    stages = (1, 2) if "stage" in accepted else (1,)
+    cap = bucket_cap_mb or 25
+    variants = []
     for s in stages:
-        for o in overlaps:
-            kwargs = {**extra, **({} if s is None else {"stage": s}),
-                      **({} if o is None else {"overlap": o})}
-            have.add((s or 1, bool(o)))
-            if s is None and o is None:
-                variants.append(("zero", kwargs, "ZeroAdamW (ZeRO-1)"))
-            else:
-                variants.append((f"zero_s{s or 1}" + ("_overlap" if o else ""), kwargs,
-                                 f"ZeroAdamW (ZeRO-{s or 1}, overlap {'on' if o else 'off'})"))
-    missing = [f"ZeRO-{s} overlap {'on' if o else 'off'}" for s in (1, 2) for o in (False, True)
-               if (s, o) not in have]
-    absent = [a for a in ("stage", "overlap", "bucket_cap_mb") if a not in accepted]
-    note = None
-    if missing or absent:
-        note = (f"not available yet in ZeroAdamW: {', '.join(missing) or 'none'} (its signature "
-                f"takes no {', '.join(a + '=' for a in absent)}); measuring what it takes today")
+        st = {"stage": s} if "stage" in accepted else {}
+        variants += [
+            (f"zero_s{s}", {**st, "bucket_cap_mb": None}, f"ZeroAdamW (ZeRO-{s}, one bucket)", False),
+            (f"zero_s{s}_buckets", {**st, "bucket_cap_mb": cap},
+             f"ZeroAdamW (ZeRO-{s}, {cap:g} MiB buckets)", False),
+            (f"zero_s{s}_overlap", {**st, "bucket_cap_mb": cap},
+             f"ZeroAdamW (ZeRO-{s}, buckets + overlap())", True)]
+    note = None if 2 in stages else "not available yet in ZeroAdamW: ZeRO-2 (its signature takes no stage=)"
     return variants, note
 
 
 def configurations(args):
     """[(key, label)] in table order; ``args.variants`` holds ZeroAdamW's kwargs."""
     return [("ddp", "DDP + AdamW"), ("torch_zero", "ZeroRedundancyOptimizer(AdamW) + DDP")] + \
-        [(key, label) for key, _, label in args.variants]
+        [(key, label) for key, _, label, _ in args.variants]
 
 
 def build(key, args, device):
     """(model to call, optimizer, label with the optimizer's flags)."""
     model = build_gpt(model_config(args), device=device, dtype=DTYPES[args.dtype], seed=0)
-    zero = {k: (kw, label) for k, kw, label in args.variants}
+    zero = {k: (kw, label, o) for k, kw, label, o in args.variants}
     if key in zero:
-        from zero_triton import ZeroAdamW
-        kwargs, label = zero[key]
-        opt = ZeroAdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, **kwargs)
+        import zero_triton
+        kwargs, label, overlap = zero[key]
+        opt = zero_triton.ZeroAdamW(model.parameters(), lr=LR, betas=BETAS,
+                                    weight_decay=WEIGHT_DECAY, **kwargs)
+        if overlap:
+            zero_triton.overlap(model, opt)
         return model, opt, f"{label}, backend {opt._flats[0][0].backend}"
     ddp_kwargs = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {}
     net = torch.nn.parallel.DistributedDataParallel(
@@ -393,7 +391,7 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--steps", type=whole_number(1), default=10, help="timed rounds (10)")
     ap.add_argument("--warmup", type=whole_number(0), default=3, help="untimed rounds first (3)")
     ap.add_argument("--bucket-cap-mb", type=positive_number(), default=None,
-                    help="DDP's bucket size, and ZeroAdamW's once it takes one (default: each one's own)")
+                    help="DDP's and ZeroAdamW's bucket size in MiB (default: 25, both's own)")
     ap.add_argument("--timeout", type=positive_number(), default=300.0,
                     help="seconds a rank may wait in a collective, and one world size's run "
                          "may take beyond starting up (300)")

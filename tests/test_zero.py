@@ -116,7 +116,7 @@ def _snapshot(opt):
 def _describe_flat(opt):
     flat = opt._flats[0][0]
     return {"padded_numel": flat.layout.padded_numel, "shard_numel": flat.layout.shard_numel,
-            "shard": flat.shard,
+            "segments": flat.segments,
             "sizes": {k: getattr(flat, k).numel() for k in ("master", "exp_avg", "exp_avg_sq")}}
 
 
@@ -465,7 +465,7 @@ def _check_layout(case: Case, results: list):
         assert (r["padded_numel"], r["shard_numel"]) == (layout.padded_numel, layout.shard_numel), \
             f"rank {rank}: layout {r['padded_numel']}/{r['shard_numel']}, expected " \
             f"{layout.padded_numel}/{layout.shard_numel}"
-        assert r["shard"] == layout.shard_range(rank), f"rank {rank}: shard {r['shard']}"
+        assert r["segments"] == layout.shard_segments(rank), f"rank {rank}: shard {r['segments']}"
         for key, n in r["sizes"].items():
             assert n == layout.shard_numel, \
                 f"rank {rank}: {key} has {n} elements, the shard {layout.shard_numel}"
@@ -478,7 +478,7 @@ def _check_step(case: Case, ref: _References, results: list, t: int):
     full = {}
     for rank, r in enumerate(results):
         snap = r["steps"][t - 1]
-        lo, hi = r["shard"]
+        (lo, hi, _), = r["segments"]
         where = f"rank {rank}, step {t}"
         assert snap["step"] == t, f"{where}: step counter {snap['step']}"
         # The whole model on every rank, equal to FusedAdam's (rounded, with reduce_dtype).
@@ -615,7 +615,9 @@ def test_memory_report_counts_shard_state_and_full_buffers(case):
             assert rep["optimizer_state"] == 12 * s, f"{where}: optimizer_state {rep['optimizer_state']} B"
         full = layout.padded_numel * r["element_size"]
         assert rep["params"] == full, f"{where}: params {rep['params']} B, expected the padded buffer {full}"
-        assert rep["grads"] == full, f"{where}: grads {rep['grads']} B, expected the padded buffer {full}"
+        # The local gradients (the padded buffer) and, over several ranks, the averaged shard.
+        grads = full + (s * r["element_size"] if case.world_size > 1 else 0)
+        assert rep["grads"] == grads, f"{where}: grads {rep['grads']} B, expected {grads}"
 
 
 def _rank_mismatched_shapes(rank, world_size):

@@ -2,12 +2,14 @@
 
 FusedAdam / FusedAdamW: drop-in torch.optim.Adam / AdamW, one fused kernel per flat
 buffer. ZeroAdam / ZeroAdamW: the same step with optimizer state sharded over a
-torch.distributed process group (ZeRO-1).
+torch.distributed process group (ZeRO-1), averaged bucket by bucket during backward;
+``overlap(model, optimizer)`` overlaps its parameter all-gathers with the next forward.
 """
 from zero_triton.flat import FlatLayout, flatten_params, unflatten_into
 from zero_triton.optim import FusedAdam, FusedAdamW
+from zero_triton.prefetch import overlap
 from zero_triton.zero import ZeroAdam, ZeroAdamW, ZeroGradScaler, ddp_local_grads_hook
 
 __version__ = "0.1.0"
 
-__all__ = ["FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "ZeroGradScaler", "ddp_local_grads_hook", "FlatLayout", "flatten_params", "unflatten_into", "__version__"]
+__all__ = ["FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "ZeroGradScaler", "ddp_local_grads_hook", "overlap", "FlatLayout", "flatten_params", "unflatten_into", "__version__"]

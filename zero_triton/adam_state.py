@@ -149,7 +149,7 @@ def apply_load(opt, state_dict, plan) -> None:
 
 @torch.no_grad()
 def load_shard(flat, entries, step) -> None:
-    """Copy this rank's [lo, hi) of each full per-parameter state into the shard."""
+    """Copy this rank's shard (every bucket's) of each full per-parameter state in."""
     flat.exp_avg.zero_()
     flat.exp_avg_sq.zero_()
     flat.set_param_steps(step if step is not None else [0.0] * len(flat.params))
@@ -160,22 +160,26 @@ def load_shard(flat, entries, step) -> None:
     elif flat.max_exp_avg_sq is not None:
         flat.max_exp_avg_sq.zero_()
     if flat.has_master:
-        flat.master.copy_(flat.param_shard)
+        for master, part in zip(flat.master_parts(), flat.param_parts):
+            master.copy_(part)
     if entries is None:
         return
-    lo, hi = flat.shard
     targets = flat.state_buffers()
     if not has_max:
         targets.pop("max_exp_avg_sq", None)  # zeroed above: not every entry has it
-    for i, a, b in flat.layout.ranges_in(lo, hi):
-        o = flat.layout.offsets[i] + a - lo
-        for key, buf in targets.items():
-            if entries[i] is not None and key in entries[i]:
-                buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
+    for lo, hi, s0 in flat.segments:
+        for i, a, b in flat.layout.ranges_in(lo, hi):
+            o = flat.layout.offsets[i] + a - lo + s0
+            for key, buf in targets.items():
+                if entries[i] is not None and key in entries[i]:
+                    buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
     # Every rank decides this from the same state dict: the all-gather is collective.
     if flat.has_master and any(e is not None and "master_param" in e for e in entries):
-        flat.param_shard.copy_(flat.master)
-        flat.gather_params().wait()
+        for master, part in zip(flat.master_parts(), flat.param_parts):
+            part.copy_(master)
+        for k, bucket in enumerate(flat.buckets):
+            flat.gather_bucket(k)
+            bucket.wait_gather()
 
 
 @torch.no_grad()
@@ -193,6 +197,7 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
     for _, flat in opt._current_flats():
         bufs = flat.state_buffers()
         layout, shard = flat.layout, flat.layout.shard_numel
+        segments = [layout.shard_segments(r) for r in range(comm.world_size)]
         chunk = max(1, min(shard, chunk_elems))
         recv = None
         if me:
@@ -216,8 +221,12 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
                 if not me:
                     continue
                 for r in range(comm.world_size):
-                    start = r * shard + c
-                    for i, a, b in layout.ranges_in(start, start + n):
-                        o = layout.offsets[i] + a - start
-                        out[i][key].view(-1)[a:b].copy_(pieces[r][o:o + b - a])
+                    for lo, hi, s0 in segments[r]:  # rank r's state [s0, ...) is buffer [lo, hi)
+                        s_a, s_b = max(s0, c), min(s0 + hi - lo, c + n)
+                        if s_a >= s_b:
+                            continue
+                        start = lo + s_a - s0
+                        for i, a, b in layout.ranges_in(start, start + s_b - s_a):
+                            o = layout.offsets[i] + a - start + s_a - c
+                            out[i][key].view(-1)[a:b].copy_(pieces[r][o:o + b - a])
     return {"state": state, "param_groups": groups} if me else None

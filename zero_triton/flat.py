@@ -1,11 +1,18 @@
 """Flat layout: parameters of one dtype and device packed into one buffer.
 
 Each parameter starts at an offset aligned to ``align`` elements (16 elements: at least
-32 bytes for fp16/bf16, 64 for fp32, enough for 16-byte vector loads); the buffer is
-padded to a multiple of ``world_size * align`` so that every rank's shard
-``[r*S, (r+1)*S)`` has the same size S, as ``reduce_scatter_tensor`` requires. The
-offsets do not depend on the world size, only the trailing padding does: a checkpoint
-written at one world size maps onto any other.
+32 bytes for fp16/bf16, 64 for fp32, enough for 16-byte vector loads). The *canonical*
+layout packs them one after another; it depends on the shapes only, and it is what
+checkpoints record, so a checkpoint maps onto any world size and any bucket size.
+
+The buffer itself is cut into buckets (``bucket_numel``: elements per bucket, None for
+one bucket), each a run of consecutive parameters, filled from the last parameter
+backwards (the order backward produces gradients) and padded to a multiple of
+``world_size * align``: every bucket is sharded over the ranks on its own, rank r
+owning ``[start + r*S_b, start + (r+1)*S_b)`` of bucket b, so a bucket's gradients can
+be reduce-scattered as soon as they are final. A rank's optimizer state is its shards
+of every bucket, one after another (``shard_segments``). Within a bucket the offsets
+are the canonical ones shifted by one constant; with one bucket they are equal.
 """
 from __future__ import annotations
 
@@ -21,41 +28,104 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 @dataclass(frozen=True)
+class Bucket:
+    """Parameters [first, end) of a flat buffer, sharded over the ranks on their own."""
+
+    first: int
+    end: int
+    start: int            # buffer offset
+    numel: int            # padded size: a multiple of world_size * align
+    canonical_start: int  # its data [canonical_start, canonical_end) in the canonical layout
+    canonical_end: int
+    shard_numel: int      # numel // world_size
+    shard_start: int      # where its shard starts in a rank's state
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        lo = self.start + rank * self.shard_numel
+        return lo, lo + self.shard_numel
+
+
+@dataclass(frozen=True)
 class FlatLayout:
     """Where each parameter of a flat buffer lives. Offsets and sizes in elements."""
 
     shapes: tuple
-    offsets: tuple
-    numel: int          # end of the last parameter
-    padded_numel: int   # numel rounded up to a multiple of world_size * align
+    offsets: tuple            # in the buffer
+    numel: int                # end of the last parameter in the canonical layout
+    padded_numel: int         # the buffer's size
     world_size: int
     align: int = ALIGN
+    buckets: tuple = ()
+    canonical_offsets: tuple = ()
+    bucket_numel: int | None = None
 
     @classmethod
-    def build(cls, shapes, world_size: int = 1, align: int = ALIGN) -> "FlatLayout":
+    def build(cls, shapes, world_size: int = 1, align: int = ALIGN,
+              bucket_numel: int | None = None) -> "FlatLayout":
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if bucket_numel is not None and bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be >= 1 or None, got {bucket_numel}")
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        offsets, end = [], 0
+        canonical, end = [], 0
         for s in shapes:
-            offsets.append(end)
+            canonical.append(end)
             end = _round_up(end + _numel(s), align)
         # end already sits on an alignment boundary; only the last parameter's tail
         # alignment is padding, count numel as the end of the data.
-        numel = offsets[-1] + _numel(shapes[-1]) if shapes else 0
-        padded = _round_up(max(numel, 1), world_size * align)
-        return cls(shapes, tuple(offsets), numel, padded, world_size, align)
+        numel = canonical[-1] + _numel(shapes[-1]) if shapes else 0
+        unit = world_size * align
+        offsets, buckets, start, shard_start = [], [], 0, 0
+        for first, last in _bucket_runs(shapes, bucket_numel):
+            c0 = canonical[first] if shapes else 0
+            c1 = canonical[last] if last < len(shapes) else numel
+            size = _round_up(max(c1 - c0, 1), unit)
+            offsets.extend(o - c0 + start for o in canonical[first:last])
+            buckets.append(Bucket(first, last, start, size, c0, c1, size // world_size, shard_start))
+            start += size
+            shard_start += size // world_size
+        return cls(shapes, tuple(offsets), numel, start, world_size, align, tuple(buckets),
+                   tuple(canonical), bucket_numel)
 
     def with_world_size(self, world_size: int) -> "FlatLayout":
-        return FlatLayout.build(self.shapes, world_size, self.align)
+        return FlatLayout.build(self.shapes, world_size, self.align, self.bucket_numel)
+
+    @property
+    def canonical(self) -> "FlatLayout":
+        """The same parameters in one bucket at world size 1: the layout checkpoints keep."""
+        return FlatLayout.build(self.shapes, 1, self.align)
 
     @property
     def shard_numel(self) -> int:
+        """Elements of a rank's state: its shard of every bucket."""
         return self.padded_numel // self.world_size
 
     def shard_range(self, rank: int) -> tuple[int, int]:
-        s = self.shard_numel
-        return rank * s, (rank + 1) * s
+        """A rank's shard as one range of the buffer (a layout of one bucket only)."""
+        if len(self.buckets) != 1:
+            raise ValueError(f"a layout of {len(self.buckets)} buckets has no single shard "
+                             "range; use shard_segments")
+        return self.buckets[0].shard_range(rank)
+
+    def shard_segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """(buffer lo, buffer hi, state offset) of each bucket's shard of ``rank``."""
+        return [(*b.shard_range(rank), b.shard_start) for b in self.buckets]
+
+    def canonical_segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """(canonical lo, canonical hi, state offset): the parameter data (padding between
+        buckets left out) that ``rank``'s state holds, in canonical coordinates."""
+        out = []
+        for b in self.buckets:
+            lo, hi = b.shard_range(rank)
+            c_lo = b.canonical_start + lo - b.start
+            c_hi = min(b.canonical_start + hi - b.start, b.canonical_end)
+            if c_lo < c_hi:
+                out.append((c_lo, c_hi, b.shard_start))
+        return out
+
+    def to_canonical(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat``'s data as views that, concatenated, are its canonical layout."""
+        return [flat[b.start:b.start + b.canonical_end - b.canonical_start] for b in self.buckets]
 
     @property
     def padding(self) -> int:
@@ -88,6 +158,23 @@ class FlatLayout:
                 yield i, lo - o, hi - o
 
 
+def _bucket_runs(shapes, bucket_numel):
+    """(first, end) parameter runs, filled from the last parameter backwards with at
+    most ``bucket_numel`` elements each (a larger parameter gets a bucket of its own)."""
+    n = len(shapes)
+    if bucket_numel is None or n == 0:
+        return [(0, n)]
+    runs, end, size = [], n, 0
+    for i in range(n - 1, -1, -1):
+        k = _numel(shapes[i])
+        if end > i + 1 and size + k > bucket_numel:
+            runs.append((i + 1, end))
+            end, size = i + 1, 0
+        size += k
+    runs.append((0, end))
+    return runs[::-1]
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -102,7 +189,7 @@ def _as_params(module_or_params):
 
 
 def flatten_params(module_or_params, *, world_size: int = 1, align: int = ALIGN,
-                   rehome: bool = False):
+                   rehome: bool = False, bucket_numel: int | None = None):
     """Pack parameters (a module's, or a list) into one new flat buffer.
 
     Returns ``(flat, layout)``: ``flat`` is a 1-D tensor of ``layout.padded_numel``
@@ -121,7 +208,7 @@ def flatten_params(module_or_params, *, world_size: int = 1, align: int = ALIGN,
             raise ValueError(
                 f"flatten_params needs one dtype and device: parameter {i} is {p.dtype} on "
                 f"{p.device}, parameter 0 is {dtype} on {device}; flatten each kind separately")
-    layout = FlatLayout.build([p.shape for p in params], world_size, align)
+    layout = FlatLayout.build([p.shape for p in params], world_size, align, bucket_numel)
     flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
     with torch.no_grad():
         for p, view in zip(params, layout.aliases(flat) if rehome else layout.views(flat)):

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from zero_triton import _ext, adam_state, backends
+from zero_triton import _ext, adam_state, backends, buckets
 from zero_triton.comm import LocalComm, phase
 from zero_triton.flat import flatten_params
 
@@ -134,19 +134,6 @@ def _remove_all(handles: list) -> None:
     handles.clear()
 
 
-def _post_accumulate_hook(p: torch.Tensor, fn):
-    """register_post_accumulate_grad_hook, also on a parameter frozen right now (a
-    re-home after ``requires_grad_(False)``): torch refuses the hook on a tensor that
-    does not require grad, and it must fire once the parameter is unfrozen."""
-    if p.requires_grad:
-        return p.register_post_accumulate_grad_hook(fn)
-    p.requires_grad_(True)
-    try:
-        return p.register_post_accumulate_grad_hook(fn)
-    finally:
-        p.requires_grad_(False)
-
-
 class FlatShard:
     """One flat buffer (a param group's parameters of one dtype and device) and the
     optimizer state of this rank's shard of it.
@@ -162,12 +149,15 @@ class FlatShard:
     (None while they all have ``step``).
     """
 
-    def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None):
+    def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
+                 bucket_numel=None, key=0, reducer=None):
         self.params = params
         self.dtype, self.device = params[0].dtype, params[0].device
         self.comm = comm
         self.reduce_dtype = reduce_dtype
-        self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True)
+        self.bucket_numel, self.key, self.reducer = bucket_numel, key, reducer
+        self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
+                                                      bucket_numel=bucket_numel)
         self.param_views = [p.detach() for p in params]  # where each parameter lives now
         self.flat_grad = torch.zeros_like(self.flat_param)
         self.grad_views = self.layout.views(self.flat_grad)
@@ -182,24 +172,33 @@ class FlatShard:
                     self.reached[i] = 1  # a gradient from before the optimizer counts
                 p.grad = view
         self.grad_version = self.flat_grad._version
-        self.hooks = [_post_accumulate_hook(p, functools.partial(_mark_reached, self.reached, i))
-                      for i, p in enumerate(params)]
-        # The hooks live on the parameters, which outlive an optimizer that is dropped
-        # (a sweep building one per trial): take them off when this buffer goes away.
-        weakref.finalize(self, _remove_all, self.hooks)
         # Per-parameter step counts (device, float32) once they differ, and a host label
         # per parameter, equal for parameters with the same history (so equal counts).
         self.steps = None
         self.history = None
-        lo, hi = self.layout.shard_range(comm.rank)
-        self.shard = (lo, hi)
-        n = hi - lo
-        self.param_shard = self.flat_param[lo:hi]
-        # Wider reduction (bf16 grads averaged in fp32) needs a buffer of that dtype.
-        self.reduce_buf = None
-        if reduce_dtype is not None and reduce_dtype != self.dtype:
-            self.reduce_buf = torch.zeros(self.layout.padded_numel, dtype=reduce_dtype, device=self.device)
-        self.grad_shard = (self.reduce_buf if self.reduce_buf is not None else self.flat_grad)[lo:hi]
+        # This rank's shard: one segment (buffer lo, hi, state offset) per bucket.
+        self.segments = self.layout.shard_segments(comm.rank)
+        n = self.layout.shard_numel
+        self.param_parts = [self.flat_param[lo:hi] for lo, hi, _ in self.segments]
+        # The averaged gradients of the shard, in reduce_dtype (bf16 grads averaged in
+        # fp32); at world size 1 without a wider dtype, the gradients themselves.
+        wide = reduce_dtype is not None and reduce_dtype != self.dtype
+        if comm.world_size > 1 or wide:
+            self.grad_shard = torch.zeros(n, dtype=reduce_dtype if wide else self.dtype, device=self.device)
+        else:
+            self.grad_shard = self.flat_grad
+        self.grads = buckets.GradBuffer(self.flat_grad)
+        self.buckets = [buckets.Bucket((key, k), g, self.grads, self.grad_shard, self.flat_param, comm.rank)
+                        for k, g in enumerate(self.layout.buckets)]
+        if reducer is not None:
+            self.hooks = buckets.register_hooks(params, self.reached, self.grad_views,
+                                                self.buckets, reducer)
+        else:
+            self.hooks = [buckets.post_accumulate_hook(p, functools.partial(_mark_reached, self.reached, i))
+                          for i, p in enumerate(params)]
+        # The hooks live on the parameters, which outlive an optimizer that is dropped
+        # (a sweep building one per trial): take them off when this buffer goes away.
+        weakref.finalize(self, _remove_all, self.hooks)
         self.has_master = self.dtype in _LOW_PRECISION
         if self.has_master and not master_weights:
             self.remove_hooks()
@@ -207,7 +206,12 @@ class FlatShard:
                 f"master_weights=False with {self.dtype} parameters is not supported: Adam "
                 "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
                 "for fp16/bf16 parameters) or train the parameters in float32")
-        self.master = self.param_shard.float() if self.has_master else self.param_shard
+        # fp32 master of the shard, contiguous; fp32 parameters are their own master
+        # (then ``master`` is None when the shard has several segments).
+        if self.has_master:
+            self.master = torch.cat(self.param_parts).float()
+        else:
+            self.master = self.param_parts[0] if len(self.param_parts) == 1 else None
         f32 = dict(dtype=torch.float32, device=self.device)
         self.exp_avg = torch.zeros(n, **f32)
         self.exp_avg_sq = torch.zeros(n, **f32)
@@ -262,8 +266,11 @@ class FlatShard:
                                "optimizer was built; materialise them (model.to_empty + init) "
                                "and build the optimizer afterwards")
         self.remove_hooks()
+        if self.reducer is not None:
+            self.reducer.wait_all()
         new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
-                        amsgrad=self.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype)
+                        amsgrad=self.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
+                        bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer)
         with torch.no_grad():
             # The new buffer copied every .grad in (Module.to converts them all, views
             # included); which parameters have a gradient is still the old answer.
@@ -354,14 +361,6 @@ class FlatShard:
         self.stepped = None
         self._foreign_hint = None
 
-    def reduce_grads(self):
-        """Start averaging this rank's shard of the gradients over the group; returns
-        the ``Pending`` reduce-scatter."""
-        if self.reduce_buf is not None:
-            self.reduce_buf.copy_(self.flat_grad)
-            return self.comm.reduce_scatter_avg(self.grad_shard, self.reduce_buf, async_op=True)
-        return self.comm.reduce_scatter_avg(self.grad_shard, self.flat_grad, async_op=True)
-
     def param_steps(self) -> list:
         """Each parameter's own step count (host floats, one read of the device)."""
         if self.steps is not None:
@@ -378,7 +377,8 @@ class FlatShard:
         labels = {}
         self.history = [labels.setdefault(t, len(labels)) for t in steps]
 
-    def update(self, group, grad_scale, found_inf, clip_coef):
+    def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
+        """Count this step and return the kernel's arguments for ``update_bucket``."""
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             self.lr.copy_(lr)
@@ -395,33 +395,46 @@ class FlatShard:
                       weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
                       amsgrad=group["amsgrad"], maximize=group["maximize"],
                       grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
-        if self.backend == "torch":
-            kwargs["scratch"] = self.scratch
-        amsgrad = group["amsgrad"]
-        if self.stepped is None and self.steps is None:  # the common case: one launch
+        if self.stepped is None and self.steps is None:  # the common case: one run per segment
             self.step.add_(self.one)
             if found_inf is not None:
                 self.step.sub_(self.skipped)
-            self.step_fn(self.master, self.grad_shard, self.exp_avg, self.exp_avg_sq,
-                         self.max_exp_avg_sq if amsgrad else None,
-                         self.param_shard if self.has_master else None,
-                         self.step, self.lr, **kwargs)
-            return
-        lo, _ = self.shard
-        for start, end, i in self._runs(found_inf is not None):
-            a, b = start - lo, end - lo
-            if "scratch" in kwargs:
-                kwargs["scratch"] = self.scratch[a:b]
-            step = self.step if self.steps is None else self.steps[i:i + 1]
-            self.step_fn(self.master[a:b], self.grad_shard[a:b], self.exp_avg[a:b],
-                         self.exp_avg_sq[a:b], self.max_exp_avg_sq[a:b] if amsgrad else None,
-                         self.param_shard[a:b] if self.has_master else None,
-                         step, self.lr, **kwargs)
+            runs = None
+        else:
+            runs = self._runs(found_inf is not None)
+        return {"kwargs": kwargs, "runs": runs, "amsgrad": group["amsgrad"]}
+
+    def update_bucket(self, k: int, plan: dict) -> None:
+        """The fused kernel over this rank's shard of bucket ``k``."""
+        lo, hi, s0 = self.segments[k]
+        runs = [(lo, hi, None)] if plan["runs"] is None else plan["runs"][k]
+        for start, end, i in runs:
+            self._launch(k, start - lo, end - lo, s0, i, plan)
+
+    def update(self, group, grad_scale, found_inf, clip_coef) -> None:
+        """The whole step of this rank's shard (every bucket)."""
+        plan = self.prepare(group, grad_scale, found_inf, clip_coef)
+        for k in range(len(self.segments)):
+            self.update_bucket(k, plan)
+
+    def _launch(self, k, a, b, s0, i, plan) -> None:
+        """One kernel launch over elements [a, b) of segment ``k`` (state offset ``s0``)."""
+        kwargs = plan["kwargs"]
+        if self.backend == "torch":
+            kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
+        param = self.param_parts[k][a:b]
+        master = self.master[s0 + a:s0 + b] if self.master is not None else param
+        step = self.step if i is None or self.steps is None else self.steps[i:i + 1]
+        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], self.exp_avg[s0 + a:s0 + b],
+                     self.exp_avg_sq[s0 + a:s0 + b],
+                     self.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
+                     param if self.has_master else None, step, self.lr, **kwargs)
 
     def _runs(self, has_found_inf: bool):
-        """Count this step for the parameters that have a gradient, then return the
-        (start, end, first parameter) of each run of this rank's shard whose parameters
-        are stepped and share one step count (padding between them included)."""
+        """Count this step for the parameters that have a gradient, then return, per
+        segment of this rank's shard, the (start, end, first parameter) buffer ranges
+        whose parameters are stepped and share one step count (padding between them
+        included)."""
         n = len(self.params)
         stepped = self.stepped if self.stepped is not None else [True] * n
         if self.steps is None:
@@ -438,23 +451,33 @@ class FlatShard:
             self.step.copy_(self.steps[0:1])
             self.steps, self.history = None, None
         history = self.history
-        lo, hi = self.shard
-        runs, last = [], None
-        for i, a, b in self.layout.ranges_in(lo, hi):
-            if not stepped[i]:
-                last = None
-                continue
-            start, end = self.layout.offsets[i] + a, self.layout.offsets[i] + b
-            if last == i - 1 and (history is None or history[i] == history[last]):
-                runs[-1][1] = end
-            else:
-                runs.append([start, end, i])
-            last = i
-        return runs
+        out = []
+        for lo, hi, _ in self.segments:
+            runs, last = [], None
+            for i, a, b in self.layout.ranges_in(lo, hi):
+                if not stepped[i]:
+                    last = None
+                    continue
+                start, end = self.layout.offsets[i] + a, self.layout.offsets[i] + b
+                if last == i - 1 and (history is None or history[i] == history[last]):
+                    runs[-1][1] = end
+                else:
+                    runs.append([start, end, i])
+                last = i
+            out.append(runs)
+        return out
 
-    def gather_params(self):
-        """Start gathering every rank's updated shard; returns the ``Pending`` all-gather."""
-        return self.comm.all_gather(self.flat_param, self.param_shard, async_op=True)
+    def gather_bucket(self, k: int) -> None:
+        """Start gathering every rank's updated shard of bucket ``k``."""
+        b = self.buckets[k]
+        b.gather = self.comm.all_gather(b.param_full, b.param_shard, async_op=True,
+                                        name=b.name("all_gather"))
+
+    def master_parts(self) -> list:
+        """The master of each segment (views)."""
+        if self.master is None:
+            return self.param_parts
+        return [self.master[s0:s0 + hi - lo] for lo, hi, s0 in self.segments]
 
     def nbytes(self) -> dict:
         def size(t):
@@ -462,7 +485,7 @@ class FlatShard:
         elem = self.flat_param.element_size()
         return {
             "params": size(self.flat_param),
-            "grads": size(self.flat_grad) + size(self.reduce_buf),
+            "grads": size(self.flat_grad) + (size(self.grad_shard) if self.grad_shard is not self.flat_grad else 0),
             "master": size(self.master) if self.has_master else 0,
             "moments": size(self.exp_avg) + size(self.exp_avg_sq) + size(self.max_exp_avg_sq),
             "padding": self.layout.padding * elem * 2,
@@ -500,9 +523,11 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _build(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize,
                decoupled_weight_decay, master_weights, backend, max_grad_norm, comm,
-               reduce_dtype, foreach=None, fused=None, capturable=False, differentiable=False):
+               reduce_dtype, bucket_cap_mb=None, foreach=None, fused=None, capturable=False,
+               differentiable=False):
         """The constructor proper, over ``comm`` (``LocalComm`` here; ZeroAdam passes its
-        process group's) with gradients averaged in ``reduce_dtype`` (None: their own)."""
+        process group's) with gradients averaged in ``reduce_dtype`` (None: their own),
+        in buckets of ``bucket_cap_mb`` MiB of gradients (None: one per flat buffer)."""
         _check_drop_in_flags(foreach, fused, capturable, differentiable)
         _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
@@ -515,7 +540,15 @@ class FusedAdam(torch.optim.Optimizer):
         self._frozen = []  # (group index, parameter) left out at construction
         if backend not in backends.NAMES:
             raise ValueError(f"unknown backend {backend!r}; choose one of {backends.NAMES}")
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or
+                                          not isinstance(bucket_cap_mb, (int, float)) or
+                                          not bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB of gradients per bucket; "
+                             f"25 is DDP's default) or None for one bucket, got {bucket_cap_mb!r}")
+        self._bucket_cap_mb = bucket_cap_mb
         self._comm = comm
+        self._reducer = buckets.Reducer(comm)
+        self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._backend = backend
         self._master_weights = True if master_weights is None else bool(master_weights)
         self._reduce_dtype = reduce_dtype
@@ -600,18 +633,33 @@ class FusedAdam(torch.optim.Optimizer):
         if trainable:
             backends.resolve(self._backend, trainable[0].device)  # raises with the fix
         flats = []
-        for dtype in _SUPPORTED:
-            members = [p for p in trainable if p.dtype == dtype]
-            if members:
-                flats.append(FlatShard(members, self._comm, master_weights=self._master_weights,
-                                       backend=self._backend, amsgrad=group["amsgrad"],
-                                       reduce_dtype=self._reduce_dtype))
+        key = sum(len(f) for f in self._flats)
+        reducer = self._reducer if self._comm.world_size > 1 else None
+        try:
+            for dtype in _SUPPORTED:
+                members = [p for p in trainable if p.dtype == dtype]
+                if members:
+                    flats.append(FlatShard(members, self._comm, master_weights=self._master_weights,
+                                           backend=self._backend, amsgrad=group["amsgrad"],
+                                           reduce_dtype=self._reduce_dtype,
+                                           bucket_numel=self._bucket_numel(dtype),
+                                           key=key + len(flats), reducer=reducer))
+        except BaseException:
+            for flat in flats:
+                flat.remove_hooks()
+            raise
         super().add_param_group(param_group)
         self._frozen.extend((len(self._flats), p) for p in params if not p.requires_grad)
         self._flats.append(flats)
+        self._reducer.rebuild([f for _, f in self._all_flats()])
         if self._comm.world_size == 1:
             for flat in flats:
                 self._expose_state(flat)
+
+    def _bucket_numel(self, dtype) -> int | None:
+        if self._bucket_cap_mb is None or self._comm.world_size == 1:
+            return None
+        return max(1, int(self._bucket_cap_mb * 2**20) // dtype.itemsize)
 
     def _expose_state(self, flat: FlatShard):
         """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
@@ -630,21 +678,34 @@ class FusedAdam(torch.optim.Optimizer):
         """(group, flat) pairs after following parameters that moved since the last call
         (``model.to(device or dtype)`` after the optimizer was built): their flat buffers
         are rebuilt at the new dtype and device, state carried over."""
+        moved = False
         for gi, flats in enumerate(self._flats):
             for k, flat in enumerate(flats):
                 if flat.first_moved(hint) < 0:
                     continue
                 flats[k] = flat.rehomed(master_weights=self._master_weights, backend=self._backend)
+                moved = True
                 self._grads_reduced = False
                 if self._comm.world_size == 1:
                     self._expose_state(flats[k])
+        if moved:
+            self._reducer.rebuild([f for _, f in self._all_flats()])
         return list(self._all_flats())
+
+    def wait_params(self) -> None:
+        """Wait for the parameter all-gathers still in flight. Only needed with
+        ``zero_triton.overlap(model, optimizer)``, where ``step`` returns before the
+        parameters have arrived and each module's forward waits for its own: call it
+        before reading parameters outside the model's forward. The optimizer's own state
+        dicts, checkpoints and ``step`` call it themselves."""
+        self._reducer.wait_gathers()
 
     # -- the step -------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat grad buffers. The ``.grad`` views stay (``set_to_none`` is
         accepted for compatibility and ignored: the buffers are the gradients); until
         backward reaches a parameter again, it counts as having no gradient."""
+        self._reducer.reset()  # reductions still reading the gradients finish first
         for _, flat in self._current_flats(hint=True):
             flat.flat_grad.zero_()
             if flat._foreign_hint != -1:  # some .grad replaced (or no C check): repair
@@ -672,10 +733,9 @@ class FusedAdam(torch.optim.Optimizer):
         for flat in flats:
             flat.sync_grads(backward_seen)
         self._before_reduce(flats)
-        if self._comm.world_size > 1 or any(f.reduce_buf is not None for f in flats):
+        if self._comm.world_size > 1 or any(f.grad_shard is not f.flat_grad for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
-                for pending in [flat.reduce_grads() for flat in flats]:  # all in flight, then wait
-                    pending.wait()
+                self._reducer.finish([f.grads for f in flats])
         self._grads_reduced = True
 
     def _before_reduce(self, flats) -> None:
@@ -736,11 +796,14 @@ class FusedAdam(torch.optim.Optimizer):
             total = torch.stack([p.to(device) for p in parts]).max()
             self._comm.all_reduce(total, "max")
         else:
-            parts = [torch.linalg.vector_norm(flat.grad_shard, norm_type, dtype=torch.float32) ** norm_type
+            # Over ranks, in float64: the sum of per-shard parts then rounds to the same
+            # float32 for any bucket size (whose shards split the sum differently).
+            acc = torch.float64 if self._comm.world_size > 1 else torch.float32
+            parts = [torch.linalg.vector_norm(flat.grad_shard, norm_type, dtype=acc) ** norm_type
                      for flat in flats]
             total = torch.stack([p.to(device) for p in parts]).sum()
             self._comm.all_reduce(total, "sum")
-            total = total ** (1.0 / norm_type)
+            total = (total ** (1.0 / norm_type)).float()
         if _grad_scale is not None:  # GradScaler still holds the gradients scaled
             total = total / _grad_scale.to(device, torch.float32).reshape(())
         self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
@@ -756,6 +819,7 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._reducer.wait_gathers()  # the last step's, when the forward did not need them all
         flats = self._current_flats(hint=True)
         self._check_frozen()
         grad_scale = getattr(self, "grad_scale", None)
@@ -769,13 +833,23 @@ class FusedAdam(torch.optim.Optimizer):
                 self._expose_state(flat)
         cuda = any(flat.fused for _, flat in flats)
         with phase("zero_triton.adam_step", cuda):
+            plans = {}
             for group, flat in flats:
                 clip = self._clip_coef.to(flat.device) if self._clip_coef is not None else None
-                flat.update(group, grad_scale, found_inf, clip)
-        if self._comm.world_size > 1:
+                plans[flat.key] = (flat, flat.prepare(group, grad_scale, found_inf, clip))
+            if self._comm.world_size == 1:
+                for flat, plan in plans.values():
+                    for k in range(len(flat.segments)):
+                        flat.update_bucket(k, plan)
+            else:  # each bucket's all-gather starts as soon as its kernel is done
+                self._reducer.gathering = True
+                for b in self._reducer.gather_order():
+                    flat, plan = plans[b.key[0]]
+                    flat.update_bucket(b.key[1], plan)
+                    flat.gather_bucket(b.key[1])
+        if self._comm.world_size > 1 and self._overlap is None:
             with phase("zero_triton.all_gather", cuda):
-                for pending in [flat.gather_params() for _, flat in flats]:
-                    pending.wait()
+                self._reducer.wait_gathers()
         if self._comm.world_size == 1:
             for _, flat in flats:
                 if flat.exposed_steps is not flat.steps:  # one step became several, or back
@@ -813,9 +887,12 @@ class FusedAdam(torch.optim.Optimizer):
 
     # -- reports --------------------------------------------------------------------
     def memory_report(self) -> dict:
-        """This rank's bytes: low-precision params, grads, fp32 master, moments,
-        padding (elements that belong to no parameter, params and grads), scratch."""
-        total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0}
+        """This rank's bytes: low-precision params, grads (the local gradients and,
+        under ZeRO, the averaged shard), fp32 master, moments, padding (elements that
+        belong to no parameter, params and grads), scratch, and the buckets in flight
+        (the reduce-scatters' receive buffers)."""
+        total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0,
+                 "buckets": self._reducer.pool_bytes}
         for _, flat in self._all_flats():
             for k, v in flat.nbytes().items():
                 total[k] += v
@@ -828,12 +905,14 @@ class FusedAdam(torch.optim.Optimizer):
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
         parameters. Tensors are views of the live state, as torch's are. State-dict
         hooks registered on the optimizer run as torch runs them."""
+        self.wait_params()
         return adam_state.with_state_dict_hooks(self, self._full_state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current
         parameter upcast. Load-state-dict hooks run as torch runs them."""
+        self.wait_params()
         adam_state.load_with_hooks(self, state_dict, self._load_full_state_dict)
 
     def _full_state_dict(self) -> dict:

@@ -1,17 +1,21 @@
 """ZeroAdam / ZeroAdamW: ZeRO-1 over torch.distributed around the same fused step.
 
-The model is replicated on every rank and not wrapped in DDP; ``step()`` does the
-gradient sync itself. For every flat buffer (``FlatShard`` in ``zero_triton.optim``):
+The model is replicated on every rank and not wrapped in DDP; the optimizer does the
+gradient sync itself. For every bucket of every flat buffer (``zero_triton.buckets``):
 
-    reduce_scatter_tensor(grad[shard], grad, AVG)     # zero_triton.reduce_scatter
-    fused Adam kernel on this rank's shard only       # zero_triton.adam_step
-    all_gather_into_tensor(param, param[shard])       # zero_triton.all_gather
+    average grad[bucket] into this rank's shard        # zero_triton.reduce_scatter,
+                                                       #   started from backward's hooks
+    fused Adam kernel on this rank's shard only        # zero_triton.adam_step
+    all_gather_into_tensor(param[bucket], param[shard])  # zero_triton.all_gather, waited
+                                                       #   at the end of step, or by each
+                                                       #   module's forward (overlap())
 
 fp32 master, exp_avg and exp_avg_sq exist for the shard only: 12 bytes per parameter
 divided by the world size.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -53,21 +57,28 @@ class ZeroAdam(FusedAdam):
         process_group: the group to shard over (default: the world group).
         reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
             grads); default the gradient's own dtype.
+        bucket_cap_mb: MiB of gradients per bucket (DDP's name and default, 25). Each
+            bucket is sharded over the ranks on its own, and its average starts during
+            backward as soon as backward has finished it (from the second step on:
+            the first step learns the order). None: one bucket per flat buffer,
+            averaged in ``step()``. The result does not depend on it (bitwise).
 
     Construction is collective: ranks compare parameter shapes and dtypes and raise on
     every rank at the first mismatch. torch.amp.GradScaler works as is: every rank
     agrees on skipped steps and on the scale (``ZeroGradScaler`` is the same thing).
     ``max_grad_norm`` clips by the global norm inside ``step()``;
     ``torch.nn.utils.clip_grad_norm_`` would see only this rank's local gradients.
-    After ``step()`` the grad buffers hold this rank's averaged shard and its own local
-    gradients elsewhere; ``zero_grad()`` clears them.
+    The ``.grad`` of every parameter keeps this rank's local gradient; the averaged
+    shard lives in the optimizer. ``no_sync()`` accumulates micro-batches without
+    communicating; ``zero_triton.overlap(model, optimizer)`` leaves the parameter
+    all-gathers in flight after ``step()`` for the next forward to wait on.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
-                 max_grad_norm=None, foreach=None, fused=None, capturable=False,
-                 differentiable=False):
+                 max_grad_norm=None, bucket_cap_mb=25, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
         comm = GroupComm(process_group)
         params = list(params)
         if not params:
@@ -82,7 +93,7 @@ class ZeroAdam(FusedAdam):
         self._build(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                     decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
                     backend=backend, max_grad_norm=max_grad_norm, comm=comm,
-                    reduce_dtype=reduce_dtype, foreach=foreach, fused=fused,
+                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, foreach=foreach, fused=fused,
                     capturable=capturable, differentiable=differentiable)
         self._constructed = True
 
@@ -159,6 +170,19 @@ class ZeroAdam(FusedAdam):
         for flag in per_device.values():
             self._comm.all_reduce(flag, "max")
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation, as DistributedDataParallel's ``no_sync``: backward
+        passes inside only accumulate each rank's local gradients; the first backward
+        outside (the micro-batch that ends the accumulation) averages them, bucket by
+        bucket as it goes, and ``step()`` waits for what is still in flight."""
+        reducer = self._reducer
+        before, reducer.sync = reducer.sync, False
+        try:
+            yield
+        finally:
+            reducer.sync = before
+
     @property
     def process_group(self):
         return self._comm.group
@@ -218,6 +242,7 @@ class ZeroAdam(FusedAdam):
         Collective. Gathered one chunk of one state of one flat buffer at a time, so the
         receiver's peak memory is one full copy plus ``world_size`` chunks (not
         ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
+        self.wait_params()
         return adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
 
     @torch.no_grad()
@@ -251,11 +276,12 @@ class ZeroAdamW(ZeroAdam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, master_weights=None, backend="auto",
-                 process_group=None, reduce_dtype=None, max_grad_norm=None, **torch_flags):
+                 process_group=None, reduce_dtype=None, max_grad_norm=None, bucket_cap_mb=25,
+                 **torch_flags):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, master_weights=master_weights,
                          backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
-                         max_grad_norm=max_grad_norm, **torch_flags)
+                         max_grad_norm=max_grad_norm, bucket_cap_mb=bucket_cap_mb, **torch_flags)
 
 
 def _in_hf_trainer_single_rank_save() -> bool:

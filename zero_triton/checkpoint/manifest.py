@@ -283,7 +283,10 @@ def validate(m: dict, source: str) -> None:
             v.fail(f"{field}.crc32", "does not match its chunk checksums")
         if name in (MODEL_EXTRA_FILE, EXTRA_FILE):
             continue
-        segments = v.list(record, "segments", f"{field}.segments", max_len=len(flats) * len(STATES))
+        # A rank holds one piece of every bucket of every state; a bucket holds at least
+        # one parameter.
+        segments = v.list(record, "segments", f"{field}.segments",
+                          max_len=max(len(flats), len(params)) * len(STATES))
         at = HEADER_BYTES
         for s, seg in enumerate(segments):
             sf = f"{field}.segments[{s}]"

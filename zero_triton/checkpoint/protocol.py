@@ -131,20 +131,23 @@ def _write_files(tmp, save_id, target: Target, blobs: dict) -> dict:
     segments = []
     with Writer(tmp, rank_file(rank), save_id) as w:
         for k, flat in enumerate(target.flats):
-            lo, hi = flat.shard
-            end = min(hi, flat.layout.numel)  # tail padding is not state
-            if end <= lo:
-                continue
+            # Canonical coordinates (no buckets, no padding): any layout can read them.
+            pieces = flat.layout.canonical_segments(rank)
             for name, buf in target.states(flat).items():
-                offset = w.write(as_bytes(buf[:end - lo]))
-                segments.append({"flat": k, "state": name, "start": lo, "end": end, "offset": offset})
+                for lo, end, s0 in pieces:
+                    offset = w.write(as_bytes(buf[s0:s0 + end - lo]))
+                    segments.append({"flat": k, "state": name, "start": lo, "end": end,
+                                     "offset": offset})
         records = {rank_file(rank): {"rank": rank, "segments": segments, **w.close()}}
     if rank != 0:
         return records
     segments = []
     with Writer(tmp, MODEL_FILE, save_id) as w:
         for k, flat in enumerate(target.flats):
-            offset = w.write(as_bytes(flat.flat_param[:flat.layout.numel]))
+            parts = flat.layout.to_canonical(flat.flat_param)
+            offset = w.write(as_bytes(parts[0]))
+            for part in parts[1:]:  # consecutive: one canonical run
+                w.write(as_bytes(part))
             segments.append({"flat": k, "offset": offset, "numel": flat.layout.numel,
                              "dtype": mf.dtype_name(flat.dtype)})
         records[MODEL_FILE] = {"rank": 0, "segments": segments, **w.close()}
@@ -200,13 +203,11 @@ def _read(directory, manifest, target: Target, model) -> dict:
     try:
         states, params = [], []
         for k, flat in enumerate(target.flats):
-            lo, hi = flat.shard
-            end = min(hi, flat.layout.numel)
             got = {}
             for name in manifest["flats"][k]["states"]:
-                t = torch.zeros(hi - lo, dtype=torch.float32)  # tail padding stays zero
-                if end > lo:
-                    read_state_range(readers, manifest, k, name, lo, end, t[:end - lo])
+                t = torch.zeros(flat.layout.shard_numel, dtype=torch.float32)  # padding stays zero
+                for lo, end, s0 in flat.layout.canonical_segments(target.rank):
+                    read_state_range(readers, manifest, k, name, lo, end, t[s0:s0 + end - lo])
                 got[name] = t
             states.append(got)
             params.append(read_model_flat(readers, manifest, k))

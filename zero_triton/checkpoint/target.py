@@ -45,6 +45,7 @@ class Target:
         self.optimizer = optimizer
         self.comm = optimizer._comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        optimizer.wait_params()  # all-gathers left in flight by overlap
         optimizer._current_flats()  # follow parameters moved since the last step
         self.flats = [flat for flats in optimizer._flats for flat in flats]
         self.flat_groups = [gi for gi, flats in enumerate(optimizer._flats) for _ in flats]
@@ -52,8 +53,11 @@ class Target:
     # -- reading -------------------------------------------------------------------------
     @staticmethod
     def states(flat) -> dict:
-        """This rank's shard of each optimizer state of ``flat`` (float32)."""
-        out = {"master": flat.master, "exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq}
+        """This rank's shard of each optimizer state of ``flat`` (float32, one tensor in
+        state order: its shard of every bucket; an fp32 master spread over several
+        buckets is a copy)."""
+        master = flat.master if flat.master is not None else torch.cat(flat.param_parts)
+        out = {"master": master, "exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq}
         if flat.max_exp_avg_sq is not None:
             out["max_exp_avg_sq"] = flat.max_exp_avg_sq
         return out
@@ -81,7 +85,7 @@ class Target:
             names = {id(p): plain[n] for n, p in named}
         where = {}
         for k, flat in enumerate(self.flats):
-            for p, offset in zip(flat.params, flat.layout.offsets):
+            for p, offset in zip(flat.params, flat.layout.canonical_offsets):
                 where[id(p)] = (k, offset)
         entries, index = [], 0
         for gi, group in enumerate(self.optimizer.param_groups):
@@ -125,7 +129,7 @@ class Target:
         for k, flat in enumerate(self.flats):
             saved, got = manifest["flats"][k], plan["states"][k]
             flat.set_param_steps(saved.get("param_steps") or [saved["step"]] * len(flat.params))
-            unflatten_into(flat.params, plan["params"][k], flat.layout)
+            unflatten_into(flat.params, plan["params"][k], flat.layout.canonical)
             if "max_exp_avg_sq" in got:
                 flat.ensure_amsgrad()
             elif flat.max_exp_avg_sq is not None:
@@ -133,8 +137,12 @@ class Target:
             for name, buf in self.states(flat).items():
                 if name in got:
                     buf.copy_(got[name])
-            if flat.has_master:
-                flat.param_shard.copy_(flat.master)
+            if flat.master is None and "master" in got:  # fp32 over several buckets
+                for (lo, hi, s0), part in zip(flat.segments, flat.param_parts):
+                    part.copy_(got["master"][s0:s0 + hi - lo])
+            elif flat.has_master:
+                for master, part in zip(flat.master_parts(), flat.param_parts):
+                    part.copy_(master)
         if self.world_size == 1:
             for flat in self.flats:
                 self.optimizer._expose_state(flat)

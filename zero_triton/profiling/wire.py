@@ -5,9 +5,11 @@ The seed's exercise. For a buffer of B bytes over N ranks, a ring all-reduce sen
 (N-1)/N * B each. ZeRO-1 runs the same two passes as two collectives, the
 reduce-scatter on the gradients and the all-gather on the updated parameters, so it
 moves exactly what DDP's all-reduce moves; ZeRO-2 keeps only the gradient shard and
-runs the same two collectives. ZeroAdam's flat buffers are padded to a multiple of
+runs the same two collectives. ZeroAdam's buckets are padded to a multiple of
 N * 16 elements, so B / N is a whole number of bytes and the figures here are exact
-for the real buffers (``buffers_of``).
+for the real buffers (``buffers_of``). ZeroAdam's reduce-scatter is an all-to-all and a
+sum in rank order (``zero_triton.comm``): the all-to-all moves (N-1)/N * B per rank,
+the reduce-scatter's bytes, on every backend.
 
 ``measure`` times each collective on buffers of those sizes, the way ZeroAdam calls it
 (``GroupComm``), and gives the achieved bus bandwidth: formula bytes per rank / time.
@@ -24,12 +26,6 @@ import torch.distributed as dist
 from zero_triton.comm import GroupComm
 from zero_triton.flat import FlatLayout
 
-GLOO_NOTE = ("gloo runs reduce_scatter_tensor as an all-reduce of a copy of the whole "
-             "buffer (the trace shows gloo:all_reduce under zero_triton.reduce_scatter): on "
-             "gloo the reduce-scatter moves 2(N-1)/N*B, not (N-1)/N*B, so ZeRO-1 moves 1.5x "
-             "DDP's bytes there; NCCL's reduce-scatter moves (N-1)/N*B")
-
-
 def ring_bytes(buffer_bytes: int, world_size: int) -> dict:
     """Bytes each rank sends for one collective on a buffer of ``buffer_bytes`` (a
     multiple of ``world_size``), by the ring formulas."""
@@ -44,14 +40,12 @@ def ring_bytes(buffer_bytes: int, world_size: int) -> dict:
 
 def buffers_of(optimizer) -> list:
     """[{"numel", "grad_dtype", "grad_bytes", "param_dtype", "param_bytes"}] for every
-    flat buffer of a ZeroAdam: the buffer its reduce-scatter runs on (the wider
-    ``reduce_dtype`` copy when there is one) and the one its all-gather fills."""
+    flat buffer of a ZeroAdam: the gradients its reduce-scatters send (in their own
+    dtype, also with a wider ``reduce_dtype``) and the parameters its all-gathers fill."""
     out = []
     for flats in optimizer._flats:
         for flat in flats:
-            grad = getattr(flat, "reduce_buf", None)
-            grad = grad if grad is not None else flat.flat_grad
-            param = flat.flat_param
+            grad, param = flat.flat_grad, flat.flat_param
             out.append({"numel": flat.layout.padded_numel,
                         "grad_dtype": str(grad.dtype).replace("torch.", ""),
                         "grad_bytes": grad.numel() * grad.element_size(),
@@ -71,11 +65,11 @@ def synthetic_buffers(numel: int, dtype: torch.dtype, world_size: int) -> list:
 
 def formula(buffers: list, world_size: int, backend: str) -> dict:
     """Bytes per rank of each scheme over ``buffers``: by the ring formulas, and as
-    ``backend`` implements them (gloo's reduce-scatter is an all-reduce)."""
+    ``backend`` runs them (the same: ZeroAdam's reduce-scatter is an all-to-all)."""
     grad = sum(b["grad_bytes"] for b in buffers)
     param = sum(b["param_bytes"] for b in buffers)
     g, p = ring_bytes(grad, world_size), ring_bytes(param, world_size)
-    rs_backend = g["all_reduce"] if backend == "gloo" else g["reduce_scatter"]
+    rs_backend = g["reduce_scatter"]
     zero = g["reduce_scatter"] + p["all_gather"]
     return {
         "world_size": world_size, "grad_buffer_bytes": grad, "param_buffer_bytes": param,
@@ -90,7 +84,7 @@ def formula(buffers: list, world_size: int, backend: str) -> dict:
                       "backend_bytes_per_rank": rs_backend + p["all_gather"],
                       "available": False},
         },
-        "note": GLOO_NOTE if backend == "gloo" else None,
+        "note": None,
     }
 
 
@@ -110,10 +104,11 @@ def measure(buffers: list, device, repeats: int = 5, group=None) -> dict:
         grad = torch.ones(b["numel"], dtype=getattr(torch, b["grad_dtype"]), device=device)
         param = torch.ones(b["numel"], dtype=getattr(torch, b["param_dtype"]), device=device)
         s = b["numel"] // n
-        plans.append((grad, grad[r * s:(r + 1) * s], param, param[r * s:(r + 1) * s]))
+        plans.append((grad, (torch.empty(s, dtype=grad.dtype, device=device), torch.empty_like(grad)),
+                      param, param[r * s:(r + 1) * s]))
     ops = {
         "all_reduce": lambda g, gs, p, ps: comm.all_reduce(g),
-        "reduce_scatter": lambda g, gs, p, ps: comm.reduce_scatter_avg(gs, g),
+        "reduce_scatter": lambda g, gs, p, ps: comm.reduce_scatter_avg(gs[0], g, gs[1]),
         "all_gather": lambda g, gs, p, ps: comm.all_gather(p, ps),
     }
     seconds = {}

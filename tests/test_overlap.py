@@ -1,0 +1,344 @@
+"""Buckets and overlap (zero_triton.buckets, zero_triton.prefetch) on 2-4 gloo ranks.
+
+What is checked, each against a run that differs in one knob only:
+- the parameters, the losses and the optimizer state after several steps are bitwise
+  the same for every bucket size and with the parameter all-gathers overlapped with
+  the forward or not, on a model with two param groups, fp32 and bf16 layers (bf16
+  averaged in fp32), a tied weight, a frozen layer, an unused layer and clipping;
+- they equal torch.optim.AdamW on the whole batch, within float tolerance;
+- reduce-scatters really start during backward (from the second step on), not under
+  no_sync; micro-batches with no_sync equal micro-batches without (bitwise), and
+  gradients changed after backward (GradScaler.unscale_, by hand) are averaged again;
+- a checkpoint saved with one bucket size and world size loads with any other;
+- a rank that raises with buckets in flight fails the others with the bucket named;
+- hooks go when the optimizer goes, and step() without backward does not hang.
+
+Spawning ranks costs seconds here, so each rank runs every configuration in one go.
+"""
+import gc
+import io
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_utils import RankError, run_ranks  # noqa: E402
+
+import zero_triton  # noqa: E402
+from zero_triton import ZeroAdamW, checkpoint  # noqa: E402
+
+STEPS = 4
+VOCAB, WIDTH = 40, 24
+TINY = 0.0015  # MiB: about 400 fp32 elements, so most layers get a bucket of their own
+
+
+class Net(nn.Module):
+    """Embedding tied to the output head, three residual blocks (the middle one in
+    bf16), a frozen layer and a layer that forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(),
+                          nn.Linear(2 * WIDTH, WIDTH)) for _ in range(3))
+        self.blocks[1].to(torch.bfloat16)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(WIDTH, 3)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            dtype = block[1].weight.dtype
+            h = h + block(h.to(dtype)).to(h.dtype)
+        h = h + self.frozen(h)
+        return self.head(h)
+
+
+def param_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def batch(rank, step, n=6, seq=5):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randint(0, VOCAB, (n, seq), generator=g)
+    return x, torch.randint(0, VOCAB, (n, seq), generator=g)
+
+
+def loss_of(model, x, y):
+    return nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def train(rank, world_size, bucket_cap_mb, use_overlap, accumulate=1, no_sync=True,
+          touch_grads=False, steps=STEPS):
+    """Train a fresh Net; returns losses, parameters and the consolidated state."""
+    model = Net()
+    opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), max_grad_norm=0.5,
+                    reduce_dtype=torch.float32, backend="torch", bucket_cap_mb=bucket_cap_mb)
+    handle = zero_triton.overlap(model, opt) if use_overlap else None
+    losses, launched = [], []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        for k, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            last = k == accumulate - 1
+            if not last and no_sync:
+                with opt.no_sync():
+                    loss_of(model, xs, ys).backward()
+            else:
+                loss = loss_of(model, xs, ys)
+                loss.backward()
+            losses.append(float(loss.detach()) if last else None)
+        launched.append(sum(b.launched for b in opt._reducer.buckets))
+        if touch_grads:  # after backward: what GradScaler.unscale_ or a user does
+            for p in model.blocks[0].parameters():
+                p.grad.mul_(0.5)
+        opt.step()
+        opt.zero_grad()
+    opt.wait_params()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = opt.consolidated_state_dict(to_rank=0)
+    if handle is not None:
+        handle.remove()
+    unused = {id(opt._reducer.bucket_of_param[id(p)]) for p in model.unused.parameters()}
+    return {"losses": losses, "params": params, "state": state, "launched": launched,
+            "buckets": len(opt._reducer.buckets), "unused_buckets": len(unused)}
+
+
+def packed(fn):
+    """Rank results as bytes: tensors sent through a queue by a rank that then exits
+    cannot be received (their file descriptors go with it)."""
+    def job(rank, world_size, *args):
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        return buf.getvalue()
+    job.__name__ = job.__qualname__ = fn.__name__
+    return job
+
+
+def ranks(fn, world_size, *args, **kwargs):
+    return [torch.load(io.BytesIO(r), weights_only=False)
+            for r in run_ranks(fn, world_size, *args, **kwargs)]
+
+
+CONFIGS = [(None, False), (TINY, False), (TINY, True), (0.01, True), (25, True)]
+
+
+@packed
+def _job_knobs(rank, world_size):
+    return {cfg: train(rank, world_size, *cfg) for cfg in CONFIGS}
+
+
+def assert_bitwise(a, b, what):
+    assert a["losses"] == b["losses"], f"{what}: losses {a['losses']} vs {b['losses']}"
+    for n in a["params"]:
+        x, y = a["params"][n], b["params"][n]
+        assert torch.equal(x, y), f"{what}: parameter {n} differs by {(x.float() - y.float()).abs().max()}"
+    if a["state"] is not None:
+        for i, entry in a["state"]["state"].items():
+            for k, v in entry.items():
+                assert torch.equal(v, b["state"]["state"][i][k]), f"{what}: state {i} {k} differs"
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_bucket_size_and_overlap_change_no_bit(world_size):
+    results = ranks(_job_knobs, world_size, timeout=240)
+    for rank, by_cfg in enumerate(results):
+        base = by_cfg[CONFIGS[0]]
+        assert by_cfg[(TINY, False)]["buckets"] > 8, "the tiny cap should cut many buckets"
+        assert base["buckets"] == 4, "one bucket per flat buffer (2 groups x fp32, bf16)"
+        for cfg in CONFIGS[1:]:
+            assert_bitwise(by_cfg[cfg], base, f"rank {rank}, {world_size} ranks, bucket_cap_mb="
+                           f"{cfg[0]}, overlap={cfg[1]} vs one bucket")
+        # Every rank holds the same model after every configuration.
+        for n, p in base["params"].items():
+            assert torch.equal(p, results[0][CONFIGS[0]]["params"][n]), f"rank {rank}: {n} differs from rank 0"
+        # From the second step on, backward launched every bucket but those holding the
+        # unused layer (reduced at step).
+        tiny = by_cfg[(TINY, True)]
+        assert tiny["launched"][0] == 0, "the first step must not launch during backward (order unknown)"
+        assert all(n == tiny["buckets"] - tiny["unused_buckets"] for n in tiny["launched"][1:]), \
+            f"rank {rank}: buckets launched during backward per step {tiny['launched']} of {tiny['buckets']}"
+
+
+@packed
+def _job_reference(rank, world_size):
+    out = train(rank, world_size, TINY, True)
+    # Every rank's batches, gathered, for a single-process torch.optim.AdamW run.
+    return out
+
+
+def test_equals_torch_adamw_on_the_whole_batch():
+    world_size = 2
+    results = ranks(_job_reference, world_size, timeout=120)
+    model = Net()
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    masters = {id(p): p.detach().float().clone().requires_grad_() for p in decay + rest}
+    opt = torch.optim.AdamW([{"params": [masters[id(p)] for p in decay], "weight_decay": 0.1},
+                             {"params": [masters[id(p)] for p in rest], "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95))
+    for step in range(STEPS):
+        grads = {}
+        for rank in range(world_size):
+            for p in decay + rest:
+                p.grad = None
+            loss_of(model, *batch(rank, step)).backward()
+            for p in decay + rest:
+                if p.grad is not None:
+                    grads[id(p)] = grads.get(id(p), 0) + p.grad.float() / world_size
+        for p in decay + rest:  # never reached (the unused layer): not stepped, as in torch
+            masters[id(p)].grad = grads.get(id(p))
+        torch.nn.utils.clip_grad_norm_(list(masters.values()), 0.5)
+        opt.step()
+        with torch.no_grad():
+            for p in decay + rest:
+                p.copy_(masters[id(p)])
+    for n, p in model.named_parameters():
+        got = results[0]["params"][n]
+        tol = dict(rtol=2e-2, atol=2e-2) if p.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.float(), p.detach().float(), **tol, msg=f"parameter {n}")
+
+
+@packed
+def _job_accumulation(rank, world_size):
+    with_sync = train(rank, world_size, TINY, False, accumulate=3, no_sync=True)
+    without = train(rank, world_size, TINY, False, accumulate=3, no_sync=False)
+    one_bucket = train(rank, world_size, None, False, accumulate=3, no_sync=True)
+    touched = train(rank, world_size, TINY, True, touch_grads=True)
+    touched_ref = train(rank, world_size, None, False, touch_grads=True)
+    return with_sync, without, one_bucket, touched, touched_ref
+
+
+def test_no_sync_and_grads_changed_after_backward():
+    for rank, (with_sync, without, one_bucket, touched, touched_ref) in enumerate(
+            ranks(_job_accumulation, 3, timeout=240)):
+        # no_sync: nothing launched in the accumulating backward passes, the last one
+        # launches everything (from the second step).
+        expect = with_sync["buckets"] - with_sync["unused_buckets"]
+        assert with_sync["launched"][1:] == [expect] * (STEPS - 1), with_sync["launched"]
+        assert_bitwise(without, with_sync, f"rank {rank}: accumulating without no_sync vs with")
+        assert_bitwise(one_bucket, with_sync, f"rank {rank}: accumulation, one bucket vs tiny buckets")
+        assert_bitwise(touched, touched_ref, f"rank {rank}: .grad halved after backward, buckets vs one")
+        assert not all(torch.equal(touched["params"][n], touched_ref["params"][n]) and
+                       torch.equal(touched["params"][n], one_bucket["params"][n])
+                       for n in touched["params"]), "the touched run should differ from the plain one"
+
+
+@packed
+def _job_checkpoint(rank, world_size, path, save_cfg, load_world):
+    cap, steps = save_cfg
+    if world_size != max(2, load_world):
+        raise AssertionError("unexpected world size")
+    group = dist.new_group(list(range(2)))
+    state = None
+    if rank < 2:  # save at 2 ranks with one bucket size
+        model = Net()
+        opt = ZeroAdamW(param_groups(model), lr=1e-2, bucket_cap_mb=cap, backend="torch",
+                        reduce_dtype=torch.float32, process_group=group)
+        zero_triton.overlap(model, opt)
+        for step in range(steps):
+            loss_of(model, *batch(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        checkpoint.save(path, opt, model)  # waits for the gathers left in flight
+        state = opt.consolidated_state_dict(to_rank=0)
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dist.barrier()
+    loaded = {}
+    for cap2 in (None, TINY):  # load at load_world ranks with other bucket sizes
+        sub = dist.new_group(list(range(load_world)))
+        if rank < load_world:
+            model2 = Net()
+            with torch.no_grad():
+                for p in model2.parameters():
+                    p.add_(1.0)
+            opt2 = ZeroAdamW(param_groups(model2), lr=1.0, bucket_cap_mb=cap2, backend="torch",
+                             reduce_dtype=torch.float32, process_group=sub)
+            checkpoint.load(path, opt2, model2)
+            loaded[cap2] = (opt2.consolidated_state_dict(to_rank=0),
+                            {n: p.detach().clone() for n, p in model2.named_parameters()})
+        dist.barrier()
+    return state, params if rank < 2 else None, loaded
+
+
+@pytest.mark.parametrize("load_world", [3, 4])
+def test_checkpoint_loads_with_any_bucket_size_and_world_size(tmp_path, load_world):
+    path = str(tmp_path / "ck")
+    results = ranks(_job_checkpoint, load_world, path, (TINY, 2), load_world, timeout=180)
+    state, params, _ = results[0]
+    for cap2, (got, got_params) in results[0][2].items():
+        for n in params:
+            assert torch.equal(got_params[n], params[n]), f"bucket_cap_mb={cap2}: parameter {n}"
+        assert got["param_groups"][0]["lr"] == 1e-2
+        for i, entry in state["state"].items():
+            for k, v in entry.items():
+                assert torch.equal(got["state"][i][k], v), \
+                    f"saved with bucket_cap_mb={TINY} at 2 ranks, loaded with {cap2} at " \
+                    f"{load_world}: state {i} {k} differs"
+
+
+def _job_fault(rank, world_size):
+    model = Net()
+    opt = ZeroAdamW(param_groups(model), lr=1e-2, bucket_cap_mb=TINY, backend="torch")
+    for step in range(2):
+        loss = loss_of(model, *batch(rank, step))
+        if step == 1 and rank == 1:
+            raise RuntimeError("rank 1 gives up before its backward")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
+def test_a_rank_that_raises_mid_step_fails_the_others_naming_the_bucket():
+    with pytest.raises(RankError) as info:
+        run_ranks(_job_fault, 2, timeout=120, pg_timeout_s=8)
+    errors = info.value.errors
+    assert "gives up" in errors[1]
+    assert 0 in errors, f"rank 0 did not fail: {errors}"
+    assert "bucket" in errors[0] and "failed on rank 0" in errors[0], errors[0]
+
+
+def _job_lifecycle(rank, world_size):
+    model = Net()
+    opt = ZeroAdamW(param_groups(model), lr=1e-2, bucket_cap_mb=TINY, backend="torch")
+    zero_triton.overlap(model, opt)
+    # step() without any backward, then with one: no hang, nothing stepped at first.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    opt.zero_grad()
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    loss_of(model, *batch(rank, 0)).backward()
+    opt.step()
+    # model.state_dict() right after an overlapped step holds the gathered parameters.
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    same = all(torch.equal(sd[n], p) for n, p in model.named_parameters())
+    hooks = sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
+                for p in model.parameters())
+    module_hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    del opt
+    gc.collect()
+    left = sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
+               for p in model.parameters())
+    module_left = sum(len(m._forward_pre_hooks) for m in model.modules())
+    return unchanged, same, hooks, left, module_hooks, module_left
+
+
+def test_step_without_backward_and_hooks_go_with_the_optimizer():
+    for rank, (unchanged, same, hooks, left, module_hooks, module_left) in enumerate(
+            run_ranks(_job_lifecycle, 2, timeout=120)):
+        assert unchanged, f"rank {rank}: step() without backward changed a parameter"
+        assert same, f"rank {rank}: model.state_dict() after an overlapped step is not the parameters"
+        assert hooks > 0 and module_hooks > 0, "the optimizer should have put hooks on"
+        assert left == 0, f"rank {rank}: {left} grad hooks left after the optimizer was dropped"
+        assert module_left == 0, f"rank {rank}: {module_left} forward pre-hooks left"
