@@ -79,30 +79,39 @@ def loss_of(model, x, y):
     return nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
 
 
-def train(rank, world_size, bucket_cap_mb, use_overlap, accumulate=1, no_sync=True,
-          touch_grads=False, steps=STEPS):
+def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, no_sync=True,
+          touch_grads=False, steps=STEPS, scaler=False, inf_at=None):
     """Train a fresh Net; returns losses, parameters and the consolidated state."""
     model = Net()
     opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), max_grad_norm=0.5,
-                    reduce_dtype=torch.float32, backend="torch", bucket_cap_mb=bucket_cap_mb)
+                    reduce_dtype=torch.float32, backend="torch", bucket_cap_mb=bucket_cap_mb,
+                    stage=stage)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
     handle = zero_triton.overlap(model, opt) if use_overlap else None
     losses, launched = [], []
     for step in range(steps):
         x, y = batch(rank, step)
         for k, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
             last = k == accumulate - 1
+            loss = loss_of(model, xs, ys)
+            if step == inf_at and rank == 0:  # one rank overflows: every rank must skip
+                loss = loss * float("inf")
+            scaled = amp.scale(loss) if amp is not None else loss
             if not last and no_sync:
                 with opt.no_sync():
-                    loss_of(model, xs, ys).backward()
+                    scaled.backward()
             else:
-                loss = loss_of(model, xs, ys)
-                loss.backward()
+                scaled.backward()
             losses.append(float(loss.detach()) if last else None)
         launched.append(sum(b.launched for b in opt._reducer.buckets))
         if touch_grads:  # after backward: what GradScaler.unscale_ or a user does
             for p in model.blocks[0].parameters():
                 p.grad.mul_(0.5)
-        opt.step()
+        if amp is not None:
+            amp.step(opt)
+            amp.update()
+        else:
+            opt.step()
         opt.zero_grad()
     opt.wait_params()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -111,7 +120,8 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, accumulate=1, no_sync=Tr
         handle.remove()
     unused = {id(opt._reducer.bucket_of_param[id(p)]) for p in model.unused.parameters()}
     return {"losses": losses, "params": params, "state": state, "launched": launched,
-            "buckets": len(opt._reducer.buckets), "unused_buckets": len(unused)}
+            "buckets": len(opt._reducer.buckets), "unused_buckets": len(unused),
+            "memory": opt.memory_report(), "scale": amp.get_scale() if amp is not None else None}
 
 
 def packed(fn):
@@ -130,7 +140,8 @@ def ranks(fn, world_size, *args, **kwargs):
             for r in run_ranks(fn, world_size, *args, **kwargs)]
 
 
-CONFIGS = [(None, False), (TINY, False), (TINY, True), (0.01, True), (25, True)]
+CONFIGS = [(None, False, 1), (TINY, False, 1), (TINY, True, 1), (0.01, True, 1), (25, True, 1),
+           (None, False, 2), (TINY, False, 2), (TINY, True, 2)]
 
 
 @packed
@@ -154,20 +165,24 @@ def test_bucket_size_and_overlap_change_no_bit(world_size):
     results = ranks(_job_knobs, world_size, timeout=240)
     for rank, by_cfg in enumerate(results):
         base = by_cfg[CONFIGS[0]]
-        assert by_cfg[(TINY, False)]["buckets"] > 8, "the tiny cap should cut many buckets"
+        assert by_cfg[(TINY, False, 1)]["buckets"] > 8, "the tiny cap should cut many buckets"
         assert base["buckets"] == 4, "one bucket per flat buffer (2 groups x fp32, bf16)"
         for cfg in CONFIGS[1:]:
             assert_bitwise(by_cfg[cfg], base, f"rank {rank}, {world_size} ranks, bucket_cap_mb="
-                           f"{cfg[0]}, overlap={cfg[1]} vs one bucket")
+                           f"{cfg[0]}, overlap={cfg[1]}, stage {cfg[2]} vs one bucket, stage 1")
         # Every rank holds the same model after every configuration.
         for n, p in base["params"].items():
             assert torch.equal(p, results[0][CONFIGS[0]]["params"][n]), f"rank {rank}: {n} differs from rank 0"
         # From the second step on, backward launched every bucket but those holding the
         # unused layer (reduced at step).
-        tiny = by_cfg[(TINY, True)]
-        assert tiny["launched"][0] == 0, "the first step must not launch during backward (order unknown)"
-        assert all(n == tiny["buckets"] - tiny["unused_buckets"] for n in tiny["launched"][1:]), \
-            f"rank {rank}: buckets launched during backward per step {tiny['launched']} of {tiny['buckets']}"
+        for stage in (1, 2):
+            tiny = by_cfg[(TINY, True, stage)]
+            if stage == 1:
+                assert tiny["launched"][0] == 0, \
+                    "stage 1 must not launch during the first backward (order unknown)"
+            assert all(n == tiny["buckets"] - tiny["unused_buckets"] for n in tiny["launched"][1:]), \
+                f"rank {rank}, stage {stage}: buckets launched during backward per step " \
+                f"{tiny['launched']} of {tiny['buckets']}"
 
 
 @packed
@@ -216,12 +231,15 @@ def _job_accumulation(rank, world_size):
     one_bucket = train(rank, world_size, None, False, accumulate=3, no_sync=True)
     touched = train(rank, world_size, TINY, True, touch_grads=True)
     touched_ref = train(rank, world_size, None, False, touch_grads=True)
-    return with_sync, without, one_bucket, touched, touched_ref
+    stage2 = train(rank, world_size, TINY, True, stage=2, accumulate=3)
+    scaled = {stage: train(rank, world_size, TINY, True, stage=stage, scaler=True, inf_at=1)
+              for stage in (1, 2)}
+    return with_sync, without, one_bucket, touched, touched_ref, stage2, scaled
 
 
 def test_no_sync_and_grads_changed_after_backward():
-    for rank, (with_sync, without, one_bucket, touched, touched_ref) in enumerate(
-            ranks(_job_accumulation, 3, timeout=240)):
+    for rank, (with_sync, without, one_bucket, touched, touched_ref, stage2, scaled) in enumerate(
+            ranks(_job_accumulation, 3, timeout=300)):
         # no_sync: nothing launched in the accumulating backward passes, the last one
         # launches everything (from the second step).
         expect = with_sync["buckets"] - with_sync["unused_buckets"]
@@ -232,6 +250,19 @@ def test_no_sync_and_grads_changed_after_backward():
         assert not all(torch.equal(touched["params"][n], touched_ref["params"][n]) and
                        torch.equal(touched["params"][n], one_bucket["params"][n])
                        for n in touched["params"]), "the touched run should differ from the plain one"
+        # Stage 2 averages every micro-batch and adds the averages: the same sum in
+        # another order, so equal within float tolerance, not bitwise.
+        assert stage2["launched"][1:] == [stage2["buckets"] - stage2["unused_buckets"]] * (STEPS - 1)
+        for n, p in with_sync["params"].items():
+            # Adam turns rounding differences of small gradients into differences of
+            # up to lr per step: 4 steps at lr 3e-3 moved the parameters by 1e-5 here.
+            tol = dict(rtol=1e-2, atol=4e-3) if p.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(stage2["params"][n].float(), p.float(), **tol,
+                                       msg=f"rank {rank}: stage 2 accumulation vs stage 1, {n}")
+        # GradScaler with an overflow on rank 0 at step 1: both stages skip it together,
+        # back the scale off once, and end bitwise equal.
+        assert scaled[1]["scale"] == scaled[2]["scale"] == 2.0 ** 9, (scaled[1]["scale"], scaled[2]["scale"])
+        assert_bitwise(scaled[2], scaled[1], f"rank {rank}: GradScaler with an inf, stage 2 vs 1")
 
 
 @packed
@@ -342,3 +373,4 @@ def test_step_without_backward_and_hooks_go_with_the_optimizer():
         assert hooks > 0 and module_hooks > 0, "the optimizer should have put hooks on"
         assert left == 0, f"rank {rank}: {left} grad hooks left after the optimizer was dropped"
         assert module_left == 0, f"rank {rank}: {module_left} forward pre-hooks left"
+

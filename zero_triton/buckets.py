@@ -16,6 +16,13 @@ parameters), or one whose gradients changed after it was launched (another micro
 without ``no_sync``, ``GradScaler.unscale_``, a ``.grad`` written by hand), is reduced
 again at ``step``: launching early only ever saves time, the result is the same.
 
+ZeRO-2 (``sharded`` buckets): there is no full gradient buffer. The post-accumulate hook
+adds a parameter's ``.grad`` into its bucket's staging buffer, taken from a small pool,
+and sets ``.grad`` to None, freeing it; a bucket's average is added into this rank's
+shard, its staging buffer going back to the pool when the reduce-scatter is done. So a
+rank holds its gradient shard plus a few buckets, and every micro-batch is averaged
+(DeepSpeed's stage 2): the shard accumulates the averages.
+
 Nothing here holds the optimizer or a ``FlatShard``: the hooks live on the parameters,
 and an optimizer that is dropped must be collectable (its finalizer removes them).
 """
@@ -45,13 +52,18 @@ class GradBuffer:
 class Bucket:
     """One bucket of one flat buffer (``flat.Bucket`` ``geometry``) on this rank."""
 
-    def __init__(self, key, geometry, grads: GradBuffer, grad_shard, flat_param, rank: int):
+    def __init__(self, key, geometry, grads: GradBuffer | None, grad_shard, flat_param, rank: int):
         g = geometry
         self.key = key  # (flat buffer ordinal, bucket index): the same on every rank
         self.geometry = g
         self.nparams = g.end - g.first
         self.grads = grads
-        self.grad_in = grads.flat_grad[g.start:g.start + g.numel]
+        self.sharded = grads is None  # ZeRO-2: grad_in is a staging buffer while it exists
+        self.grad_in = None if self.sharded else grads.flat_grad[g.start:g.start + g.numel]
+        self.grad_dtype = flat_param.dtype
+        self.staging = None     # ZeRO-2: the pool buffer grad_in lives in
+        self.staging_pool = None
+        self.accumulated = False  # ZeRO-2: the shard already holds an average this step
         self.grad_out = grad_shard[g.shard_start:g.shard_start + g.shard_numel]
         self.param_full = flat_param[g.start:g.start + g.numel]
         lo, hi = g.shard_range(rank)
@@ -80,6 +92,9 @@ class Bucket:
             if self.recv is not None:
                 self.pool.append(self.recv)
                 self.recv = None
+            if self.staging is not None:
+                self.staging_pool.append(self.staging)
+                self.staging = self.grad_in = None
 
     def wait_gather(self) -> None:
         pending, self.gather = self.gather, None
@@ -89,7 +104,7 @@ class Bucket:
     def reset(self) -> None:
         self.arrived[:] = bytes(self.nparams)
         self.count = 0
-        self.ready = self.launched = self.stale = False
+        self.ready = self.launched = self.stale = self.accumulated = False
 
 
 def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: Bucket,
@@ -105,6 +120,19 @@ def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: B
     reducer = reducer_ref()
     if reducer is not None:
         reducer.arrived(bucket, j)
+
+
+def grad_taken(reached: bytearray, i: int, j: int, lo: int, hi: int, bucket: Bucket,
+               reducer_ref, param: torch.Tensor) -> None:
+    """ZeRO-2's post-accumulate-grad hook: add ``.grad`` into the bucket's staging
+    buffer at [lo, hi) and free it."""
+    g = param.grad
+    reducer = reducer_ref()
+    if g is None or reducer is None:
+        return
+    reached[i] = 2  # taken by the hook (1: found at step)
+    reducer.accept(bucket, j, lo, hi, g)
+    param.grad = None
 
 
 def before_accumulate(bucket: Bucket, grad):
@@ -132,6 +160,8 @@ class Reducer:
         self.pool_bytes = 0
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
         self.gathering = False            # all-gathers may be in flight
+        self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
+        self.staging_numel: dict = {}
 
     # -- building -------------------------------------------------------------------
     def rebuild(self, flats) -> None:
@@ -148,20 +178,62 @@ class Reducer:
             self.order = [by_key[b.key] for b in self.order]
         sizes: dict = {}
         for b in self.buckets:
-            kind = (b.grad_in.dtype, b.grad_in.device)
-            sizes[kind] = max(sizes.get(kind, 0), b.grad_in.numel())
+            kind = self._kind(b)
+            sizes[kind] = max(sizes.get(kind, 0), b.geometry.numel)
         self.pools, self.pool_bytes = {}, 0
-        if self.comm.world_size > 1:
-            for (dtype, device), n in sizes.items():
+        self.staging_pools, self.staging_numel = {}, {}
+        for (dtype, device), n in sizes.items():
+            if self.comm.world_size > 1:
                 self.pools[(dtype, device)] = [torch.empty(n, dtype=dtype, device=device)
                                                for _ in range(self.max_in_flight)]
-                self.pool_bytes += self.max_in_flight * n * dtype.itemsize
+            if any(b.sharded for b in self.buckets if self._kind(b) == (dtype, device)):
+                self.staging_pools[(dtype, device)] = [torch.empty(n, dtype=dtype, device=device)
+                                                       for _ in range(self.max_in_flight)]
+                self.staging_numel[(dtype, device)] = n
         for b in self.buckets:
-            b.pool = self.pools.get((b.grad_in.dtype, b.grad_in.device))
+            b.pool = self.pools.get(self._kind(b))
+            b.staging_pool = self.staging_pools.get(self._kind(b))
             b.reset()
         self.next = 0
+        if any(b.sharded for b in self.buckets) and self.order is None:
+            # ZeRO-2 holds a bucket's gradients until its launch: start in the static
+            # order (backward's, for most models) rather than none; learned at step 1.
+            self.order = list(self.buckets)
+
+    @staticmethod
+    def _kind(b: Bucket):
+        return (b.grad_dtype, b.param_full.device)
+
+    @property
+    def bytes(self) -> int:
+        """The receive and staging buffers held now."""
+        pools = list(self.pools.values()) + list(self.staging_pools.values())
+        return sum(t.numel() * t.element_size() for pool in pools for t in pool) + sum(
+            t.numel() * t.element_size() for b in self.buckets for t in (b.recv, b.staging)
+            if t is not None)
 
     # -- backward -------------------------------------------------------------------
+    def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor) -> None:
+        """ZeRO-2: add a parameter's gradient into its bucket's staging buffer."""
+        if bucket.grad_in is None:
+            self._stage(bucket)
+        bucket.grad_in[lo:hi].add_(grad.reshape(-1))
+        self.arrived(bucket, j)
+
+    def _stage(self, bucket: Bucket) -> None:
+        """A zeroed staging buffer for ``bucket``: from the pool, after the oldest
+        reduce-scatter in flight when it is empty, or a new one (handed back at step)."""
+        pool = bucket.staging_pool
+        while not pool and self.in_flight:
+            self.in_flight.popleft().wait_reduce()
+        if pool:
+            buf = pool.pop()
+        else:
+            kind = self._kind(bucket)
+            buf = torch.empty(self.staging_numel[kind], dtype=kind[0], device=kind[1])
+        bucket.staging, bucket.grad_in = buf, buf[:bucket.geometry.numel]
+        bucket.grad_in.zero_()
+
     def arrived(self, bucket: Bucket, j: int) -> None:
         bucket.stale = bucket.launched
         if not bucket.arrived[j]:
@@ -187,8 +259,15 @@ class Reducer:
             self.next = 0  # every bucket went: the next micro-batch starts over
 
     def launch(self, bucket: Bucket) -> None:
-        """Start averaging ``bucket``'s local gradients into this rank's shard."""
-        bucket.wait_reduce()
+        """Start averaging ``bucket``'s local gradients into this rank's shard (ZeRO-2:
+        added to it after the first average of the step)."""
+        if bucket.sharded:
+            if bucket.reduce is not None:
+                bucket.wait_reduce()
+            if bucket.grad_in is None:  # nothing arrived: this rank adds zeros
+                self._stage(bucket)
+        else:
+            bucket.wait_reduce()
         recv = None
         if bucket.pool is not None:
             while not bucket.pool:
@@ -197,9 +276,10 @@ class Reducer:
         bucket.recv = recv
         bucket.ready = bucket.stale = False
         bucket.launched = True
+        accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
         bucket.reduce = self.comm.reduce_scatter_avg(
             bucket.grad_out, bucket.grad_in, None if recv is None else recv[:bucket.grad_in.numel()],
-            async_op=True, name=bucket.name("reduce_scatter"))
+            async_op=True, name=bucket.name("reduce_scatter"), accumulate=accumulate)
         if bucket.recv is not None:
             self.in_flight.append(bucket)
         else:
@@ -210,14 +290,16 @@ class Reducer:
         """Reduce whatever backward did not (or whose gradients changed since), in the
         agreed order, and wait for everything. Learns the order at the first step."""
         for grads in grad_buffers:
-            if grads.written_since_hooks():
+            if grads is not None and grads.written_since_hooks():
                 for b in self.buckets:
                     if b.grads is grads:
                         b.stale = True
         for b in self.order or self.buckets:
-            if b.stale or not b.launched:
+            if b.stale or not b.launched or b.grad_in is not None and b.sharded:
                 self.launch(b)
         self.wait_reduces()
+        for kind, pool in self.staging_pools.items():
+            del pool[self.max_in_flight:]  # staging taken beyond the pool goes back
         if self.seen is not None and self.comm.world_size > 1:
             self._learn()
         for b in self.buckets:
@@ -241,6 +323,9 @@ class Reducer:
         """``zero_grad``: wait for reductions reading the gradients, start a new step."""
         self.wait_reduces()
         for b in self.buckets:
+            if b.staging is not None:  # ZeRO-2 gradients not averaged yet: dropped
+                b.staging_pool.append(b.staging)
+                b.staging = b.grad_in = None
             b.reset()
         self.next = 0
 
@@ -281,6 +366,20 @@ def _on_leaf(p: torch.Tensor, register):
 
 def post_accumulate_hook(p: torch.Tensor, fn):
     return _on_leaf(p, lambda: p.register_post_accumulate_grad_hook(fn))
+
+
+def register_sharded_hooks(params, reached, layout, buckets, reducer) -> list:
+    """ZeRO-2's post-accumulate-grad hooks of one flat buffer's parameters."""
+    ref = weakref.ref(reducer)
+    handles = []
+    for b in buckets:
+        g = b.geometry
+        for j, i in enumerate(range(g.first, g.end)):
+            lo = layout.offsets[i] - g.start
+            hi = lo + params[i].numel()
+            handles.append(post_accumulate_hook(params[i], functools.partial(
+                grad_taken, reached, i, j, lo, hi, b, ref)))
+    return handles
 
 
 def register_hooks(params, reached, grad_views, buckets, reducer) -> list:

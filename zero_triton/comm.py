@@ -58,18 +58,27 @@ DONE = Pending()
 
 class OrderedSum(Pending):
     """An all-to-all in flight; ``wait()`` then sums the received chunks in rank order
-    into ``out`` and divides by the world size."""
+    into ``out`` and divides by the world size (``accumulate``: adds that to ``out``)."""
 
-    __slots__ = ("recv", "out")
+    __slots__ = ("recv", "out", "accumulate")
 
-    def __init__(self, work, comm, name, recv, out):
+    def __init__(self, work, comm, name, recv, out, accumulate=False):
         super().__init__(work, comm, name)
-        self.recv, self.out = recv, out
+        self.recv, self.out, self.accumulate = recv, out, accumulate
 
     def wait(self) -> None:
         if self.work is None:
             return
         super().wait()
+        total = self.out
+        if self.accumulate:
+            self.out = torch.empty_like(total)
+        self._sum()
+        if self.accumulate:
+            total.add_(self.out)
+        self.recv = self.out = None
+
+    def _sum(self) -> None:
         chunks, out = self.recv.view(self.comm.world_size, -1), self.out
         if out.dtype == chunks.dtype:
             torch.add(chunks[0], chunks[1], out=out)
@@ -79,7 +88,23 @@ class OrderedSum(Pending):
         for k in range(2, len(chunks)):
             out.add_(chunks[k])
         out.div_(self.comm.world_size)
-        self.recv = self.out = None
+
+
+class _Added(Pending):
+    """NCCL's reduce-scatter into a temporary, added to ``out`` at the wait."""
+
+    __slots__ = ("tmp", "out")
+
+    def __init__(self, work, comm, name, tmp, out):
+        super().__init__(work, comm, name)
+        self.tmp, self.out = tmp, out
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        super().wait()
+        self.out.add_(self.tmp)
+        self.tmp = self.out = None
 
 
 class LocalComm:
@@ -88,8 +113,11 @@ class LocalComm:
     group = None
 
     def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
-                           async_op: bool = False, name: str = "reduce_scatter"):
-        if out.data_ptr() != inp.data_ptr() or out.dtype != inp.dtype:
+                           async_op: bool = False, name: str = "reduce_scatter",
+                           accumulate: bool = False):
+        if accumulate:
+            out.add_(inp)
+        elif out.data_ptr() != inp.data_ptr() or out.dtype != inp.dtype:
             out.copy_(inp)
         return DONE if async_op else None
 
@@ -146,18 +174,23 @@ class GroupComm:
             raise self._failed(name, exc) from exc
 
     def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv: torch.Tensor,
-                           async_op: bool = False, name: str = "reduce_scatter"):
+                           async_op: bool = False, name: str = "reduce_scatter",
+                           accumulate: bool = False):
         """``out`` (``inp.numel() // world_size`` elements, of ``inp``'s dtype or wider)
-        becomes this rank's chunk of the group's average of ``inp``, summed in rank
-        order. ``recv`` is scratch of ``inp``'s size and dtype, busy until the wait."""
+        becomes (``accumulate``: is added) this rank's chunk of the group's average of
+        ``inp``, summed in rank order. ``recv`` is scratch of ``inp``'s size and dtype,
+        busy until the wait."""
+        if self.world_size == 1:
+            return LocalComm.reduce_scatter_avg(self, out, inp, recv, async_op, name, accumulate)
         with self._collective(name):
             if self.backend == "nccl" and self.world_size == 2 and out.dtype == inp.dtype:
-                work = _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=self.group,
+                tmp = torch.empty_like(out) if accumulate else out
+                work = _reduce_scatter(tmp, inp, op=dist.ReduceOp.AVG, group=self.group,
                                        async_op=True)
-                pending = Pending(work, self, name)
+                pending = _Added(work, self, name, tmp, out) if accumulate else Pending(work, self, name)
             else:
                 work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
-                pending = OrderedSum(work, self, name, recv, out)
+                pending = OrderedSum(work, self, name, recv, out, accumulate)
         if not async_op:
             pending.wait()
             return None

@@ -150,28 +150,32 @@ class FlatShard:
     """
 
     def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
-                 bucket_numel=None, key=0, reducer=None):
+                 bucket_numel=None, key=0, reducer=None, stage=1):
         self.params = params
         self.dtype, self.device = params[0].dtype, params[0].device
         self.comm = comm
         self.reduce_dtype = reduce_dtype
-        self.bucket_numel, self.key, self.reducer = bucket_numel, key, reducer
+        self.bucket_numel, self.key, self.reducer, self.stage = bucket_numel, key, reducer, stage
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
                                                       bucket_numel=bucket_numel)
         self.param_views = [p.detach() for p in params]  # where each parameter lives now
-        self.flat_grad = torch.zeros_like(self.flat_param)
-        self.grad_views = self.layout.views(self.flat_grad)
-        native = _ext.loaded_or_prebuilt()
-        self._check_flat = getattr(native, "flat_status", None)
-        self._foreign_hint = None  # first foreign .grad, found by this step's check_flat
         self.reached = bytearray(len(params))
-        with torch.no_grad():
-            for i, (p, view) in enumerate(zip(params, self.grad_views)):
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                    self.reached[i] = 1  # a gradient from before the optimizer counts
-                p.grad = view
-        self.grad_version = self.flat_grad._version
+        self._foreign_hint = None  # first foreign .grad, found by this step's check_flat
+        if stage == 2:  # no full gradient buffer: .grad is taken by the hooks (buckets.py)
+            self.flat_grad = self.grad_views = None
+            self._check_flat = None
+        else:
+            self.flat_grad = torch.zeros_like(self.flat_param)
+            self.grad_views = self.layout.views(self.flat_grad)
+            native = _ext.loaded_or_prebuilt()
+            self._check_flat = getattr(native, "flat_status", None)
+            with torch.no_grad():
+                for i, (p, view) in enumerate(zip(params, self.grad_views)):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        self.reached[i] = 1  # a gradient from before the optimizer counts
+                    p.grad = view
+            self.grad_version = self.flat_grad._version
         # Per-parameter step counts (device, float32) once they differ, and a host label
         # per parameter, equal for parameters with the same history (so equal counts).
         self.steps = None
@@ -183,14 +187,17 @@ class FlatShard:
         # The averaged gradients of the shard, in reduce_dtype (bf16 grads averaged in
         # fp32); at world size 1 without a wider dtype, the gradients themselves.
         wide = reduce_dtype is not None and reduce_dtype != self.dtype
-        if comm.world_size > 1 or wide:
+        if comm.world_size > 1 or wide or stage == 2:
             self.grad_shard = torch.zeros(n, dtype=reduce_dtype if wide else self.dtype, device=self.device)
         else:
             self.grad_shard = self.flat_grad
-        self.grads = buckets.GradBuffer(self.flat_grad)
+        self.grads = buckets.GradBuffer(self.flat_grad) if stage == 1 else None
         self.buckets = [buckets.Bucket((key, k), g, self.grads, self.grad_shard, self.flat_param, comm.rank)
                         for k, g in enumerate(self.layout.buckets)]
-        if reducer is not None:
+        if stage == 2:
+            self.hooks = buckets.register_sharded_hooks(params, self.reached, self.layout,
+                                                        self.buckets, reducer)
+        elif reducer is not None:
             self.hooks = buckets.register_hooks(params, self.reached, self.grad_views,
                                                 self.buckets, reducer)
         else:
@@ -270,12 +277,13 @@ class FlatShard:
             self.reducer.wait_all()
         new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
                         amsgrad=self.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
-                        bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer)
+                        bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer,
+                        stage=self.stage)
         with torch.no_grad():
             # The new buffer copied every .grad in (Module.to converts them all, views
             # included); which parameters have a gradient is still the old answer.
             new.reached[:] = self.reached
-            if self.flat_grad._version == self.grad_version:
+            if self.stage == 1 and self.flat_grad._version == self.grad_version:
                 new.grad_version = new.flat_grad._version
             new.exp_avg.copy_(self.exp_avg)
             new.exp_avg_sq.copy_(self.exp_avg_sq)
@@ -317,6 +325,8 @@ class FlatShard:
         parameters have a gradient (``self.stepped``: None when all do). A ``.grad`` that
         something replaced (``module.zero_grad()`` sets it to None, and autograd then
         allocates a fresh one) is copied in; a None one is zeroed and not stepped."""
+        if self.stage == 2:
+            return self._take_grads()
         written = self.flat_grad._version != self.grad_version
         reached = self.reached
         start, self._foreign_hint = self._foreign_hint, None
@@ -354,9 +364,47 @@ class FlatShard:
             p.grad = view
         self.stepped = None if all(present) else present
 
+    def _take_grads(self):
+        """ZeRO-2: a ``.grad`` that no hook took (set by hand, or left from before the
+        optimizer) goes into its bucket like one from backward; one written after the
+        hook took it (a DistributedDataParallel wrapper writing back its average) is
+        refused: it would count twice."""
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            if self.reached[i] == 2:
+                raise RuntimeError(
+                    f"ZeroAdam(stage=2): parameter {i} ({tuple(p.shape)}) got a .grad after "
+                    "backward had handed its gradient over: something wrote it afterwards, "
+                    "almost always a DistributedDataParallel wrapper (accelerate, HF Trainer) "
+                    "copying its average back. With stage 2 the gradients live in the "
+                    "optimizer: do not wrap the model in DDP, or use stage=1 (which works "
+                    "under DDP)")
+            if g.is_sparse:
+                raise RuntimeError(f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; "
+                                   "FusedAdam needs dense gradients")
+            b = self.buckets[self._bucket_index(i)]
+            lo = self.layout.offsets[i] - b.geometry.start
+            self.reducer.accept(b, i - b.geometry.first, lo, lo + p.numel(), g.detach())
+            p.grad = None
+            self.reached[i] = 1
+        self.stepped = None if 0 not in self.reached else [r != 0 for r in self.reached]
+
+    def _bucket_index(self, i: int) -> int:
+        for k, g in enumerate(self.layout.buckets):
+            if g.first <= i < g.end:
+                return k
+        raise IndexError(i)
+
     def mark_zeroed(self):
         """After ``zero_grad``: no parameter has a gradient until backward reaches it."""
         self.reached[:] = bytes(len(self.reached))
+        if self.stage == 2:
+            for p in self.params:
+                p.grad = None
+            self.stepped = None
+            return
         self.grad_version = self.flat_grad._version
         self.stepped = None
         self._foreign_hint = None
@@ -523,8 +571,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _build(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize,
                decoupled_weight_decay, master_weights, backend, max_grad_norm, comm,
-               reduce_dtype, bucket_cap_mb=None, foreach=None, fused=None, capturable=False,
-               differentiable=False):
+               reduce_dtype, bucket_cap_mb=None, stage=1, foreach=None, fused=None,
+               capturable=False, differentiable=False):
         """The constructor proper, over ``comm`` (``LocalComm`` here; ZeroAdam passes its
         process group's) with gradients averaged in ``reduce_dtype`` (None: their own),
         in buckets of ``bucket_cap_mb`` MiB of gradients (None: one per flat buffer)."""
@@ -545,6 +593,10 @@ class FusedAdam(torch.optim.Optimizer):
                                           not bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB of gradients per bucket; "
                              f"25 is DDP's default) or None for one bucket, got {bucket_cap_mb!r}")
+        if stage not in (1, 2) or isinstance(stage, bool):
+            raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), "
+                             f"got {stage!r}")
+        self._stage = stage
         self._bucket_cap_mb = bucket_cap_mb
         self._comm = comm
         self._reducer = buckets.Reducer(comm)
@@ -634,7 +686,7 @@ class FusedAdam(torch.optim.Optimizer):
             backends.resolve(self._backend, trainable[0].device)  # raises with the fix
         flats = []
         key = sum(len(f) for f in self._flats)
-        reducer = self._reducer if self._comm.world_size > 1 else None
+        reducer = self._reducer if self._comm.world_size > 1 or self._stage == 2 else None
         try:
             for dtype in _SUPPORTED:
                 members = [p for p in trainable if p.dtype == dtype]
@@ -643,7 +695,8 @@ class FusedAdam(torch.optim.Optimizer):
                                            backend=self._backend, amsgrad=group["amsgrad"],
                                            reduce_dtype=self._reduce_dtype,
                                            bucket_numel=self._bucket_numel(dtype),
-                                           key=key + len(flats), reducer=reducer))
+                                           key=key + len(flats), reducer=reducer,
+                                           stage=self._stage))
         except BaseException:
             for flat in flats:
                 flat.remove_hooks()
@@ -707,6 +760,9 @@ class FusedAdam(torch.optim.Optimizer):
         backward reaches a parameter again, it counts as having no gradient."""
         self._reducer.reset()  # reductions still reading the gradients finish first
         for _, flat in self._current_flats(hint=True):
+            if flat.stage == 2:  # the shard is overwritten by the next first average
+                flat.mark_zeroed()
+                continue
             flat.flat_grad.zero_()
             if flat._foreign_hint != -1:  # some .grad replaced (or no C check): repair
                 for p, view in zip(flat.params, flat.grad_views):
@@ -892,7 +948,7 @@ class FusedAdam(torch.optim.Optimizer):
         belong to no parameter, params and grads), scratch, and the buckets in flight
         (the reduce-scatters' receive buffers)."""
         total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0,
-                 "buckets": self._reducer.pool_bytes}
+                 "buckets": self._reducer.bytes}
         for _, flat in self._all_flats():
             for k, v in flat.nbytes().items():
                 total[k] += v

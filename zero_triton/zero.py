@@ -57,6 +57,12 @@ class ZeroAdam(FusedAdam):
         process_group: the group to shard over (default: the world group).
         reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
             grads); default the gradient's own dtype.
+        stage: 1 (default): the optimizer state is sharded, each rank keeps the full
+            local gradients. 2: the gradients too: each bucket's gradients are handed
+            to the optimizer as backward produces them (``.grad`` is None afterwards)
+            and averaged into this rank's shard, so a rank holds 1/N of the gradients
+            plus a few buckets. Stage 2 averages every micro-batch (``no_sync`` changes
+            nothing) and adds the averages up.
         bucket_cap_mb: MiB of gradients per bucket (DDP's name and default, 25). Each
             bucket is sharded over the ranks on its own, and its average starts during
             backward as soon as backward has finished it (from the second step on:
@@ -77,7 +83,7 @@ class ZeroAdam(FusedAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
-                 max_grad_norm=None, bucket_cap_mb=25, foreach=None, fused=None,
+                 max_grad_norm=None, bucket_cap_mb=25, stage=1, foreach=None, fused=None,
                  capturable=False, differentiable=False):
         comm = GroupComm(process_group)
         params = list(params)
@@ -89,11 +95,14 @@ class ZeroAdam(FusedAdam):
                 g["params"] = list(g["params"])
         self._check_same_model(comm, groups)
         _install_scaler_agreement()
-        self._ddp_checked = comm.world_size == 1  # one rank: its gradients are trivially 'identical'
+        # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
+        # at step (a .grad written after backward handed it over), no fingerprint needed.
+        self._ddp_checked = comm.world_size == 1 or stage == 2
         self._build(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                     decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
                     backend=backend, max_grad_norm=max_grad_norm, comm=comm,
-                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, foreach=foreach, fused=fused,
+                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
+                    foreach=foreach, fused=fused,
                     capturable=capturable, differentiable=differentiable)
         self._constructed = True
 
@@ -165,6 +174,24 @@ class ZeroAdam(FusedAdam):
                 "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook).",
                 stacklevel=4)
 
+    @torch.no_grad()
+    def _unscale_shards(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
+        """Stage 2, called by GradScaler's ``unscale_`` / ``step``: the gradients are no
+        ``.grad`` GradScaler could see, so the averaged shards are checked for inf/nan
+        (and unscaled by ``inv_scale``, 1 inside ``scaler.step``) here, recorded in
+        GradScaler's per-device flags."""
+        if self._stage != 2:
+            return
+        self._reduce_grads()
+        for _, flat in self._all_flats():
+            g = flat.grad_shard
+            if not allow_fp16 and g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            flag = per_device.get(g.device)
+            if flag is None:
+                flag = per_device[g.device] = torch.zeros_like(found_inf, device=g.device)
+            torch._amp_foreach_non_finite_check_and_unscale_([g], flag, inv_scale.to(g.device))
+
     def _agree_found_inf(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
         for flag in per_device.values():
@@ -175,9 +202,12 @@ class ZeroAdam(FusedAdam):
         """Gradient accumulation, as DistributedDataParallel's ``no_sync``: backward
         passes inside only accumulate each rank's local gradients; the first backward
         outside (the micro-batch that ends the accumulation) averages them, bucket by
-        bucket as it goes, and ``step()`` waits for what is still in flight."""
+        bucket as it goes, and ``step()`` waits for what is still in flight. Under
+        stage 2 every micro-batch is averaged into the shard anyway (there is no full
+        gradient buffer to accumulate in): the context changes nothing there."""
         reducer = self._reducer
-        before, reducer.sync = reducer.sync, False
+        before = reducer.sync
+        reducer.sync = self._stage == 2
         try:
             yield
         finally:
@@ -277,11 +307,12 @@ class ZeroAdamW(ZeroAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, master_weights=None, backend="auto",
                  process_group=None, reduce_dtype=None, max_grad_norm=None, bucket_cap_mb=25,
-                 **torch_flags):
+                 stage=1, **torch_flags):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, master_weights=master_weights,
                          backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
-                         max_grad_norm=max_grad_norm, bucket_cap_mb=bucket_cap_mb, **torch_flags)
+                         max_grad_norm=max_grad_norm, bucket_cap_mb=bucket_cap_mb, stage=stage,
+                         **torch_flags)
 
 
 def _in_hf_trainer_single_rank_save() -> bool:
@@ -349,6 +380,9 @@ def _install_scaler_agreement() -> None:
     @functools.wraps(original)
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        shards = getattr(optimizer, "_unscale_shards", None)
+        if shards is not None:  # ZeRO-2: the gradients are the optimizer's shards
+            shards(inv_scale, found_inf, per_device, allow_fp16)
         agree = getattr(optimizer, "_agree_found_inf", None)
         if agree is not None:
             agree(per_device)

@@ -45,7 +45,8 @@ def buffers_of(optimizer) -> list:
     out = []
     for flats in optimizer._flats:
         for flat in flats:
-            grad, param = flat.flat_grad, flat.flat_param
+            param = flat.flat_param
+            grad = param  # the gradients: the parameters' dtype and layout (ZeRO-2: in buckets)
             out.append({"numel": flat.layout.padded_numel,
                         "grad_dtype": str(grad.dtype).replace("torch.", ""),
                         "grad_bytes": grad.numel() * grad.element_size(),
