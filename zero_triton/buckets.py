@@ -157,7 +157,6 @@ class Reducer:
         self.sync = True                          # False inside no_sync()
         self.in_flight = collections.deque()
         self.pools: dict = {}
-        self.pool_bytes = 0
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
         self.gathering = False            # all-gathers may be in flight
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
@@ -180,16 +179,15 @@ class Reducer:
         for b in self.buckets:
             kind = self._kind(b)
             sizes[kind] = max(sizes.get(kind, 0), b.geometry.numel)
-        self.pools, self.pool_bytes = {}, 0
-        self.staging_pools, self.staging_numel = {}, {}
-        for (dtype, device), n in sizes.items():
+        # Receive and staging buffers are made when first needed (a model of two buckets
+        # never needs more than two), up to max_in_flight of each kind.
+        self.pools, self.staging_pools, self.staging_numel = {}, {}, dict(sizes)
+        self.made = {}
+        for kind in sizes:
             if self.comm.world_size > 1:
-                self.pools[(dtype, device)] = [torch.empty(n, dtype=dtype, device=device)
-                                               for _ in range(self.max_in_flight)]
-            if any(b.sharded for b in self.buckets if self._kind(b) == (dtype, device)):
-                self.staging_pools[(dtype, device)] = [torch.empty(n, dtype=dtype, device=device)
-                                                       for _ in range(self.max_in_flight)]
-                self.staging_numel[(dtype, device)] = n
+                self.pools[kind] = []
+            if any(b.sharded for b in self.buckets if self._kind(b) == kind):
+                self.staging_pools[kind] = []
         for b in self.buckets:
             b.pool = self.pools.get(self._kind(b))
             b.staging_pool = self.staging_pools.get(self._kind(b))
@@ -199,6 +197,20 @@ class Reducer:
             # ZeRO-2 holds a bucket's gradients until its launch: start in the static
             # order (backward's, for most models) rather than none; learned at step 1.
             self.order = list(self.buckets)
+
+    def _take(self, pool: list, bucket: Bucket, role: str, grow: bool) -> torch.Tensor:
+        """A buffer from ``pool``: a free one, a new one while fewer than max_in_flight
+        exist, else the oldest reduce-scatter's once it is done. ZeRO-2 staging may
+        ``grow`` past that when nothing is in flight (buckets waiting for their turn);
+        ``finish`` hands the extra ones back."""
+        kind = self._kind(bucket)
+        key = (role, kind)
+        while not pool:
+            if self.made.get(key, 0) < self.max_in_flight or (grow and not self.in_flight):
+                self.made[key] = self.made.get(key, 0) + 1
+                return torch.empty(self.staging_numel[kind], dtype=kind[0], device=kind[1])
+            self.in_flight.popleft().wait_reduce()
+        return pool.pop()
 
     @staticmethod
     def _kind(b: Bucket):
@@ -223,14 +235,7 @@ class Reducer:
     def _stage(self, bucket: Bucket) -> None:
         """A zeroed staging buffer for ``bucket``: from the pool, after the oldest
         reduce-scatter in flight when it is empty, or a new one (handed back at step)."""
-        pool = bucket.staging_pool
-        while not pool and self.in_flight:
-            self.in_flight.popleft().wait_reduce()
-        if pool:
-            buf = pool.pop()
-        else:
-            kind = self._kind(bucket)
-            buf = torch.empty(self.staging_numel[kind], dtype=kind[0], device=kind[1])
+        buf = self._take(bucket.staging_pool, bucket, "staging", grow=True)
         bucket.staging, bucket.grad_in = buf, buf[:bucket.geometry.numel]
         bucket.grad_in.zero_()
 
@@ -270,9 +275,7 @@ class Reducer:
             bucket.wait_reduce()
         recv = None
         if bucket.pool is not None:
-            while not bucket.pool:
-                self.in_flight.popleft().wait_reduce()
-            recv = bucket.pool.pop()
+            recv = self._take(bucket.pool, bucket, "recv", grow=False)
         bucket.recv = recv
         bucket.ready = bucket.stale = False
         bucket.launched = True
@@ -299,7 +302,10 @@ class Reducer:
                 self.launch(b)
         self.wait_reduces()
         for kind, pool in self.staging_pools.items():
-            del pool[self.max_in_flight:]  # staging taken beyond the pool goes back
+            extra = len(pool) - self.max_in_flight
+            if extra > 0:  # staging made beyond the pool goes back
+                del pool[self.max_in_flight:]
+                self.made[("staging", kind)] -= extra
         if self.seen is not None and self.comm.world_size > 1:
             self._learn()
         for b in self.buckets:

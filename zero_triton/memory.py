@@ -19,7 +19,9 @@ memory. Activations, temporary buffers and fragmentation are not modelled. The
 measured counterpart is the optimizer's ``memory_report()``.
 
 CLI: ``python -m zero_triton memory --params 7.5e9 --world-size 64 [--json]``; ``--params``
-takes K/M/B/G/T suffixes too (7B = 7e9).
+takes K/M/B/G/T suffixes too (7B = 7e9). ``--measure`` also builds that many parameters
+on ``--world-size`` gloo CPU ranks and prints ZeroAdam stage 1 and 2 measured beside the
+formula (``zero_triton.memory_measure``).
 """
 
 from __future__ import annotations
@@ -189,15 +191,39 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
                              "none: plain fp32 training")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with a 'stages' list")
+    parser.add_argument("--measure", action="store_true",
+                        help="also measure ZeroAdam stage 1 and 2 on --world-size gloo CPU "
+                             "ranks with --params parameters (at most 4e8)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="ZeroAdam's bucket size for --measure (default 25)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m zero_triton memory ...``: print the table (or JSON); returns 0.
     Bad arguments exit through argparse with status 2 and a message naming the fix."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.measure:
+        from zero_triton import memory_measure as mm
+        if args.params > mm.MAX_PARAMS:
+            parser.error(f"--measure builds the parameters on this machine: --params "
+                         f"{args.params:,} is more than {mm.MAX_PARAMS:,}; pass e.g. 5e7")
+        if args.world_size > 16:
+            parser.error(f"--measure starts --world-size CPU processes: {args.world_size} is "
+                         "more than 16; pass e.g. 2 or 4")
+        if not args.bucket_cap_mb > 0:
+            parser.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
     table = memory_table(args.params, args.world_size, args.master_dtype)
-    print(json.dumps(table) if args.json else format_table(table))
+    measured = None
+    if args.measure:
+        measured = mm.measure(args.params, args.world_size, args.master_dtype, args.bucket_cap_mb)
+    if args.json:
+        print(json.dumps({**table, **({"measured": mm.as_json(measured, table)} if measured else {})}))
+    else:
+        print(format_table(table))
+        if measured:
+            print("\n" + mm.format_measured(measured, table, args.bucket_cap_mb))
     return 0
 
 
