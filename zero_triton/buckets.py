@@ -155,6 +155,7 @@ class Reducer:
         self.seen: list | None = []              # this rank's finishing order, until learned
         self.next = 0
         self.sync = True                          # False inside no_sync()
+        self.early = True                         # False: launch in finish() only
         self.in_flight = collections.deque()
         self.pools: dict = {}
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
@@ -226,7 +227,10 @@ class Reducer:
 
     # -- backward -------------------------------------------------------------------
     def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor) -> None:
-        """ZeRO-2: add a parameter's gradient into its bucket's staging buffer."""
+        """ZeRO-2: add a parameter's gradient into its bucket's staging buffer (a new one
+        when the last is still being sent: the next micro-batch)."""
+        if bucket.reduce is not None:
+            bucket.wait_reduce()
         if bucket.grad_in is None:
             self._stage(bucket)
         bucket.grad_in[lo:hi].add_(grad.reshape(-1))
@@ -255,7 +259,7 @@ class Reducer:
 
     def _advance(self) -> None:
         order = self.order
-        if order is None or not self.sync:
+        if order is None or not self.sync or not self.early:
             return
         while self.next < len(order) and order[self.next].ready:
             self.launch(order[self.next])
@@ -298,7 +302,7 @@ class Reducer:
                     if b.grads is grads:
                         b.stale = True
         for b in self.order or self.buckets:
-            if b.stale or not b.launched or b.grad_in is not None and b.sharded:
+            if b.stale or not b.launched:  # ZeRO-2: stale = gradients staged since the launch
                 self.launch(b)
         self.wait_reduces()
         for kind, pool in self.staging_pools.items():

@@ -600,6 +600,9 @@ class FusedAdam(torch.optim.Optimizer):
         self._bucket_cap_mb = bucket_cap_mb
         self._comm = comm
         self._reducer = buckets.Reducer(comm)
+        # bucket_cap_mb=None: one bucket per flat buffer, averaged in step() only (never
+        # from backward's hooks: safe for models whose ranks reach different parameters).
+        self._reducer.early = bucket_cap_mb is not None
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._backend = backend
         self._master_weights = True if master_weights is None else bool(master_weights)

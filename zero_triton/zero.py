@@ -67,7 +67,10 @@ class ZeroAdam(FusedAdam):
             bucket is sharded over the ranks on its own, and its average starts during
             backward as soon as backward has finished it (from the second step on:
             the first step learns the order). None: one bucket per flat buffer,
-            averaged in ``step()``. The result does not depend on it (bitwise).
+            averaged in ``step()`` only, whatever backward does: for models whose
+            ranks reach different parameters (data-dependent routing), where launches
+            from backward would pair different buckets across ranks. The result does
+            not depend on it (bitwise).
 
     Construction is collective: ranks compare parameter shapes and dtypes and raise on
     every rank at the first mismatch. torch.amp.GradScaler works as is: every rank
