@@ -3,7 +3,10 @@
 #   1. build the native extension (CUDA kernels included),
 #   2. run the CUDA tests (marked `cuda`, or with "cuda" in their names),
 #   3. run the step benchmark at GPU sizes (64M, 256M, 1B params, fp32 and bf16 +
-#      fp32 master; GPT-2 small shapes; 8192 x 4096 tensors) on --device cuda.
+#      fp32 master; GPT-2 small shapes; 8192 x 4096 tensors) on --device cuda,
+#   4. time a GPT-2-small training iteration end to end (bench/e2e.py, world size 1 on
+#      one GPU: DDP, torch's ZeRO, ZeroAdamW stage 1/2 with and without buckets and
+#      overlap(); at one rank there is nothing to hide, so overlap must cost nothing).
 # Every stage runs under `timeout`; a failing stage does not stop the next one, and a
 # summary with each stage's status closes the run. Logs, CSV, JSON and PNG go to DIR.
 #
@@ -13,8 +16,8 @@
 #                                     pip build; CUDA tests collected and skipped;
 #                                     bench --quick --device cpu)
 #
-# GPU stage timeouts (seconds) add up to 455, under the 480 allowed, leaving room for
-# the kill grace periods.
+# GPU stage timeouts (seconds) add up to 555, under the 600 a device command may run,
+# leaving room for the kill grace periods.
 set -u
 
 usage() { echo "usage: $0 DIR [--dry-run]" >&2; exit 2; }
@@ -67,6 +70,8 @@ raise SystemExit(0 if mod is not None else 1)"
     run_stage test-marked 90 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
     run_stage test-named 60 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
     run_stage bench 150 "$PY" bench/step.py --quick --device cpu --out "$OUT"
+    run_stage e2e 150 "$PY" bench/e2e.py --ranks 2 --steps 2 --warmup 1 --layers 1 --width 32 \
+        --heads 2 --vocab 256 --seq 16 --batch 2 --out "$OUT"
 else
     # info compiles the CPU extension on a fresh machine (~20 s): give it room.
     run_stage info 45 bash -c "nvidia-smi; $PY -m zero_triton info"
@@ -78,6 +83,8 @@ else
     # buffers would not all fit in device memory.
     run_stage bench 120 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
         --cases fp32,bf16,gpt2,many --repeats 30 --out "$OUT"
+    run_stage e2e 100 "$PY" bench/e2e.py --device cuda --ranks 1 --steps 10 --warmup 3 \
+        --layers 12 --width 768 --heads 12 --vocab 50304 --seq 512 --batch 8 --out "$OUT"
 fi
 
 echo
@@ -87,7 +94,7 @@ for line in "${STAGES[@]}"; do
     echo "$line" | tee -a "$OUT/summary.txt"
     case $line in *FAIL*|*TIMEOUT*) FAILED=1 ;; esac
 done
-for f in "$OUT"/step_*.csv "$OUT"/step_*.json "$OUT"/step_*.png; do
+for f in "$OUT"/step_*.csv "$OUT"/step_*.json "$OUT"/step_*.png "$OUT"/e2e_*; do
     [ -e "$f" ] && echo "result: $f" | tee -a "$OUT/summary.txt"
 done
 exit $FAILED

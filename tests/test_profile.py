@@ -342,9 +342,8 @@ def test_profile_under_torchrun(tmp_path):
 
 # -- errors ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
-    (["--stage", "2"], "--stage 2 is not available yet: ZeroAdam shards the optimizer state only"),
-    (["--stage", "4"], "'4' is not a ZeRO stage; pass 1"),
-    (["--overlap"], "--overlap is not available yet: ZeroAdam's communication is synchronous today"),
+    (["--stage", "3"], "--stage 3 is not available: ZeroAdam implements ZeRO stages 1 and 2"),
+    (["--stage", "4"], "'4' is not a ZeRO stage; pass 1 or 2"),
     (["--size", "64M"], "--size applies to --collectives-only"),
     (["--collectives-only", "--layers", "3"], "--layers does not apply to --collectives-only"),
     (["--collectives-only", "--size", "0"], "'0' is not positive"),
@@ -388,20 +387,20 @@ def test_world_size_disagreeing_with_torchrun_is_refused(monkeypatch, capsys):
     assert exc.value.code == 2 and "torchrun started 2 ranks" in capsys.readouterr().err
 
 
-def test_stage_and_overlap_are_passed_once_zeroadam_takes_them(monkeypatch, tmp_path):
-    """The flags follow ZeroAdam's signature: when stage/overlap land, they go through."""
-    import zero_triton
-    from zero_triton.profiling import cli as profile_cli
+def test_stage_2_with_overlap_is_profiled(tmp_path):
+    """--stage 2 --overlap: ZeroAdam(stage=2) with zero_triton.overlap, profiled on 2 ranks;
+    the memory model's row is ZeRO-2's and the optimizer holds only the gradient shard."""
     from zero_triton.profiling.harness import zero_options
-
-    class Future(zero_triton.ZeroAdam):
-        def __init__(self, params, lr=1e-3, *, stage=1, overlap=False, **kw):
-            pass
-    assert zero_options(argparse.Namespace(stage=1, overlap=False)) == {}, "today: neither"
-    monkeypatch.setattr(zero_triton, "ZeroAdam", Future)
-    assert zero_options(argparse.Namespace(stage=2, overlap=True)) == {"stage": 2, "overlap": True}
-    args = profile_cli.parse_args(["--stage", "2", "--overlap", "--out", str(tmp_path)])
-    assert args.stage == 2 and args.overlap
+    assert zero_options(argparse.Namespace(stage=2, overlap=True)) == {"stage": 2}
+    proc = _run(["--stage", "2", "--overlap", "--steps", "2", "--warmup", "1", "--no-ddp", *TINY,
+                 "--out", str(tmp_path), "--json"])
+    assert proc.returncode == 0, proc.stderr
+    zero = json.loads(proc.stdout)["configs"]["zero"]
+    assert "ZeRO-2, overlap" in zero["label"], zero["label"]
+    states = zero["ranks"][0]["model_states"]
+    assert states["stage"] == "zero2", states
+    # the averaged shard (1/2 of the fp32 gradients), not the full local gradients
+    assert states["measured"]["grads"] <= states["predicted"]["grads"] * 1.05, states
 
 
 def _die(args, rank, world, device):

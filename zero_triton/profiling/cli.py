@@ -22,7 +22,7 @@ _seconds = positive_number("number of seconds", "300")
 
 def _stage(text: str) -> int:
     if str(text).strip() not in ("1", "2", "3"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage; pass 1 (ZeroAdam's today)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage; pass 1 or 2")
     return int(text)
 
 
@@ -52,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="iterations before them, not recorded (default 3)")
     run.add_argument("--backend", choices=NAMES, default="auto", help="ZeroAdam's kernel backend")
     run.add_argument("--stage", type=_stage, default=1,
-                     help="ZeRO stage; ZeroAdam implements stage 1 today")
+                     help="ZeRO stage: 1 (optimizer state sharded, default) or 2 (gradients too)")
     run.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
-                     help="overlap communication with backward (not available yet)")
+                     help="zero_triton.overlap(model, opt): parameter all-gathers waited by the "
+                          "next forward (the reduce-scatters overlap backward in any case)")
     run.add_argument("--no-ddp", dest="ddp", action="store_false",
                      help="skip the DDP + torch.optim.AdamW baseline")
     run.add_argument("--timeout", type=_seconds, default=300.0,
@@ -117,14 +118,9 @@ def parse_args(argv) -> argparse.Namespace:
 def _check_stage_and_overlap(ap, args) -> None:
     from zero_triton.profiling.harness import zero_options
     supported = zero_options(argparse.Namespace(stage=args.stage, overlap=args.overlap))
-    if args.stage != 1 and "stage" not in supported:
-        ap.error(f"--stage {args.stage} is not available yet: ZeroAdam shards the optimizer state "
-                 "only (ZeRO stage 1) today; pass --stage 1 or leave it out (the wire table "
-                 "shows ZeRO-2's bytes by formula)")
-    if args.overlap and "overlap" not in supported:
-        ap.error("--overlap is not available yet: ZeroAdam's communication is synchronous today "
-                 "(reduce-scatter after backward, all-gather after the kernel), so all of it is "
-                 "exposed; leave --overlap out")
+    if args.stage == 3 or (args.stage != 1 and "stage" not in supported):
+        ap.error(f"--stage {args.stage} is not available: ZeroAdam implements ZeRO stages 1 "
+                 "and 2 (parameters are not sharded); pass --stage 1 or 2")
 
 
 def _check_device(ap, args, torchrun: bool) -> None:

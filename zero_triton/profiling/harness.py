@@ -44,17 +44,11 @@ N_BATCHES = 4  # distinct batches per rank, cycled
 
 
 def zero_options(args) -> dict:
-    """The stage/overlap arguments to pass to ZeroAdam: only those its signature has
-    (today neither: ZeRO-1, synchronous), so that the harness picks them up when they
-    land without changing."""
+    """The ZeroAdam arguments of ``--stage``: only those its signature has. ``--overlap``
+    is ``zero_triton.overlap(model, opt)``, applied in ``_build``."""
     from zero_triton import ZeroAdam
     accepted = inspect.signature(ZeroAdam.__init__).parameters
-    opts = {}
-    if "stage" in accepted:
-        opts["stage"] = args.stage
-    if "overlap" in accepted:
-        opts["overlap"] = args.overlap
-    return opts
+    return {"stage": args.stage} if "stage" in accepted else {}
 
 
 def model_config(args) -> GPTConfig:
@@ -108,7 +102,11 @@ def _build(name, args, device):
         opt = ZeroAdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
                         backend=args.backend, **zero_options(args))
         backend = opt._flats[0][0].backend
-        return model, model, opt, f"ZeroAdamW (ZeRO-{args.stage}, backend {backend})"
+        if args.overlap:
+            import zero_triton
+            zero_triton.overlap(model, opt)
+        return model, model, opt, (f"ZeroAdamW (ZeRO-{args.stage}{', overlap' if args.overlap else ''}"
+                                   f", backend {backend})")
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
     opt, how = torch_adamw(model.parameters())
@@ -142,7 +140,7 @@ def _model_states(name, model, opt, world: int) -> dict:
         per = dict(master_bytes=0 if size == 4 else 4, moment_bytes=8)
     else:  # torch's AdamW keeps its moments in the parameters' dtype, no master
         per = dict(master_bytes=0, moment_bytes=2 * size)
-    stage = "zero1" if name == "zero" else "ddp"
+    stage = f"zero{getattr(opt, '_stage', 1)}" if name == "zero" else "ddp"
     rows = stage_bytes(params, world, param_bytes=size, grad_bytes=size, **per)
     row = next(r for r in rows if r["stage"] == stage)
     predicted = {"params": row["params_bytes"], "grads": row["grads_bytes"],
@@ -186,7 +184,7 @@ def _iteration_fn(net, opt, batches, device):
     return iteration, sync
 
 
-def _profiled(iteration, sync, args, trace: Path, device):
+def _profiled(iteration, sync, args, trace: Path, device, wait_params=None):
     """Run the warm-up and profiled iterations under torch.profiler, write ``trace``
     with the analysis rows added; returns (IterationSplit per profiled iteration, wall
     clock ms of each, measured around it apart from the profiler)."""
@@ -210,6 +208,10 @@ def _profiled(iteration, sync, args, trace: Path, device):
                 iteration(i)
                 sync()
                 walls.append((time.perf_counter() - t0) * 1e3)
+                if i == args.warmup + args.steps - 1 and wait_params is not None:
+                    # overlap(): the last step's all-gathers end inside the recorded
+                    # window (a gloo collective outliving it crashed ranks, torch 2.13).
+                    wait_params()
                 with _quiet_kineto():
                     prof.step()
         finally:
@@ -265,7 +267,7 @@ def _run_config(name, args, rank, world, device, say) -> dict:
     iteration, sync = _iteration_fn(net, opt, batches, device)
     say(f"{label}: {args.warmup} warm-up + {args.steps} profiled iterations")
     trace = _trace_path(args, name, rank)
-    splits, walls = _profiled(iteration, sync, args, trace, device)
+    splits, walls = _profiled(iteration, sync, args, trace, device, getattr(opt, "wait_params", None))
     memory, states, loss = _memory_iteration(name, model, net, opt, batches[0], world, device)
     result = {
         "label": label, "trace": str(trace), "loss": loss,

@@ -135,17 +135,16 @@ def wire_text(w: dict) -> str:
     rs_backend = s["zero1"]["backend_bytes_per_rank"] - c["all_gather"]
     lines.append(row("DDP: naive all-reduce", "all_reduce(grads)", c["all_reduce"], c["all_reduce"],
                      "all_reduce"))
-    lines.append(row("ZeRO-1 (ZeroAdam)", "reduce_scatter(grads)", c["reduce_scatter"], rs_backend,
+    lines.append(row("ZeRO-1/2 (ZeroAdam)", "reduce_scatter(grads)", c["reduce_scatter"], rs_backend,
                      "reduce_scatter"))
     lines.append(row("", "all_gather(params)", c["all_gather"], c["all_gather"], "all_gather"))
     lines.append(f"{'':<27}{'together':<22}{s['zero1']['bytes_per_rank']:>14,}"
                  + (f"{s['zero1']['backend_bytes_per_rank']:>13,}" if gloo else "")
                  + f"{_f(s['zero1'].get('ms'), '9.3f'):>9}")
-    lines.append(f"{'ZeRO-2 (not available yet)':<27}{'the same two':<22}{s['zero2']['bytes_per_rank']:>14,}"
-                 + (f"{s['zero2']['backend_bytes_per_rank']:>13,}" if gloo else ""))
     lines.append(_wrap("ring formulas: all-reduce 2(N-1)/N*B, reduce-scatter and all-gather "
                        "(N-1)/N*B each: ZeRO-1 and ZeRO-2 move exactly what DDP moves. "
-                       "bus GB/s = formula bytes / time."))
+                       "ZeroAdam's reduce-scatter is an all-to-all and a sum in rank order, "
+                       "which moves (N-1)/N*B. bus GB/s = formula bytes / time."))
     if gloo:
         lines.append(_wrap("note: " + w["note"]))
     return "\n".join(lines)

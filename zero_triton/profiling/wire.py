@@ -82,8 +82,7 @@ def formula(buffers: list, world_size: int, backend: str) -> dict:
             "zero1": {"collectives": ["reduce_scatter", "all_gather"], "bytes_per_rank": zero,
                       "backend_bytes_per_rank": rs_backend + p["all_gather"]},
             "zero2": {"collectives": ["reduce_scatter", "all_gather"], "bytes_per_rank": zero,
-                      "backend_bytes_per_rank": rs_backend + p["all_gather"],
-                      "available": False},
+                      "backend_bytes_per_rank": rs_backend + p["all_gather"]},
         },
         "note": None,
     }

@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""ZeroAdam's gradient average against torch's reduce_scatter_tensor, side by side.
+
+ZeroAdam averages a bucket with an all-to-all and a sum in rank order
+(``zero_triton.comm.GroupComm.reduce_scatter_avg``): the same bits for any bucket size.
+This times it against ``torch.distributed.reduce_scatter_tensor(..., op=AVG)`` on the
+same buffer, interleaved, on gloo CPU ranks (one thread each), and prints the median ms
+of each and their ratio per world size.
+
+    python bench/reduce_scatter.py                 # 2 and 4 ranks, 26 MB of fp32
+    python bench/reduce_scatter.py --ranks 2,3 --mb 8 --repeats 9
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from zero_triton.comm import GroupComm, _reduce_scatter
+from zero_triton.profiling import launch
+from zero_triton.units import positive_number, whole_number
+
+
+def _rank(args, rank, world, device):
+    n = int(args.mb * 2**20) // 4 // (16 * world) * 16 * world  # a whole number of shards
+    grad = torch.randn(n)
+    out, recv = torch.empty(n // world), torch.empty(n)
+    comm = GroupComm()
+    ops = {"torch reduce_scatter_tensor (AVG)":
+           lambda: _reduce_scatter(out, grad, op=dist.ReduceOp.AVG),
+           "zero_triton all-to-all + ordered sum":
+           lambda: comm.reduce_scatter_avg(out, grad, recv)}
+    ms = {k: [] for k in ops}
+    for i in range(args.repeats + 1):  # the first round warms the connections up
+        for name, op in ops.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            op()
+            if i:
+                ms[name].append((time.perf_counter() - t0) * 1e3)
+    return {"numel": n, "ms": ms}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=lambda s: [whole_number(2, "2")(x) for x in s.split(",")],
+                    default=[2, 4], help="comma-separated world sizes (default 2,4)")
+    ap.add_argument("--mb", type=positive_number(), default=25.0,
+                    help="MiB of fp32 gradients per call (default 25, DDP's bucket size)")
+    ap.add_argument("--repeats", type=whole_number(1), default=7, help="timed calls (default 7)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    for world in args.ranks:
+        ranks = launch.spawn(_rank, args, world, "cpu", 300.0)
+        # a call takes as long as its slowest rank
+        per_call = {k: [max(r["ms"][k][i] for r in ranks) for i in range(args.repeats)]
+                    for k in ranks[0]["ms"]}
+        med = {k: statistics.median(v) for k, v in per_call.items()}
+        torch_ms, ours = med["torch reduce_scatter_tensor (AVG)"], med["zero_triton all-to-all + ordered sum"]
+        print(f"world size {world}, gloo, {ranks[0]['numel'] * 4 / 2**20:.1f} MiB fp32, "
+              f"median of {args.repeats}:")
+        for k, v in med.items():
+            print(f"  {k:<40} {v:8.2f} ms  (min-max {min(per_call[k]):.2f}-{max(per_call[k]):.2f})")
+        print(f"  torch / zero_triton: {torch_ms / ours:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
