@@ -286,7 +286,7 @@ def _job_checkpoint(rank, world_size, path, save_cfg, load_world):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     dist.barrier()
     loaded = {}
-    for cap2 in (None, TINY):  # load at load_world ranks with other bucket sizes
+    for cap2, stage in ((None, 1), (TINY, 1), (TINY, 2)):  # other bucket sizes, world size, stage
         sub = dist.new_group(list(range(load_world)))
         if rank < load_world:
             model2 = Net()
@@ -294,10 +294,20 @@ def _job_checkpoint(rank, world_size, path, save_cfg, load_world):
                 for p in model2.parameters():
                     p.add_(1.0)
             opt2 = ZeroAdamW(param_groups(model2), lr=1.0, bucket_cap_mb=cap2, backend="torch",
-                             reduce_dtype=torch.float32, process_group=sub)
+                             reduce_dtype=torch.float32, process_group=sub, stage=stage)
             checkpoint.load(path, opt2, model2)
-            loaded[cap2] = (opt2.consolidated_state_dict(to_rank=0),
-                            {n: p.detach().clone() for n, p in model2.named_parameters()})
+            loaded[(cap2, stage)] = (opt2.consolidated_state_dict(to_rank=0),
+                                     {n: p.detach().clone() for n, p in model2.named_parameters()})
+            if stage == 2:  # and it trains on, and saves what stage 1 reads back
+                loss_of(model2, *batch(rank, 9)).backward()
+                opt2.step()
+                checkpoint.save(path + "-s2", opt2, model2)
+                again = opt2.consolidated_state_dict(to_rank=0)
+                model3 = Net()
+                opt3 = ZeroAdamW(param_groups(model3), lr=1.0, backend="torch", process_group=sub,
+                                 reduce_dtype=torch.float32)
+                checkpoint.load(path + "-s2", opt3, model3)
+                loaded["stage 2 saved"] = (again, opt3.consolidated_state_dict(to_rank=0))
         dist.barrier()
     return state, params if rank < 2 else None, loaded
 
@@ -307,6 +317,10 @@ def test_checkpoint_loads_with_any_bucket_size_and_world_size(tmp_path, load_wor
     path = str(tmp_path / "ck")
     results = ranks(_job_checkpoint, load_world, path, (TINY, 2), load_world, timeout=180)
     state, params, _ = results[0]
+    again, reread = results[0][2].pop("stage 2 saved")
+    for i, entry in again["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(reread["state"][i][k], v), f"saved at stage 2, loaded at stage 1: {i} {k}"
     for cap2, (got, got_params) in results[0][2].items():
         for n in params:
             assert torch.equal(got_params[n], params[n]), f"bucket_cap_mb={cap2}: parameter {n}"
