@@ -356,6 +356,13 @@ def test_a_rank_that_raises_mid_step_fails_the_others_naming_the_bucket():
 
 def _job_lifecycle(rank, world_size):
     model = Net()
+    refused = []
+    for bad in ({"stage": 3}, {"bucket_cap_mb": 0}, {"bucket_cap_mb": "25"}):
+        try:
+            ZeroAdamW(param_groups(model), lr=1e-2, backend="torch", **bad)
+        except ValueError as exc:
+            refused.append(str(exc))
+    hooks_after_refusals = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
     opt = ZeroAdamW(param_groups(model), lr=1e-2, bucket_cap_mb=TINY, backend="torch")
     zero_triton.overlap(model, opt)
     # step() without any backward, then with one: no hang, nothing stepped at first.
@@ -376,12 +383,15 @@ def _job_lifecycle(rank, world_size):
     left = sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
                for p in model.parameters())
     module_left = sum(len(m._forward_pre_hooks) for m in model.modules())
-    return unchanged, same, hooks, left, module_hooks, module_left
+    return unchanged, same, hooks, left, module_hooks, module_left, refused, hooks_after_refusals
 
 
 def test_step_without_backward_and_hooks_go_with_the_optimizer():
-    for rank, (unchanged, same, hooks, left, module_hooks, module_left) in enumerate(
-            run_ranks(_job_lifecycle, 2, timeout=120)):
+    for rank, (unchanged, same, hooks, left, module_hooks, module_left, refused,
+               hooks_after_refusals) in enumerate(run_ranks(_job_lifecycle, 2, timeout=120)):
+        assert len(refused) == 3, refused
+        assert "stage must be 1" in refused[0] and "bucket_cap_mb must be a number > 0" in refused[1]
+        assert hooks_after_refusals == 0, "a refused constructor left hooks on the parameters"
         assert unchanged, f"rank {rank}: step() without backward changed a parameter"
         assert same, f"rank {rank}: model.state_dict() after an overlapped step is not the parameters"
         assert hooks > 0 and module_hooks > 0, "the optimizer should have put hooks on"
