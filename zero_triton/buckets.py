@@ -206,8 +206,11 @@ class Reducer:
         ``finish`` hands the extra ones back."""
         kind = self._kind(bucket)
         key = (role, kind)
+        # On a GPU, waiting here makes the compute stream wait for an earlier bucket's
+        # collective: allow twice as many buffers there (memory is cheap next to that).
+        limit = self.max_in_flight * (2 if kind[1].type == "cuda" else 1)
         while not pool:
-            if self.made.get(key, 0) < self.max_in_flight or (grow and not self.in_flight):
+            if self.made.get(key, 0) < limit or (grow and not self.in_flight):
                 self.made[key] = self.made.get(key, 0) + 1
                 return torch.empty(self.staging_numel[kind], dtype=kind[0], device=kind[1])
             self.in_flight.popleft().wait_reduce()
@@ -306,9 +309,10 @@ class Reducer:
                 self.launch(b)
         self.wait_reduces()
         for kind, pool in self.staging_pools.items():
-            extra = len(pool) - self.max_in_flight
+            keep = self.max_in_flight * (2 if kind[1].type == "cuda" else 1)
+            extra = len(pool) - keep
             if extra > 0:  # staging made beyond the pool goes back
-                del pool[self.max_in_flight:]
+                del pool[keep:]
                 self.made[("staging", kind)] -= extra
         if self.seen is not None and self.comm.world_size > 1:
             self._learn()
