@@ -170,3 +170,66 @@ def test_layout_and_unflatten_errors():
         unflatten_into([torch.zeros(3), torch.zeros(4)], torch.zeros(5), layout)
     with pytest.raises(ValueError, match=r"parameter 1 has shape \(2, 2\), the layout says \(4,\)"):
         unflatten_into([torch.zeros(3), torch.zeros(2, 2)], torch.zeros(64), layout)
+
+
+# -- buckets --------------------------------------------------------------------------------
+def check_buckets(layout, shapes, world_size, bucket_numel):
+    """Buckets tile the parameters in order, each padded to a multiple of world_size *
+    align and sharded on its own; offsets are the canonical ones shifted per bucket; the
+    ranks' canonical segments cover every element of the data exactly once."""
+    n = len(shapes)
+    canonical = FlatLayout.build(shapes, 1)
+    assert layout.canonical_offsets == canonical.offsets and layout.numel == canonical.numel
+    first, start, state = 0, 0, 0
+    for k, b in enumerate(layout.buckets):
+        assert b.first == first and b.end > b.first or n == 0, f"bucket {k} does not follow bucket {k - 1}"
+        assert b.start == start and b.numel % (world_size * ALIGN) == 0 and b.numel > 0
+        assert b.shard_numel * world_size == b.numel and b.shard_start == state
+        size = sum(numel(s) for s in shapes[b.first:b.end])
+        if bucket_numel is not None and b.end - b.first > 1:
+            assert size <= bucket_numel, f"bucket {k} holds {size} elements, the cap is {bucket_numel}"
+        for i in range(b.first, b.end):
+            assert layout.offsets[i] - b.start == canonical.offsets[i] - b.canonical_start
+            assert layout.offsets[i] + numel(shapes[i]) <= b.start + b.numel
+        first, start, state = b.end, b.start + b.numel, state + b.shard_numel
+    assert first == n and start == layout.padded_numel and state == layout.shard_numel
+    if bucket_numel is not None:  # filled from the back: each bucket but the first is full
+        for b in layout.buckets[1:]:
+            size = sum(numel(s) for s in shapes[b.first:b.end])
+            prev = numel(shapes[b.first - 1])
+            assert size + prev > bucket_numel or b.end - b.first == 0, "a bucket could take one more"
+    covered = torch.zeros(max(layout.numel, 1), dtype=torch.int32)
+    for r in range(world_size):
+        segs = layout.shard_segments(r)
+        assert [hi - lo for lo, hi, _ in segs] == [b.shard_numel for b in layout.buckets]
+        for lo, hi, s0 in layout.canonical_segments(r):
+            covered[lo:hi] += 1
+    assert bool((covered[:layout.numel] == 1).all()), "canonical segments miss or repeat an element"
+
+
+@given(shapes=st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3), min_size=1, max_size=10),
+       world_size=st.integers(1, 6), bucket_numel=st.one_of(st.none(), st.integers(1, 400)))
+@settings(max_examples=300, deadline=None)
+def test_bucketed_layout_invariants_property(shapes, world_size, bucket_numel):
+    shapes = [tuple(s) for s in shapes]
+    check_buckets(FlatLayout.build(shapes, world_size, bucket_numel=bucket_numel), shapes,
+                  world_size, bucket_numel)
+
+
+def test_bucketed_views_round_trip_through_the_canonical_layout():
+    shapes = AWKWARD
+    layout = FlatLayout.build(shapes, 3, bucket_numel=20)
+    assert len(layout.buckets) > 2
+    params = [torch.randn(s) for s in shapes]
+    flat, got = flatten_params(params, world_size=3, bucket_numel=20)
+    assert got == layout
+    canonical = torch.cat(layout.to_canonical(flat))
+    assert canonical.numel() == layout.numel
+    out = [torch.zeros(s) for s in shapes]
+    unflatten_into(out, canonical, layout.canonical)
+    for i, (a, b) in enumerate(zip(out, params)):
+        assert torch.equal(a, b), f"parameter {i} did not survive buffer -> canonical -> parameter"
+    with pytest.raises(ValueError, match="shard_segments"):
+        layout.shard_range(0)
+    with pytest.raises(ValueError, match="bucket_numel"):
+        FlatLayout.build(shapes, 2, bucket_numel=0)
