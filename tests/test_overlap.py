@@ -398,3 +398,64 @@ def test_step_without_backward_and_hooks_go_with_the_optimizer():
         assert left == 0, f"rank {rank}: {left} grad hooks left after the optimizer was dropped"
         assert module_left == 0, f"rank {rank}: {module_left} forward pre-hooks left"
 
+
+
+class Routed(nn.Module):
+    """Two experts; on odd steps rank 1 routes nothing to the second (data-dependent
+    use, as a mixture of experts whose expert gets no tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.inp = nn.Linear(8, 16)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, use_b=True):
+        h = torch.relu(self.inp(x))
+        h = self.a(h) + (self.b(h) if use_b else 0)
+        return self.out(h)
+
+
+def _routed(rank, cap, steps=4, mismatch=False):
+    model = Routed()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=cap, backend="torch")
+    if mismatch:  # as if the ranks had launched different buckets
+        finish = opt._reducer.finish
+
+        def finish_differently(grads):
+            finish(grads)
+            opt._reducer.last_signature += rank
+        opt._reducer.finish = finish_differently
+    error = None
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(5, 8, generator=g)
+        model(x, use_b=not (rank == 1 and step % 2 == 1)).pow(2).mean().backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            error = str(exc)
+            unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+            return {"error": error, "unchanged": unchanged}
+        opt.zero_grad()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@packed
+def _job_routed(rank, world_size):
+    return (_routed(rank, 0.0003), _routed(rank, None), _routed(rank, 0.0003, mismatch=True))
+
+
+def test_rank_dependent_parameters_and_launches_that_differ():
+    """A parameter reached on some ranks only: with one backward per step every rank
+    still launches the buckets in the agreed order, so buckets change no bit. If the
+    ranks did launch different buckets (simulated), the step is refused on every rank
+    before it changes anything."""
+    for rank, (tiny, one, differ) in enumerate(ranks(_job_routed, 2, timeout=120)):
+        for n, p in one["params"].items():
+            assert torch.equal(tiny["params"][n], p), f"rank {rank}: {n} differs with buckets"
+        assert "averaged different buckets" in differ["error"] and "bucket_cap_mb=None" in differ["error"], differ
+        assert differ["unchanged"], f"rank {rank}: the refused step changed parameters"

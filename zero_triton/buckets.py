@@ -35,6 +35,9 @@ import weakref
 import torch
 
 
+SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
+
+
 class GradBuffer:
     """What the hooks of one flat buffer share: the local gradients and the version
     of them that the last hook saw (a later write means every bucket is stale)."""
@@ -162,6 +165,11 @@ class Reducer:
         self.gathering = False            # all-gathers may be in flight
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
         self.staging_numel: dict = {}
+        # A checksum of the buckets launched this step, in order: ranks that launched
+        # different ones (a parameter reached on some ranks only) paired the wrong
+        # collectives, which the step's agreement detects (FusedAdam._agree).
+        self.signature = 0
+        self.last_signature = 0
 
     # -- building -------------------------------------------------------------------
     def rebuild(self, flats) -> None:
@@ -286,6 +294,7 @@ class Reducer:
         bucket.recv = recv
         bucket.ready = bucket.stale = False
         bucket.launched = True
+        self.signature = (self.signature * 1009 + bucket.key[0] * 4099 + bucket.key[1] + 1) % SIGNATURE_MOD
         accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
         bucket.reduce = self.comm.reduce_scatter_avg(
             bucket.grad_out, bucket.grad_in, None if recv is None else recv[:bucket.grad_in.numel()],
@@ -319,6 +328,7 @@ class Reducer:
         for b in self.buckets:
             b.reset()
         self.next = 0
+        self.last_signature, self.signature = self.signature, 0
 
     def _learn(self) -> None:
         """Rank 0's finishing order, then the buckets its backward never finished."""
@@ -342,6 +352,7 @@ class Reducer:
                 b.staging = b.grad_in = None
             b.reset()
         self.next = 0
+        self.signature = 0
 
     def wait_reduces(self) -> None:
         while self.in_flight:
