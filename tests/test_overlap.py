@@ -372,17 +372,20 @@ def _job_lifecycle(rank, world_size):
     unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
     loss_of(model, *batch(rank, 0)).backward()
     opt.step()
-    # model.state_dict() right after an overlapped step holds the gathered parameters.
+    # A submodule's state_dict() right after an overlapped step holds the gathered
+    # parameters (then the whole model's, which wait for the rest).
+    block = {k: v.clone() for k, v in model.blocks[2].state_dict().items()}
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    same = all(torch.equal(sd[n], p) for n, p in model.named_parameters())
+    same = all(torch.equal(sd[n], p) for n, p in model.named_parameters()) and \
+        all(torch.equal(block[k], sd[f"blocks.2.{k}"]) for k in block)
     hooks = sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
                 for p in model.parameters())
-    module_hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
+    module_hooks = sum(len(m._forward_pre_hooks) + len(m._state_dict_pre_hooks) for m in model.modules())
     del opt
     gc.collect()
     left = sum(len(p._post_accumulate_grad_hooks or {}) + len(p._backward_hooks or {})
                for p in model.parameters())
-    module_left = sum(len(m._forward_pre_hooks) for m in model.modules())
+    module_left = sum(len(m._forward_pre_hooks) + len(m._state_dict_pre_hooks) for m in model.modules())
     return unchanged, same, hooks, left, module_hooks, module_left, refused, hooks_after_refusals
 
 

@@ -55,8 +55,9 @@ class ParamPrefetch:
         for m in model.modules():
             if any(p is not None for p in m._parameters.values()):
                 self.handles.append(m.register_forward_pre_hook(functools.partial(_wait_for_own, ref)))
-        # model.state_dict() (and so every saver) reads the parameters: wait for them all.
-        self.handles.append(model.register_state_dict_pre_hook(functools.partial(_wait_for_all, ref)))
+                # state_dict() of this module or any module above it (every saver) reads
+                # the parameters: wait for them all.
+                self.handles.append(m.register_state_dict_pre_hook(functools.partial(_wait_for_all, ref)))
         self._optimizer = weakref.ref(optimizer)
         # A dropped optimizer must not leave hooks (holding nothing of it) on the model.
         weakref.finalize(reducer, _remove, self.handles)
