@@ -162,7 +162,7 @@ def _cache_dir(sources: list[Path], root: Path) -> Path:
     import torch
 
     digest = hashlib.sha256(_CACHE_LAYOUT)
-    for path in sources + sorted((root / "cpu").glob("*.h")) + [root / "adam.h"]:
+    for path in sources + sorted((root / "cpu").glob("*.h")) + sorted(root.glob("*.h")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(" ".join(JIT_CFLAGS).encode())

@@ -1,13 +1,14 @@
-// CPU launcher: reads the 1-element scalar tensors, computes the bias corrections in
-// double once per call, picks the instruction-set variant and splits the range over
-// threads with at::parallel_for. No allocation, no extra pass over memory.
+// CPU launcher: fills the shared arguments (the 1-element scalar tensors are host
+// memory here), computes the step's scalars in double once per call (../adam_args.h),
+// picks the instruction-set variant and splits the range over threads with
+// at::parallel_for. No allocation, no extra pass over memory.
 #include "../adam.h"
 #include "adam_cpu_args.h"
 
 #include <ATen/Parallel.h>
 
 #include <atomic>
-#include <cmath>
+#include <optional>
 #include <stdexcept>
 
 namespace zero_triton {
@@ -55,11 +56,15 @@ IsaChoice current_isa() {
 
 int dtype_code(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return cpu::kFloat32;
-    case at::kHalf: return cpu::kFloat16;
-    case at::kBFloat16: return cpu::kBFloat16;
-    default: return cpu::kNone;
+    case at::kFloat: return kFloat32;
+    case at::kHalf: return kFloat16;
+    case at::kBFloat16: return kBFloat16;
+    default: return kNone;
   }
+}
+
+const float* optional_ptr(const std::optional<at::Tensor>& t) {
+  return t ? t->const_data_ptr<float>() : nullptr;
 }
 
 float scalar_of(const at::Tensor& t) { return *t.const_data_ptr<float>(); }
@@ -99,40 +104,33 @@ void adam_step_cpu(const AdamStep& s) {
   const int64_t n = s.param.numel();
   if (n == 0) return;
 
-  const double lr = scalar_of(s.lr);
-  const double t = scalar_of(s.step);
-  // Bias corrections in double: beta2^t for t in the millions loses most of its
-  // digits in fp32 (1 - 0.999^t is computed from two nearly equal numbers early on).
-  const double bias_correction1 = 1.0 - std::pow(s.beta1, t);
-  const double bias_correction2 = 1.0 - std::pow(s.beta2, t);
-
-  cpu::AdamCpuArgs a{};
+  AdamArgs a{};
   a.param = s.param.data_ptr<float>();
   a.grad = s.grad.const_data_ptr();
   a.exp_avg = s.exp_avg.data_ptr<float>();
   a.exp_avg_sq = s.exp_avg_sq.data_ptr<float>();
   a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
   a.param_lp = s.param_lp ? s.param_lp->data_ptr() : nullptr;
+  a.numel = n;
   a.grad_dtype = dtype_code(s.grad.scalar_type());
-  a.param_lp_dtype = s.param_lp ? dtype_code(s.param_lp->scalar_type()) : cpu::kNone;
+  a.param_lp_dtype = s.param_lp ? dtype_code(s.param_lp->scalar_type()) : kNone;
   a.amsgrad = s.amsgrad;
-  a.l2_weight_decay = !s.adamw && s.weight_decay != 0.0;
-  a.beta1 = float(s.beta1);
-  a.beta2 = float(s.beta2);
-  a.one_minus_beta1 = float(1.0 - s.beta1);
-  a.one_minus_beta2 = float(1.0 - s.beta2);
-  a.eps = float(s.eps);
-  a.step_size = float(lr / bias_correction1);
-  a.bias_correction2_sqrt = float(std::sqrt(bias_correction2));
-  a.decay = (s.adamw && s.weight_decay != 0.0) ? float(1.0 - lr * s.weight_decay) : 1.0f;
-  a.l2 = float(s.weight_decay);
-  a.unscale = s.grad_scale.has_value();
-  a.grad_scale = s.grad_scale ? scalar_of(*s.grad_scale) : 1.0f;
-  const float clip = s.clip_coef ? scalar_of(*s.clip_coef) : 1.0f;
-  a.grad_factor = s.maximize ? -clip : clip;
+  a.adamw = s.adamw;
+  a.maximize = s.maximize;
+  a.beta1 = s.beta1;
+  a.beta2 = s.beta2;
+  a.eps = s.eps;
+  a.weight_decay = s.weight_decay;
+  a.step = s.step.const_data_ptr<float>();
+  a.lr = s.lr.const_data_ptr<float>();
+  a.grad_scale = optional_ptr(s.grad_scale);
+  a.found_inf = nullptr;  // handled above
+  a.clip_coef = optional_ptr(s.clip_coef);
+  const StepScalars scalars = step_scalars(a);  // once per call, in double
 
   const AdamRangeFn fn = current_isa().fn;
-  at::parallel_for(0, n, kGrainSize, [&](int64_t begin, int64_t end) { fn(a, begin, end); });
+  at::parallel_for(0, n, kGrainSize,
+                   [&](int64_t begin, int64_t end) { fn(a, scalars, begin, end); });
 }
 
 }  // namespace zero_triton

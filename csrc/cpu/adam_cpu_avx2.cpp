@@ -3,6 +3,9 @@
 // extension (and anything built ahead of time) keeps the portable baseline.
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cstdint>
+// The shared arguments first, outside the target region: their inline functions are
+// called by the launcher too and must not be compiled for this instruction set.
+#include "adam_cpu_args.h"
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define ZT_CPU_ISA isa_avx2

@@ -3,6 +3,9 @@
 // otherwise stays at 256 bits.
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cstdint>
+// The shared arguments first, outside the target region: their inline functions are
+// called by the launcher too and must not be compiled for this instruction set.
+#include "adam_cpu_args.h"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c,prefer-vector-width=512")
 #define ZT_CPU_ISA isa_avx512

@@ -21,6 +21,8 @@ namespace cpu {
 namespace ZT_CPU_ISA {
 namespace {
 
+#include "../adam_element.h"
+
 inline uint32_t bits_of(float f) {
   uint32_t u;
   __builtin_memcpy(&u, &f, sizeof(u));
@@ -92,95 +94,51 @@ inline float load_grad(const void* __restrict__ base, int64_t i) {
   }
 }
 
-// GRAD_DT / LP_DT / L2 / AMSGRAD / UNSCALE are template parameters because they change
-// which memory is touched or which ops run; everything else (maximize, clip, decoupled
-// decay) is a multiply by a runtime factor that is exactly 1 (or -1) when the feature
-// is off, so x*1 and x*-1 are exact and nothing is lost by not specialising them. L2 is
-// specialised because 0*p is NaN for p = inf; UNSCALE because a vector divide costs as
-// much as the rest of the arithmetic, and most steps have no GradScaler.
 // The pointers are parameters of a non-inlined function marked __restrict__ (gcc
 // drops restrict on locals and after inlining), so the loop is vectorised without
 // runtime alias checks; the launcher refuses overlapping tensors, which makes the
-// promise true.
+// promise true. The scalars are copied into a local: nothing can alias it.
 template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
-__attribute__((noinline)) void adam_loop(const AdamCpuArgs& a, float* __restrict__ p,
+__attribute__((noinline)) void adam_loop(const StepScalars& scalars, float* __restrict__ p,
                                          const void* __restrict__ g, float* __restrict__ m,
                                          float* __restrict__ v, float* __restrict__ vmax,
                                          uint16_t* __restrict__ lp, int64_t begin,
                                          int64_t end) {
-  const float beta1 = a.beta1, beta2 = a.beta2;
-  const float one_minus_beta1 = a.one_minus_beta1, one_minus_beta2 = a.one_minus_beta2;
-  const float eps = a.eps, step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;
-  const float decay = a.decay, l2 = a.l2, grad_scale = a.grad_scale;
-  const float grad_factor = a.grad_factor;  // clip_coef * (maximize ? -1 : 1)
-
+  const StepScalars s = scalars;
   // 64-bit index: shards of more than 2^31 elements are normal for ZeRO.
   for (int64_t i = begin; i < end; ++i) {
-    float gi = load_grad<GRAD_DT>(g, i);
-    if constexpr (UNSCALE) gi = gi / grad_scale;
-    gi = gi * grad_factor;
-    float pi = p[i];
-    if constexpr (L2) gi = gi + l2 * pi;
-    pi = pi * decay;
-    const float mi = beta1 * m[i] + one_minus_beta1 * gi;
-    const float vi = beta2 * v[i] + one_minus_beta2 * (gi * gi);
+    float pi = p[i], mi = m[i], vi = v[i];
+    float xi = 0.0f;
+    if constexpr (AMSGRAD) xi = vmax[i];
+    adam_element<L2, AMSGRAD, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, xi);
+    p[i] = pi;
     m[i] = mi;
     v[i] = vi;
-    float vhat = vi;
-    if constexpr (AMSGRAD) {
-      const float old = vmax[i];
-      vhat = vi > old ? vi : old;
-      vmax[i] = vhat;
-    }
-    const float denom = __builtin_sqrtf(vhat) / bc2_sqrt + eps;
-    pi = pi - step_size * (mi / denom);
-    p[i] = pi;
+    if constexpr (AMSGRAD) vmax[i] = xi;
     if constexpr (LP_DT == kFloat16) lp[i] = float_to_half(pi);
     if constexpr (LP_DT == kBFloat16) lp[i] = float_to_bf16(pi);
   }
 }
 
-template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
-void adam_range_impl(const AdamCpuArgs& a, int64_t begin, int64_t end) {
-  adam_loop<GRAD_DT, LP_DT, L2, AMSGRAD, UNSCALE>(
-      a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.max_exp_avg_sq,
-      static_cast<uint16_t*>(a.param_lp), begin, end);
-}
+// dispatch()'s callback: one loop instantiation per combination of options.
+struct Loop {
+  const AdamArgs& a;
+  const StepScalars& s;
+  int64_t begin, end;
 
-template <int GRAD_DT, int LP_DT, bool UNSCALE>
-void dispatch_flags(const AdamCpuArgs& a, int64_t begin, int64_t end) {
-  if (a.l2_weight_decay) {
-    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, true, true, UNSCALE>(a, begin, end);
-    else adam_range_impl<GRAD_DT, LP_DT, true, false, UNSCALE>(a, begin, end);
-  } else {
-    if (a.amsgrad) adam_range_impl<GRAD_DT, LP_DT, false, true, UNSCALE>(a, begin, end);
-    else adam_range_impl<GRAD_DT, LP_DT, false, false, UNSCALE>(a, begin, end);
+  template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
+  void run() {
+    adam_loop<GRAD_DT, LP_DT, L2, AMSGRAD, UNSCALE>(
+        s, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.max_exp_avg_sq,
+        static_cast<uint16_t*>(a.param_lp), begin, end);
   }
-}
-
-template <int GRAD_DT, int LP_DT>
-void dispatch_scale(const AdamCpuArgs& a, int64_t begin, int64_t end) {
-  if (a.unscale) dispatch_flags<GRAD_DT, LP_DT, true>(a, begin, end);
-  else dispatch_flags<GRAD_DT, LP_DT, false>(a, begin, end);
-}
-
-template <int GRAD_DT>
-void dispatch_lp(const AdamCpuArgs& a, int64_t begin, int64_t end) {
-  switch (a.param_lp_dtype) {
-    case kFloat16: dispatch_scale<GRAD_DT, kFloat16>(a, begin, end); break;
-    case kBFloat16: dispatch_scale<GRAD_DT, kBFloat16>(a, begin, end); break;
-    default: dispatch_scale<GRAD_DT, kNone>(a, begin, end); break;
-  }
-}
+};
 
 }  // namespace
 
-void adam_range(const AdamCpuArgs& a, int64_t begin, int64_t end) {
-  switch (a.grad_dtype) {
-    case kFloat16: dispatch_lp<kFloat16>(a, begin, end); break;
-    case kBFloat16: dispatch_lp<kBFloat16>(a, begin, end); break;
-    default: dispatch_lp<kFloat32>(a, begin, end); break;
-  }
+void adam_range(const AdamArgs& a, const StepScalars& s, int64_t begin, int64_t end) {
+  Loop loop{a, s, begin, end};
+  dispatch</*kAlwaysUnscale=*/false>(a, loop);
 }
 
 }  // namespace ZT_CPU_ISA

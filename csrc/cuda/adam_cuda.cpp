@@ -14,10 +14,10 @@ namespace {
 
 int dtype_code(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return cuda::kFloat32;
-    case at::kHalf: return cuda::kFloat16;
-    case at::kBFloat16: return cuda::kBFloat16;
-    default: return cuda::kNone;
+    case at::kFloat: return kFloat32;
+    case at::kHalf: return kFloat16;
+    case at::kBFloat16: return kBFloat16;
+    default: return kNone;
   }
 }
 
@@ -29,7 +29,7 @@ const float* optional_ptr(const std::optional<at::Tensor>& t) {
 
 void adam_step_cuda(const AdamStep& s) {
   const c10::cuda::CUDAGuard guard(s.param.device());
-  cuda::AdamCudaArgs a{};
+  AdamArgs a{};
   a.param = s.param.data_ptr<float>();
   a.grad = s.grad.const_data_ptr();
   a.exp_avg = s.exp_avg.data_ptr<float>();
@@ -38,14 +38,16 @@ void adam_step_cuda(const AdamStep& s) {
   a.param_lp = s.param_lp ? s.param_lp->data_ptr() : nullptr;
   a.numel = s.param.numel();
   a.grad_dtype = dtype_code(s.grad.scalar_type());
-  a.param_lp_dtype = s.param_lp ? dtype_code(s.param_lp->scalar_type()) : cuda::kNone;
+  a.param_lp_dtype = s.param_lp ? dtype_code(s.param_lp->scalar_type()) : kNone;
   a.amsgrad = s.amsgrad;
   a.adamw = s.adamw;
   a.maximize = s.maximize;
-  a.beta1 = float(s.beta1);
-  a.beta2 = float(s.beta2);
-  a.eps = float(s.eps);
-  a.weight_decay = float(s.weight_decay);
+  // Rounded to float first, as the CUDA kernel always took them (the CPU kernels take
+  // the doubles, as torch does); a change of numerics to be made where it can run.
+  a.beta1 = double(float(s.beta1));
+  a.beta2 = double(float(s.beta2));
+  a.eps = double(float(s.eps));
+  a.weight_decay = double(float(s.weight_decay));
   a.step = s.step.const_data_ptr<float>();
   a.lr = s.lr.const_data_ptr<float>();
   a.grad_scale = optional_ptr(s.grad_scale);

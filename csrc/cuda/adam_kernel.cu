@@ -13,34 +13,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 4;  // 4 fp32 = 16 bytes per load of param/m/v
 
-// Scalars for one step, computed by every thread from the device pointers. The bias
-// corrections are computed in double: 1 - beta2^t loses most of its digits in fp32.
-struct StepScalars {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
-  float step_size, bias_correction2_sqrt, decay, l2, grad_scale, grad_factor;
-};
-
-__device__ __forceinline__ StepScalars step_scalars(const AdamCudaArgs& a) {
-  StepScalars s;
-  const double lr = *a.lr;
-  const double t = *a.step;
-  const double bc1 = 1.0 - pow(double(a.beta1), t);
-  const double bc2 = 1.0 - pow(double(a.beta2), t);
-  s.beta1 = a.beta1;
-  s.beta2 = a.beta2;
-  s.one_minus_beta1 = float(1.0 - double(a.beta1));
-  s.one_minus_beta2 = float(1.0 - double(a.beta2));
-  s.eps = a.eps;
-  s.step_size = float(lr / bc1);
-  s.bias_correction2_sqrt = float(sqrt(bc2));
-  // x*1, x/1 and x*-1 are exact: disabled features cost a multiply, not a branch.
-  s.decay = (a.adamw && a.weight_decay != 0.f) ? float(1.0 - lr * double(a.weight_decay)) : 1.f;
-  s.l2 = a.weight_decay;
-  s.grad_scale = a.grad_scale ? *a.grad_scale : 1.f;
-  const float clip = a.clip_coef ? *a.clip_coef : 1.f;
-  s.grad_factor = a.maximize ? -clip : clip;
-  return s;
-}
+// The update of one element (../adam_element.h), the same as the CPU kernels'.
+#include "../adam_element.h"
 
 template <int DT>
 __device__ __forceinline__ float to_float(uint16_t h);
@@ -74,32 +48,15 @@ __device__ __forceinline__ float load_grad(const void* g, int64_t i) {
   }
 }
 
-// The update of one element, shared by the vector and the scalar path.
-template <bool L2, bool AMSGRAD>
-__device__ __forceinline__ void adam_element(const StepScalars& s, float g, float& p, float& m,
-                                             float& v, float& vmax) {
-  g = (g / s.grad_scale) * s.grad_factor;
-  if constexpr (L2) g = g + s.l2 * p;
-  p = p * s.decay;
-  m = s.beta1 * m + s.one_minus_beta1 * g;
-  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
-  float vhat = v;
-  if constexpr (AMSGRAD) {
-    vmax = fmaxf(vmax, v);
-    vhat = vmax;
-  }
-  const float denom = sqrtf(vhat) / s.bias_correction2_sqrt + s.eps;
-  p = p - s.step_size * (m / denom);
-}
-
 // GRAD_DT, LP_DT, L2 and AMSGRAD are template parameters: they decide which memory is
 // touched, so the dead branches vanish. VEC selects 16-byte accesses (the launcher
 // checked alignment) or one element per iteration.
 template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool VEC>
 __global__ void __launch_bounds__(kThreads)
-    adam_step_kernel(const AdamCudaArgs a) {
+    adam_step_kernel(const AdamArgs a) {
   // Skip the whole step on overflow; read on the device so the host never waits.
   if (a.found_inf && *a.found_inf != 0.f) return;
+  // Every thread computes the step's scalars from the device pointers (../adam_args.h).
   const StepScalars s = step_scalars(a);
   // 64-bit: shards of more than 2^31 elements are normal for ZeRO.
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -138,10 +95,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t j = base + u * stride;
         if (j >= nvec) break;
-        adam_element<L2, AMSGRAD>(s, g[u][0], p4[u].x, m4[u].x, v4[u].x, x4[u].x);
-        adam_element<L2, AMSGRAD>(s, g[u][1], p4[u].y, m4[u].y, v4[u].y, x4[u].y);
-        adam_element<L2, AMSGRAD>(s, g[u][2], p4[u].z, m4[u].z, v4[u].z, x4[u].z);
-        adam_element<L2, AMSGRAD>(s, g[u][3], p4[u].w, m4[u].w, v4[u].w, x4[u].w);
+        adam_element<L2, AMSGRAD, true>(s, g[u][0], p4[u].x, m4[u].x, v4[u].x, x4[u].x);
+        adam_element<L2, AMSGRAD, true>(s, g[u][1], p4[u].y, m4[u].y, v4[u].y, x4[u].y);
+        adam_element<L2, AMSGRAD, true>(s, g[u][2], p4[u].z, m4[u].z, v4[u].z, x4[u].z);
+        adam_element<L2, AMSGRAD, true>(s, g[u][3], p4[u].w, m4[u].w, v4[u].w, x4[u].w);
         reinterpret_cast<float4*>(a.param)[j] = p4[u];
         reinterpret_cast<float4*>(a.exp_avg)[j] = m4[u];
         reinterpret_cast<float4*>(a.exp_avg_sq)[j] = v4[u];
@@ -161,7 +118,7 @@ __global__ void __launch_bounds__(kThreads)
     float p = a.param[i], m = a.exp_avg[i], v = a.exp_avg_sq[i];
     float x = 0.f;
     if constexpr (AMSGRAD) x = a.max_exp_avg_sq[i];
-    adam_element<L2, AMSGRAD>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, x);
+    adam_element<L2, AMSGRAD, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, x);
     a.param[i] = p;
     a.exp_avg[i] = m;
     a.exp_avg_sq[i] = v;
@@ -175,7 +132,7 @@ bool aligned(const void* p, uintptr_t bytes) {
 }
 
 template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD>
-cudaError_t launch_typed(const AdamCudaArgs& a, int num_sms, cudaStream_t stream) {
+cudaError_t launch_typed(const AdamArgs& a, int num_sms, cudaStream_t stream) {
   const int grad_bytes = GRAD_DT == kFloat32 ? 4 : 2;
   // Vector path: fp32 arrays 16-byte aligned, 16-bit arrays 8-byte aligned.
   const bool vec = aligned(a.param, 16) && aligned(a.exp_avg, 16) &&
@@ -197,35 +154,25 @@ cudaError_t launch_typed(const AdamCudaArgs& a, int num_sms, cudaStream_t stream
   return cudaGetLastError();
 }
 
-template <int GRAD_DT, int LP_DT>
-cudaError_t launch_flags(const AdamCudaArgs& a, int num_sms, cudaStream_t stream) {
-  const bool l2 = !a.adamw && a.weight_decay != 0.f;
-  if (l2) {
-    return a.amsgrad ? launch_typed<GRAD_DT, LP_DT, true, true>(a, num_sms, stream)
-                     : launch_typed<GRAD_DT, LP_DT, true, false>(a, num_sms, stream);
-  }
-  return a.amsgrad ? launch_typed<GRAD_DT, LP_DT, false, true>(a, num_sms, stream)
-                   : launch_typed<GRAD_DT, LP_DT, false, false>(a, num_sms, stream);
-}
+// dispatch()'s callback. The kernel always divides by grad_scale (1 without a
+// GradScaler: exact), so UNSCALE is always true here and the instantiations halve.
+struct Launch {
+  const AdamArgs& a;
+  int num_sms;
+  cudaStream_t stream;
 
-template <int GRAD_DT>
-cudaError_t launch_lp(const AdamCudaArgs& a, int num_sms, cudaStream_t stream) {
-  switch (a.param_lp_dtype) {
-    case kFloat16: return launch_flags<GRAD_DT, kFloat16>(a, num_sms, stream);
-    case kBFloat16: return launch_flags<GRAD_DT, kBFloat16>(a, num_sms, stream);
-    default: return launch_flags<GRAD_DT, kNone>(a, num_sms, stream);
+  template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
+  cudaError_t run() {
+    return launch_typed<GRAD_DT, LP_DT, L2, AMSGRAD>(a, num_sms, stream);
   }
-}
+};
 
 }  // namespace
 
-cudaError_t launch_adam_step(const AdamCudaArgs& a, int num_sms, cudaStream_t stream) {
+cudaError_t launch_adam_step(const AdamArgs& a, int num_sms, cudaStream_t stream) {
   if (a.numel == 0) return cudaSuccess;
-  switch (a.grad_dtype) {
-    case kFloat16: return launch_lp<kFloat16>(a, num_sms, stream);
-    case kBFloat16: return launch_lp<kBFloat16>(a, num_sms, stream);
-    default: return launch_lp<kFloat32>(a, num_sms, stream);
-  }
+  Launch launch{a, num_sms, stream};
+  return dispatch</*kAlwaysUnscale=*/true>(a, launch);
 }
 
 }  // namespace cuda
