@@ -8,14 +8,13 @@ accumulates straight into it. Each rank owns one shard of every buffer: with wor
 """
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 import weakref
 
 import torch
 
-from zero_triton import _ext, adam_state, backends, buckets
+from zero_triton import adam_state, backends, buckets, grads
 from zero_triton.comm import LocalComm, phase
 from zero_triton.flat import flatten_params
 
@@ -122,11 +121,6 @@ def _with_grads(params):
     return params, tensors
 
 
-def _mark_reached(reached: bytearray, i: int, _param) -> None:
-    """Post-accumulate-grad hook: backward reached parameter ``i`` of a flat buffer."""
-    reached[i] = 1
-
-
 def _remove_all(handles: list) -> None:
     """Remove hook handles (in place: a finalizer holds the same list)."""
     for h in handles:
@@ -135,18 +129,15 @@ def _remove_all(handles: list) -> None:
 
 
 class FlatShard:
-    """One flat buffer (a param group's parameters of one dtype and device) and the
-    optimizer state of this rank's shard of it.
+    """One flat buffer (a param group's parameters of one dtype and device), its
+    gradients (``grad_buffer``: ZeRO-1's full local buffer or ZeRO-2's hand-over to the
+    buckets, ``zero_triton.grads``), its buckets (``zero_triton.buckets``) and the
+    optimizer state of this rank's shard of every bucket.
 
     Which parameters have a gradient at ``step`` follows torch.optim.Adam's rule (a
-    parameter whose ``.grad`` is None is not stepped): with the ``.grad`` views kept
-    across ``zero_grad``, "has a gradient" means that backward reached it since the
-    last ``zero_grad`` (a post-accumulate-grad hook sets ``reached``), or that its
-    ``.grad`` is a tensor of its own, or, when no backward ran at all, that something
-    wrote into the gradient buffer (then every view counts: writes by hand into views
-    of one buffer cannot be told apart per parameter). Parameters that were not stepped
-    keep their state, step included: ``steps`` then holds each parameter's own count
-    (None while they all have ``step``).
+    parameter whose ``.grad`` is None is not stepped; ``zero_triton.grads`` says how it
+    is told). Parameters that were not stepped keep their state, step included:
+    ``steps`` then holds each parameter's own count (None while they all have ``step``).
     """
 
     def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
@@ -159,23 +150,8 @@ class FlatShard:
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
                                                       bucket_numel=bucket_numel)
         self.param_views = [p.detach() for p in params]  # where each parameter lives now
-        self.reached = bytearray(len(params))
-        self._foreign_hint = None  # first foreign .grad, found by this step's check_flat
-        if stage == 2:  # no full gradient buffer: .grad is taken by the hooks (buckets.py)
-            self.flat_grad = self.grad_views = None
-            self._check_flat = None
-        else:
-            self.flat_grad = torch.zeros_like(self.flat_param)
-            self.grad_views = self.layout.views(self.flat_grad)
-            native = _ext.loaded_or_prebuilt()
-            self._check_flat = getattr(native, "flat_status", None)
-            with torch.no_grad():
-                for i, (p, view) in enumerate(zip(params, self.grad_views)):
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                        self.reached[i] = 1  # a gradient from before the optimizer counts
-                    p.grad = view
-            self.grad_version = self.flat_grad._version
+        if stage == 1:  # the local gradients, .grad views of one buffer (zero_triton.grads)
+            self.grad_buffer = grads.LocalGrads(params, self.layout, self.flat_param)
         # Per-parameter step counts (device, float32) once they differ, and a host label
         # per parameter, equal for parameters with the same history (so equal counts).
         self.steps = None
@@ -191,18 +167,12 @@ class FlatShard:
             self.grad_shard = torch.zeros(n, dtype=reduce_dtype if wide else self.dtype, device=self.device)
         else:
             self.grad_shard = self.flat_grad
-        self.grads = buckets.GradBuffer(self.flat_grad) if stage == 1 else None
-        self.buckets = [buckets.Bucket((key, k), g, self.grads, self.grad_shard, self.flat_param, comm.rank)
+        tracker = self.grad_buffer.tracker if stage == 1 else None
+        self.buckets = [buckets.Bucket((key, k), g, tracker, self.grad_shard, self.flat_param, comm.rank)
                         for k, g in enumerate(self.layout.buckets)]
-        if stage == 2:
-            self.hooks = buckets.register_sharded_hooks(params, self.reached, self.layout,
-                                                        self.buckets, reducer)
-        elif reducer is not None:
-            self.hooks = buckets.register_hooks(params, self.reached, self.grad_views,
-                                                self.buckets, reducer)
-        else:
-            self.hooks = [buckets.post_accumulate_hook(p, functools.partial(_mark_reached, self.reached, i))
-                          for i, p in enumerate(params)]
+        if stage == 2:  # no gradient buffer: backward's hooks hand .grad to the buckets
+            self.grad_buffer = grads.ShardedGrads(params, self.layout, reducer, self.buckets)
+        self.hooks = self.grad_buffer.register_hooks(self.buckets, reducer)
         # The hooks live on the parameters, which outlive an optimizer that is dropped
         # (a sweep building one per trial): take them off when this buffer goes away.
         weakref.finalize(self, _remove_all, self.hooks)
@@ -238,20 +208,39 @@ class FlatShard:
     def remove_hooks(self):
         _remove_all(self.hooks)
 
+    # -- the gradients (zero_triton.grads) ------------------------------------------------
+    @property
+    def flat_grad(self):
+        """The local gradients (ZeRO-1 / FusedAdam), None under ZeRO-2."""
+        return self.grad_buffer.flat
+
+    @property
+    def grad_views(self):
+        return self.grad_buffer.views
+
+    @property
+    def reached(self) -> bytearray:
+        return self.grad_buffer.reached
+
+    @property
+    def grads(self):
+        """What the buckets' hooks saw of the local gradients (None under ZeRO-2)."""
+        return self.grad_buffer.tracker
+
+    @property
+    def _check_flat(self):
+        return self.grad_buffer.check_flat
+
+    @_check_flat.setter
+    def _check_flat(self, fn):  # tests run the Python fallbacks by setting it to None
+        self.grad_buffer.check_flat = fn
+
     # -- the parameters moved behind our back ------------------------------------------
     def first_moved(self, hint: bool = False) -> int:
         """Index of the first parameter whose storage is no longer its place in the flat
-        buffer (``model.to(...)`` after construction), or -1. With the extension, one C
-        loop also finds the first foreign ``.grad``; ``hint=True`` keeps it for the
-        ``sync_grads`` that follows in the same step."""
-        if self._check_flat is not None:
-            moved, foreign = self._check_flat(self.params, self.param_views, self.grad_views)
-            self._foreign_hint = foreign if hint else None
-            return moved
-        for i, (p, view) in enumerate(zip(self.params, self.param_views)):
-            if p.data_ptr() != view.data_ptr() or p.dtype != self.dtype or p.device != self.device:
-                return i
-        return -1
+        buffer (``model.to(...)`` after construction), or -1 (``grads``: with the
+        extension, the same C loop finds the first foreign ``.grad``)."""
+        return self.grad_buffer.first_moved(self.param_views, self.dtype, self.device, hint)
 
     def rehomed(self, *, master_weights, backend) -> "FlatShard":
         """A new FlatShard over the same parameters at their new dtype and device, with
@@ -282,9 +271,7 @@ class FlatShard:
         with torch.no_grad():
             # The new buffer copied every .grad in (Module.to converts them all, views
             # included); which parameters have a gradient is still the old answer.
-            new.reached[:] = self.reached
-            if self.stage == 1 and self.flat_grad._version == self.grad_version:
-                new.grad_version = new.flat_grad._version
+            new.grad_buffer.carry_over(self.grad_buffer)
             new.exp_avg.copy_(self.exp_avg)
             new.exp_avg_sq.copy_(self.exp_avg_sq)
             if self.max_exp_avg_sq is not None:
@@ -321,93 +308,18 @@ class FlatShard:
         return {k: self.layout.views(b) for k, b in self.state_buffers().items()}
 
     def sync_grads(self, backward_seen: bool = False):
-        """Point every ``.grad`` back at its view of the flat grad buffer and decide which
-        parameters have a gradient (``self.stepped``: None when all do). A ``.grad`` that
-        something replaced (``module.zero_grad()`` sets it to None, and autograd then
-        allocates a fresh one) is copied in; a None one is zeroed and not stepped."""
-        if self.stage == 2:
-            return self._take_grads()
-        written = self.flat_grad._version != self.grad_version
-        reached = self.reached
-        start, self._foreign_hint = self._foreign_hint, None
-        if start is None and self._check_flat is not None:  # the common case in one C loop
-            start = self._check_flat(self.params, self.param_views, self.grad_views)[1]
-        if start is not None:
-            if start < 0:
-                if backward_seen:
-                    self.stepped = None if 0 not in reached else [r == 1 for r in reached]
-                elif written:
-                    self.stepped = None
-                else:
-                    self.stepped = [False] * len(reached)
-                return
-        by_hand = written and not backward_seen
-        present = []
-        for i in range(len(self.params)):
-            p, view = self.params[i], self.grad_views[i]
-            g = p.grad
-            if g is view:
-                present.append(reached[i] == 1 or by_hand)
-                continue
-            if g is None:
-                view.zero_()
-                reached[i] = 0
-                present.append(False)
-            else:
-                if g.is_sparse:
-                    raise RuntimeError(
-                        f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; FusedAdam "
-                        "needs dense gradients (use torch.optim.SparseAdam for sparse ones)")
-                view.copy_(g)
-                reached[i] = 1
-                present.append(True)
-            p.grad = view
-        self.stepped = None if all(present) else present
+        """Decide which parameters have a gradient at this step (``self.stepped``: None
+        when all do), repairing ``.grad`` as ``zero_triton.grads`` describes."""
+        self.stepped = self.grad_buffer.sync(self.param_views, backward_seen)
 
-    def _take_grads(self):
-        """ZeRO-2: a ``.grad`` that no hook took (set by hand, or left from before the
-        optimizer) goes into its bucket like one from backward; one written after the
-        hook took it (a DistributedDataParallel wrapper writing back its average) is
-        refused: it would count twice."""
-        for i, p in enumerate(self.params):
-            g = p.grad
-            if g is None:
-                continue
-            if self.reached[i] == 2:
-                raise RuntimeError(
-                    f"ZeroAdam(stage=2): parameter {i} ({tuple(p.shape)}) got a .grad after "
-                    "backward had handed its gradient over: something wrote it afterwards, "
-                    "almost always a DistributedDataParallel wrapper (accelerate, HF Trainer) "
-                    "copying its average back. With stage 2 the gradients live in the "
-                    "optimizer: do not wrap the model in DDP, or use stage=1 (which works "
-                    "under DDP)")
-            if g.is_sparse:
-                raise RuntimeError(f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; "
-                                   "FusedAdam needs dense gradients")
-            b = self.buckets[self._bucket_index(i)]
-            lo = self.layout.offsets[i] - b.geometry.start
-            self.reducer.accept(b, i - b.geometry.first, lo, lo + p.numel(), g.detach())
-            p.grad = None
-            self.reached[i] = 1
-        self.stepped = None if 0 not in self.reached else [r != 0 for r in self.reached]
-
-    def _bucket_index(self, i: int) -> int:
-        for k, g in enumerate(self.layout.buckets):
-            if g.first <= i < g.end:
-                return k
-        raise IndexError(i)
+    def zero_grads(self):
+        """``zero_grad``: no parameter has a gradient until backward reaches it."""
+        self.grad_buffer.zero()
+        self.stepped = None
 
     def mark_zeroed(self):
-        """After ``zero_grad``: no parameter has a gradient until backward reaches it."""
-        self.reached[:] = bytes(len(self.reached))
-        if self.stage == 2:
-            for p in self.params:
-                p.grad = None
-            self.stepped = None
-            return
-        self.grad_version = self.flat_grad._version
+        self.grad_buffer.mark_zeroed()
         self.stepped = None
-        self._foreign_hint = None
 
     def param_steps(self) -> list:
         """Each parameter's own step count (host floats, one read of the device)."""
@@ -533,7 +445,7 @@ class FlatShard:
         elem = self.flat_param.element_size()
         return {
             "params": size(self.flat_param),
-            "grads": size(self.flat_grad) + (size(self.grad_shard) if self.grad_shard is not self.flat_grad else 0),
+            "grads": self.grad_buffer.nbytes() + (size(self.grad_shard) if self.grad_shard is not self.flat_grad else 0),
             "master": size(self.master) if self.has_master else 0,
             "moments": size(self.exp_avg) + size(self.exp_avg_sq) + size(self.max_exp_avg_sq),
             "padding": self.layout.padding * elem * 2,
@@ -763,15 +675,7 @@ class FusedAdam(torch.optim.Optimizer):
         backward reaches a parameter again, it counts as having no gradient."""
         self._reducer.reset()  # reductions still reading the gradients finish first
         for _, flat in self._current_flats(hint=True):
-            if flat.stage == 2:  # the shard is overwritten by the next first average
-                flat.mark_zeroed()
-                continue
-            flat.flat_grad.zero_()
-            if flat._foreign_hint != -1:  # some .grad replaced (or no C check): repair
-                for p, view in zip(flat.params, flat.grad_views):
-                    if p.grad is not view:
-                        p.grad = view
-            flat.mark_zeroed()
+            flat.zero_grads()
         self._grads_reduced = False
         self._clip_coef = None
 
