@@ -462,3 +462,46 @@ def test_rank_dependent_parameters_and_launches_that_differ():
             assert torch.equal(tiny["params"][n], p), f"rank {rank}: {n} differs with buckets"
         assert "averaged different buckets" in differ["error"] and "bucket_cap_mb=None" in differ["error"], differ
         assert differ["unchanged"], f"rank {rank}: the refused step changed parameters"
+
+
+def _moved_while_gathering(rank, wait_first):
+    import time
+    model = Net()
+    opt = ZeroAdamW(param_groups(model), lr=1e-2, bucket_cap_mb=TINY, backend="torch")
+    zero_triton.overlap(model, opt)
+    for step in range(2):
+        loss_of(model, *batch(rank, step)).backward()
+        if step == 1 and rank == 1:  # rank 1 is slow to send its shards: rank 0's land late
+            for flats in opt._flats:
+                for f in flats:
+                    def slow(k, launch=f.gather_bucket):
+                        time.sleep(0.05)
+                        launch(k)
+                    f.gather_bucket = slow
+        opt.step()
+        opt.zero_grad()
+    if wait_first:
+        opt.wait_params()
+    model.to(torch.bfloat16)  # while (unless waited) the all-gathers are still in flight
+    loss = loss_of(model, *batch(rank, 9))  # the forward waits; the moved parameters are put right
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss_of(model, *batch(rank, 10)).backward()
+    opt.step()  # re-homes the moved parameters and trains on
+    opt.wait_params()
+    return float(loss.detach()), params, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@packed
+def _job_moved(rank, world_size):
+    return _moved_while_gathering(rank, True), _moved_while_gathering(rank, False)
+
+
+def test_model_to_while_the_all_gathers_are_in_flight():
+    """model.to() between an overlapped step and the next forward copies parameters whose
+    all-gather has not landed; the wait puts the gathered values into the moved ones, so
+    the run equals one that waited first (bitwise), on every rank."""
+    for rank, (waited, moved) in enumerate(ranks(_job_moved, 2, timeout=120)):
+        assert moved[0] == waited[0], f"rank {rank}: loss after model.to {moved[0]} vs {waited[0]}"
+        for k in (1, 2):
+            for n, p in waited[k].items():
+                assert torch.equal(moved[k][n], p), f"rank {rank}: {n} differs ({'before' if k == 1 else 'after'} the next step)"

@@ -55,7 +55,7 @@ class GradBuffer:
 class Bucket:
     """One bucket of one flat buffer (``flat.Bucket`` ``geometry``) on this rank."""
 
-    def __init__(self, key, geometry, grads: GradBuffer | None, grad_shard, flat_param, rank: int):
+    def __init__(self, key, geometry, grads, grad_shard, flat_param, rank: int, members=()):
         g = geometry
         self.key = key  # (flat buffer ordinal, bucket index): the same on every rank
         self.geometry = g
@@ -69,6 +69,9 @@ class Bucket:
         self.accumulated = False  # ZeRO-2: the shard already holds an average this step
         self.grad_out = grad_shard[g.shard_start:g.shard_start + g.shard_numel]
         self.param_full = flat_param[g.start:g.start + g.numel]
+        # (parameter, its view of flat_param): a parameter moved by model.to() while its
+        # all-gather was in flight copied stale values; wait_gather puts the right ones in.
+        self.members = list(members)
         lo, hi = g.shard_range(rank)
         self.param_shard = flat_param[lo:hi]
         self.arrived = bytearray(self.nparams)
@@ -101,8 +104,13 @@ class Bucket:
 
     def wait_gather(self) -> None:
         pending, self.gather = self.gather, None
-        if pending is not None:
-            pending.wait()
+        if pending is None:
+            return
+        pending.wait()
+        for p, view in self.members:
+            if p.data_ptr() != view.data_ptr():  # moved (model.to) before the gather landed
+                with torch.no_grad():
+                    p.copy_(view)
 
     def reset(self) -> None:
         self.arrived[:] = bytes(self.nparams)

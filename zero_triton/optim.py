@@ -168,7 +168,8 @@ class FlatShard:
         else:
             self.grad_shard = self.flat_grad
         tracker = self.grad_buffer.tracker if stage == 1 else None
-        self.buckets = [buckets.Bucket((key, k), g, tracker, self.grad_shard, self.flat_param, comm.rank)
+        self.buckets = [buckets.Bucket((key, k), g, tracker, self.grad_shard, self.flat_param, comm.rank,
+                                       zip(params[g.first:g.end], self.param_views[g.first:g.end]))
                         for k, g in enumerate(self.layout.buckets)]
         if stage == 2:  # no gradient buffer: backward's hooks hand .grad to the buckets
             self.grad_buffer = grads.ShardedGrads(params, self.layout, reducer, self.buckets)
