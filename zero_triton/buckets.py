@@ -58,6 +58,7 @@ class Bucket:
     def __init__(self, key, geometry, grads, grad_shard, flat_param, rank: int, members=()):
         g = geometry
         self.key = key  # (flat buffer ordinal, bucket index): the same on every rank
+        self._names = {}
         self.geometry = g
         self.nparams = g.end - g.first
         self.grads = grads
@@ -85,7 +86,11 @@ class Bucket:
         self.gather = None      # Pending all-gather of the updated parameters
 
     def name(self, what: str) -> str:
-        return f"{what} of bucket {self.key[1]} of flat buffer {self.key[0]}"
+        """The phase named in errors, made once (launches happen every step)."""
+        name = self._names.get(what)
+        if name is None:
+            name = self._names[what] = f"{what} of bucket {self.key[1]} of flat buffer {self.key[0]}"
+        return name
 
     def wait_reduce(self) -> None:
         pending = self.reduce

@@ -71,8 +71,9 @@ class OrderedSum(Pending):
             return
         super().wait()
         total = self.out
-        if self.accumulate:
-            self.out = torch.empty_like(total)
+        if self.accumulate:  # the sum goes into the received chunk 0 when it can
+            chunk0 = self.recv[:total.numel()]
+            self.out = chunk0 if chunk0.dtype == total.dtype else torch.empty_like(total)
         self._sum()
         if self.accumulate:
             total.add_(self.out)
@@ -80,7 +81,9 @@ class OrderedSum(Pending):
 
     def _sum(self) -> None:
         chunks, out = self.recv.view(self.comm.world_size, -1), self.out
-        if out.dtype == chunks.dtype:
+        if out.data_ptr() == chunks[0].data_ptr():
+            out.add_(chunks[1])
+        elif out.dtype == chunks.dtype:
             torch.add(chunks[0], chunks[1], out=out)
         else:
             out.copy_(chunks[0])

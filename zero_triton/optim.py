@@ -719,9 +719,14 @@ class FusedAdam(torch.optim.Optimizer):
         device = flats[0].device
         flags = getattr(self, "_flags", None)
         if flags is None or flags.numel() != n + 3 or flags.device != device:
+            # Made once: the step allocates nothing. [found_inf, s, -s, bits...], then
+            # the launch check's result; on a GPU, a skip flag, its host copy and event.
             flags = self._flags = torch.zeros(n + 3, dtype=torch.float32, device=device)
-            self._flag_parts = (flags[0:1], flags[1:3], flags[3:])
-        head, sig, tail = self._flag_parts
+            self._flag_parts = (flags[0:1], flags[1:3], flags[3:], torch.zeros_like(flags[0:1]))
+            if device.type == "cuda":
+                self._launch_readback = (torch.zeros(1, dtype=torch.float32, pin_memory=True),
+                                         torch.cuda.Event(), torch.zeros_like(flags[0:1]))
+        head, sig, tail, mismatch = self._flag_parts
         if found_inf is not None:
             head.copy_(found_inf.reshape(1))
         else:
@@ -740,19 +745,16 @@ class FusedAdam(torch.optim.Optimizer):
         # order. Otherwise collectives of different buckets were paired and the averages
         # are wrong: the step is skipped (as for inf) and an error raised, at once on CPU,
         # at the next step on a GPU (read back without a host sync).
-        mismatch = (sig.sum() != 0).reshape(1).float()
-        if device.type == "cpu":
+        torch.add(sig[0:1], sig[1:2], out=mismatch).ne_(0)  # 1.0 where they differ
+        if device.type == "cpu":  # host memory: read at once
             self._launches_differ = mismatch
             self._check_launches()
         else:
-            head.copy_(torch.maximum(head, mismatch))
+            pinned, event, skip = self._launch_readback
+            torch.maximum(head, mismatch, out=head)
             if found_inf is None:
-                found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-            pinned = getattr(self, "_pinned_flag", None)
-            if pinned is None:
-                pinned = self._pinned_flag = torch.zeros(1, dtype=torch.float32, pin_memory=True)
+                found_inf = skip
             pinned.copy_(mismatch, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
             self._launches_differ = (pinned, event)
         if partial:  # only a rank that lacks some gradient needs the answer on the host
