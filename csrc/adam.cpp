@@ -210,6 +210,50 @@ std::pair<int64_t, int64_t> flat_status(const pybind11::list& params,
 }
 
 }  // namespace
+
+namespace {
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kFloat32;
+    case at::kHalf: return kFloat16;
+    case at::kBFloat16: return kBFloat16;
+    default: return kNone;
+  }
+}
+
+const float* optional_ptr(const std::optional<at::Tensor>& t) {
+  return t ? t->const_data_ptr<float>() : nullptr;
+}
+
+}  // namespace
+
+AdamArgs args_of(const AdamStep& s) {
+  AdamArgs a{};
+  a.param = s.param.data_ptr<float>();
+  a.grad = s.grad.const_data_ptr();
+  a.exp_avg = s.exp_avg.data_ptr<float>();
+  a.exp_avg_sq = s.exp_avg_sq.data_ptr<float>();
+  a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
+  a.param_lp = s.param_lp ? s.param_lp->data_ptr() : nullptr;
+  a.numel = s.param.numel();
+  a.grad_dtype = dtype_code(s.grad.scalar_type());
+  a.param_lp_dtype = s.param_lp ? dtype_code(s.param_lp->scalar_type()) : kNone;
+  a.amsgrad = s.amsgrad;
+  a.adamw = s.adamw;
+  a.maximize = s.maximize;
+  a.beta1 = s.beta1;
+  a.beta2 = s.beta2;
+  a.eps = s.eps;
+  a.weight_decay = s.weight_decay;
+  a.step = s.step.const_data_ptr<float>();
+  a.lr = s.lr.const_data_ptr<float>();
+  a.grad_scale = optional_ptr(s.grad_scale);
+  a.found_inf = optional_ptr(s.found_inf);
+  a.clip_coef = optional_ptr(s.clip_coef);
+  return a;
+}
+
 }  // namespace zero_triton
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include "adam_args.h"
+
 #include <optional>
 #include <string>
 
@@ -25,6 +27,11 @@ struct AdamStep {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool adamw = false, amsgrad = false, maximize = false;
 };
+
+// The shared, torch-free arguments (adam_args.h) of a checked step: pointers, dtypes,
+// options, hyperparameters, and pointers to the 1-element scalars (host or device
+// memory, wherever the tensors are). adam.cpp; both launchers start from it.
+AdamArgs args_of(const AdamStep& s);
 
 // CPU launcher (cpu/adam_cpu.cpp). Inputs already checked.
 void adam_step_cpu(const AdamStep& s);

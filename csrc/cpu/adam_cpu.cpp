@@ -8,7 +8,6 @@
 #include <ATen/Parallel.h>
 
 #include <atomic>
-#include <optional>
 #include <stdexcept>
 
 namespace zero_triton {
@@ -54,19 +53,6 @@ IsaChoice current_isa() {
   }
 }
 
-int dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return kFloat32;
-    case at::kHalf: return kFloat16;
-    case at::kBFloat16: return kBFloat16;
-    default: return kNone;
-  }
-}
-
-const float* optional_ptr(const std::optional<at::Tensor>& t) {
-  return t ? t->const_data_ptr<float>() : nullptr;
-}
-
 float scalar_of(const at::Tensor& t) { return *t.const_data_ptr<float>(); }
 
 }  // namespace
@@ -104,28 +90,8 @@ void adam_step_cpu(const AdamStep& s) {
   const int64_t n = s.param.numel();
   if (n == 0) return;
 
-  AdamArgs a{};
-  a.param = s.param.data_ptr<float>();
-  a.grad = s.grad.const_data_ptr();
-  a.exp_avg = s.exp_avg.data_ptr<float>();
-  a.exp_avg_sq = s.exp_avg_sq.data_ptr<float>();
-  a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
-  a.param_lp = s.param_lp ? s.param_lp->data_ptr() : nullptr;
-  a.numel = n;
-  a.grad_dtype = dtype_code(s.grad.scalar_type());
-  a.param_lp_dtype = s.param_lp ? dtype_code(s.param_lp->scalar_type()) : kNone;
-  a.amsgrad = s.amsgrad;
-  a.adamw = s.adamw;
-  a.maximize = s.maximize;
-  a.beta1 = s.beta1;
-  a.beta2 = s.beta2;
-  a.eps = s.eps;
-  a.weight_decay = s.weight_decay;
-  a.step = s.step.const_data_ptr<float>();
-  a.lr = s.lr.const_data_ptr<float>();
-  a.grad_scale = optional_ptr(s.grad_scale);
-  a.found_inf = nullptr;  // handled above
-  a.clip_coef = optional_ptr(s.clip_coef);
+  AdamArgs a = args_of(s);  // the scalars are host memory here
+  a.found_inf = nullptr;    // read above
   const StepScalars scalars = step_scalars(a);  // once per call, in double
 
   const AdamRangeFn fn = current_isa().fn;
