@@ -332,8 +332,8 @@ def _choose_grad_check(opt, check):
     for flats in opt._flats:
         for flat in flats:
             if check == "python":
-                flat._check_flat = None
-            elif flat._check_flat is None:
+                flat.grad_buffer.check_flat = None
+            elif flat.grad_buffer.check_flat is None:
                 pytest.skip("the native extension is not loaded here: "
                             f"{_ext.unavailable_reason() or 'only the cpu backend loads it'}")
 

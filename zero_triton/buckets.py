@@ -38,20 +38,6 @@ import torch
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 
 
-class GradBuffer:
-    """What the hooks of one flat buffer share: the local gradients and the version
-    of them that the last hook saw (a later write means every bucket is stale)."""
-
-    __slots__ = ("flat_grad", "seen_version", "__weakref__")
-
-    def __init__(self, flat_grad: torch.Tensor):
-        self.flat_grad = flat_grad
-        self.seen_version = flat_grad._version
-
-    def written_since_hooks(self) -> bool:
-        return self.flat_grad._version != self.seen_version
-
-
 class Bucket:
     """One bucket of one flat buffer (``flat.Bucket`` ``geometry``) on this rank."""
 
@@ -61,9 +47,9 @@ class Bucket:
         self._names = {}
         self.geometry = g
         self.nparams = g.end - g.first
-        self.grads = grads
+        self.grads = grads  # zero_triton.grads.LocalGrads; None under ZeRO-2
         self.sharded = grads is None  # ZeRO-2: grad_in is a staging buffer while it exists
-        self.grad_in = None if self.sharded else grads.flat_grad[g.start:g.start + g.numel]
+        self.grad_in = None if self.sharded else grads.flat[g.start:g.start + g.numel]
         self.grad_dtype = flat_param.dtype
         self.staging = None     # ZeRO-2: the pool buffer grad_in lives in
         self.staging_pool = None
@@ -132,7 +118,7 @@ def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: B
         # .grad was None (module.zero_grad()): autograd made a tensor of its own.
         view.copy_(g)
         param.grad = view
-    bucket.grads.seen_version = bucket.grads.flat_grad._version
+    bucket.grads.seen_version = bucket.grads.flat._version
     reducer = reducer_ref()
     if reducer is not None:
         reducer.arrived(bucket, j)
@@ -322,7 +308,7 @@ class Reducer:
         """Reduce whatever backward did not (or whose gradients changed since), in the
         agreed order, and wait for everything. Learns the order at the first step."""
         for grads in grad_buffers:
-            if grads is not None and grads.written_since_hooks():
+            if not grads.sharded and grads.written_since_hooks():
                 for b in self.buckets:
                     if b.grads is grads:
                         b.stale = True

@@ -54,7 +54,12 @@ class LocalGrads:
                     self.reached[i] = 1  # a gradient from before the optimizer counts
                 p.grad = view
         self.version = self.flat._version
-        self.tracker = buckets.GradBuffer(self.flat)  # what the buckets' hooks saw
+        self.seen_version = self.version  # the version the last bucket hook saw
+
+    def written_since_hooks(self) -> bool:
+        """Something wrote into the gradients after the last bucket hook (another
+        micro-batch, GradScaler.unscale_, a DDP wrapper, a hand): every bucket is stale."""
+        return self.flat._version != self.seen_version
 
     def register_hooks(self, bucket_list, reducer) -> list:
         """Hooks that mark ``reached`` (and, with a reducer, launch the buckets)."""
@@ -142,7 +147,6 @@ class ShardedGrads:
     sharded = True
     flat = None
     views = None
-    tracker = None
     check_flat = None
     foreign_hint = None
 

@@ -167,8 +167,8 @@ class FlatShard:
             self.grad_shard = torch.zeros(n, dtype=reduce_dtype if wide else self.dtype, device=self.device)
         else:
             self.grad_shard = self.flat_grad
-        tracker = self.grad_buffer.tracker if stage == 1 else None
-        self.buckets = [buckets.Bucket((key, k), g, tracker, self.grad_shard, self.flat_param, comm.rank,
+        local = self.grad_buffer if stage == 1 else None
+        self.buckets = [buckets.Bucket((key, k), g, local, self.grad_shard, self.flat_param, comm.rank,
                                        zip(params[g.first:g.end], self.param_views[g.first:g.end]))
                         for k, g in enumerate(self.layout.buckets)]
         if stage == 2:  # no gradient buffer: backward's hooks hand .grad to the buckets
@@ -222,19 +222,6 @@ class FlatShard:
     @property
     def reached(self) -> bytearray:
         return self.grad_buffer.reached
-
-    @property
-    def grads(self):
-        """What the buckets' hooks saw of the local gradients (None under ZeRO-2)."""
-        return self.grad_buffer.tracker
-
-    @property
-    def _check_flat(self):
-        return self.grad_buffer.check_flat
-
-    @_check_flat.setter
-    def _check_flat(self, fn):  # tests run the Python fallbacks by setting it to None
-        self.grad_buffer.check_flat = fn
 
     # -- the parameters moved behind our back ------------------------------------------
     def first_moved(self, hint: bool = False) -> int:
@@ -699,7 +686,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._before_reduce(flats)
         if self._comm.world_size > 1 or any(f.grad_shard is not f.flat_grad for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
-                self._reducer.finish([f.grads for f in flats])
+                self._reducer.finish([f.grad_buffer for f in flats])
         self._grads_reduced = True
 
     def _before_reduce(self, flats) -> None:
