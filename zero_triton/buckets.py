@@ -163,7 +163,7 @@ class Reducer:
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
         self.gathering = False            # all-gathers may be in flight
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
-        self.staging_numel: dict = {}
+        self.buffer_numel: dict = {}
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).
@@ -189,7 +189,7 @@ class Reducer:
             sizes[kind] = max(sizes.get(kind, 0), b.geometry.numel)
         # Receive and staging buffers are made when first needed (a model of two buckets
         # never needs more than two), up to max_in_flight of each kind.
-        self.pools, self.staging_pools, self.staging_numel = {}, {}, dict(sizes)
+        self.pools, self.staging_pools, self.buffer_numel = {}, {}, dict(sizes)
         self.made = {}
         for kind in sizes:
             if self.comm.world_size > 1:
@@ -219,7 +219,7 @@ class Reducer:
         while not pool:
             if self.made.get(key, 0) < limit or (grow and not self.in_flight):
                 self.made[key] = self.made.get(key, 0) + 1
-                return torch.empty(self.staging_numel[kind], dtype=kind[0], device=kind[1])
+                return torch.empty(self.buffer_numel[kind], dtype=kind[0], device=kind[1])
             self.in_flight.popleft().wait_reduce()
         return pool.pop()
 

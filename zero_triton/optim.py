@@ -359,12 +359,6 @@ class FlatShard:
         for start, end, i in runs:
             self._launch(k, start - lo, end - lo, s0, i, plan)
 
-    def update(self, group, grad_scale, found_inf, clip_coef) -> None:
-        """The whole step of this rank's shard (every bucket)."""
-        plan = self.prepare(group, grad_scale, found_inf, clip_coef)
-        for k in range(len(self.segments)):
-            self.update_bucket(k, plan)
-
     def _launch(self, k, a, b, s0, i, plan) -> None:
         """One kernel launch over elements [a, b) of segment ``k`` (state offset ``s0``)."""
         kwargs = plan["kwargs"]
