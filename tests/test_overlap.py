@@ -80,17 +80,17 @@ def loss_of(model, x, y):
 
 
 def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, no_sync=True,
-          touch_grads=False, steps=STEPS, scaler=False, inf_at=None):
+          touch_grads=False, steps=STEPS, scaler=False, inf_at=None, device="cpu"):
     """Train a fresh Net; returns losses, parameters and the consolidated state."""
-    model = Net()
+    model = Net().to(device)
     opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), max_grad_norm=0.5,
                     reduce_dtype=torch.float32, backend="torch", bucket_cap_mb=bucket_cap_mb,
                     stage=stage)
-    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
+    amp = torch.amp.GradScaler(device, init_scale=2.0 ** 10) if scaler else None
     handle = zero_triton.overlap(model, opt) if use_overlap else None
     losses, launched = [], []
     for step in range(steps):
-        x, y = batch(rank, step)
+        x, y = (t.to(device) for t in batch(rank, step))
         for k, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
             last = k == accumulate - 1
             loss = loss_of(model, xs, ys)
@@ -121,7 +121,8 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
     unused = {id(opt._reducer.bucket_of_param[id(p)]) for p in model.unused.parameters()}
     return {"losses": losses, "params": params, "state": state, "launched": launched,
             "buckets": len(opt._reducer.buckets), "unused_buckets": len(unused),
-            "memory": opt.memory_report(), "scale": amp.get_scale() if amp is not None else None}
+            "memory": opt.memory_report(), "scale": amp.get_scale() if amp is not None else None,
+            "made": {role: n for (role, _), n in opt._reducer.made.items()}}
 
 
 def packed(fn):
@@ -132,6 +133,7 @@ def packed(fn):
         torch.save(fn(rank, world_size, *args), buf)
         return buf.getvalue()
     job.__name__ = job.__qualname__ = fn.__name__
+    job.__module__ = fn.__module__
     return job
 
 

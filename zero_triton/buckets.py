@@ -11,7 +11,9 @@ Collectives pair up by their order on each rank, so buckets are launched strictl
 order that every rank shares: before the first step, none are launched during backward
 (``step`` reduces them all); the first step learns the order in which rank 0's backward
 finished them and every rank uses it from then on, launching a bucket only after every
-bucket before it in that order. A bucket that backward never finishes (unused
+bucket before it in that order. Buckets that rank 0's backward did not finish come last
+and are left to ``step``, so that they do not hold up the next micro-batch's launches. A
+bucket that backward never finishes (unused
 parameters), or one whose gradients changed after it was launched (another micro-batch
 without ``no_sync``, ``GradScaler.unscale_``, a ``.grad`` written by hand), is reduced
 again at ``step``: launching early only ever saves time, the result is the same.
@@ -34,6 +36,7 @@ import weakref
 
 import torch
 
+from . import streams
 
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 
@@ -52,6 +55,7 @@ class Bucket:
         self.grad_in = None if self.sharded else grads.flat[g.start:g.start + g.numel]
         self.grad_dtype = flat_param.dtype
         self.staging = None     # ZeRO-2: the pool buffer grad_in lives in
+        self.sending = None     # ZeRO-2 on CPUs: the staging buffer the reduce in flight reads
         self.staging_pool = None
         self.accumulated = False  # ZeRO-2: the shard already holds an average this step
         self.grad_out = grad_shard[g.shard_start:g.shard_start + g.shard_numel]
@@ -87,11 +91,11 @@ class Bucket:
         finally:
             self.reduce = None
             if self.recv is not None:
-                self.pool.append(self.recv)
+                self.pool.append((self.recv, None))
                 self.recv = None
-            if self.staging is not None:
-                self.staging_pool.append(self.staging)
-                self.staging = self.grad_in = None
+            if self.sending is not None:
+                self.staging_pool.append((self.sending, None))
+                self.sending = None
 
     def wait_gather(self) -> None:
         pending, self.gather = self.gather, None
@@ -141,7 +145,7 @@ def before_accumulate(bucket: Bucket, grad):
     """Tensor hook, before autograd adds into ``.grad``: a reduce-scatter still reading
     this bucket's gradients (from an earlier micro-batch) must finish first."""
     if bucket.reduce is not None:
-        bucket.wait_reduce()
+        bucket.wait_reduce()  # on a GPU: the compute stream waits for this bucket only
     return None
 
 
@@ -154,11 +158,15 @@ class Reducer:
         self.max_in_flight = max(1, max_in_flight)
         self.buckets: list[Bucket] = []
         self.order: list[Bucket] | None = None   # agreed launch order, once learned
+        self.in_backward = 0                      # how many of them backward launches
         self.seen: list | None = []              # this rank's finishing order, until learned
         self.next = 0
         self.sync = True                          # False inside no_sync()
         self.early = True                         # False: launch in finish() only
-        self.in_flight = collections.deque()
+        self.in_flight = collections.deque()     # CPU: buckets whose buffers a wait frees
+        self.sides: dict = {}                     # device -> streams.SideStream (GPUs)
+        # Free buffers per (dtype, device): (buffer, None) or, for ZeRO-2 staging on a
+        # GPU, (buffer, streams.Done of the average that last read it).
         self.pools: dict = {}
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
         self.gathering = False            # all-gathers may be in flight
@@ -183,6 +191,7 @@ class Reducer:
         else:  # same keys: keep the learned order over the new buckets
             by_key = {b.key: b for b in self.buckets}
             self.order = [by_key[b.key] for b in self.order]
+            self.in_backward = min(self.in_backward, len(self.order))
         sizes: dict = {}
         for b in self.buckets:
             kind = self._kind(b)
@@ -205,23 +214,55 @@ class Reducer:
             # ZeRO-2 holds a bucket's gradients until its launch: start in the static
             # order (backward's, for most models) rather than none; learned at step 1.
             self.order = list(self.buckets)
+            self.in_backward = len(self.order)
 
     def _take(self, pool: list, bucket: Bucket, role: str, grow: bool) -> torch.Tensor:
-        """A buffer from ``pool``: a free one, a new one while fewer than max_in_flight
-        exist, else the oldest reduce-scatter's once it is done. ZeRO-2 staging may
-        ``grow`` past that when nothing is in flight (buckets waiting for their turn);
-        ``finish`` hands the extra ones back."""
+        """A buffer from ``pool``: a free one, else a new one while fewer than the limit
+        exist, else one freed by waiting for the oldest average still using it. ZeRO-2
+        staging may ``grow`` past the limit when no average holds one (buckets waiting
+        for their turn); ``finish`` hands the extra ones back.
+
+        On a GPU a receive buffer is free as soon as its average is queued (the side
+        stream reuses it in order) and a staging buffer once its average's event has
+        passed; only past the limit (more than 2 x max_in_flight buckets' gradients
+        queued behind the network) does the compute stream wait, which is what bounds
+        ZeRO-2's memory. On CPUs waiting blocks the host, so the limit is max_in_flight."""
         kind = self._kind(bucket)
         key = (role, kind)
-        # On a GPU, waiting here makes the compute stream wait for an earlier bucket's
-        # collective: allow twice as many buffers there (memory is cheap next to that).
-        limit = self.max_in_flight * (2 if kind[1].type == "cuda" else 1)
-        while not pool:
-            if self.made.get(key, 0) < limit or (grow and not self.in_flight):
-                self.made[key] = self.made.get(key, 0) + 1
-                return torch.empty(self.buffer_numel[kind], dtype=kind[0], device=kind[1])
-            self.in_flight.popleft().wait_reduce()
-        return pool.pop()
+        limit = self._limit(kind[1])
+        while True:
+            for i, (buf, done) in enumerate(pool):
+                if done is None or done.query():
+                    del pool[i]
+                    return buf
+            if self.made.get(key, 0) < limit:
+                break
+            if pool:  # GPU: every staging buffer is still being sent: the oldest one
+                buf, done = pool.pop(0)
+                done.wait()
+                return buf
+            if self.in_flight:
+                self.in_flight.popleft().wait_reduce()
+                continue
+            if grow:
+                break
+            raise AssertionError("zero_triton: a gradient bucket buffer was lost")
+        self.made[key] = self.made.get(key, 0) + 1
+        return torch.empty(self.buffer_numel[kind], dtype=kind[0], device=kind[1])
+
+    def _side(self, bucket: Bucket):
+        return self._side_of(bucket.param_full.device)
+
+    def _side_of(self, device):
+        """The side stream of ``device`` (None on CPUs)."""
+        if device not in self.sides:
+            self.sides[device] = streams.side_stream(device)
+        return self.sides[device]
+
+    def _limit(self, device) -> int:
+        """Buffers of one kind made before waiting: on a GPU a wait stalls the compute
+        stream, not just the host, so twice as many (memory is cheap next to that)."""
+        return self.max_in_flight * (2 if self._side_of(device) is not None else 1)
 
     @staticmethod
     def _kind(b: Bucket):
@@ -231,16 +272,14 @@ class Reducer:
     def bytes(self) -> int:
         """The receive and staging buffers held now."""
         pools = list(self.pools.values()) + list(self.staging_pools.values())
-        return sum(t.numel() * t.element_size() for pool in pools for t in pool) + sum(
-            t.numel() * t.element_size() for b in self.buckets for t in (b.recv, b.staging)
+        return sum(t.numel() * t.element_size() for pool in pools for t, _ in pool) + sum(
+            t.numel() * t.element_size() for b in self.buckets for t in (b.recv, b.staging, b.sending)
             if t is not None)
 
     # -- backward -------------------------------------------------------------------
     def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor) -> None:
         """ZeRO-2: add a parameter's gradient into its bucket's staging buffer (a new one
         when the last is still being sent: the next micro-batch)."""
-        if bucket.reduce is not None:
-            bucket.wait_reduce()
         if bucket.grad_in is None:
             self._stage(bucket)
         bucket.grad_in[lo:hi].add_(grad.reshape(-1))
@@ -271,34 +310,48 @@ class Reducer:
         order = self.order
         if order is None or not self.sync or not self.early:
             return
-        while self.next < len(order) and order[self.next].ready:
+        while self.next < self.in_backward and order[self.next].ready:
             self.launch(order[self.next])
             self.next += 1
-        if self.next == len(order):
-            self.next = 0  # every bucket went: the next micro-batch starts over
+        if self.next == self.in_backward:
+            self.next = 0  # all that backward launches went: the next micro-batch starts over
 
     def launch(self, bucket: Bucket) -> None:
         """Start averaging ``bucket``'s local gradients into this rank's shard (ZeRO-2:
-        added to it after the first average of the step)."""
-        if bucket.sharded:
+        added to it after the first average of the step). On a GPU this never waits:
+        the average goes to the side stream behind the ones before it."""
+        side = self._side(bucket)
+        if side is None:
             if bucket.reduce is not None:
-                bucket.wait_reduce()
-            if bucket.grad_in is None:  # nothing arrived: this rank adds zeros
-                self._stage(bucket)
-        else:
-            bucket.wait_reduce()
+                bucket.wait_reduce()  # it holds buffers (ZeRO-2: the staging it sends)
+        if bucket.sharded and bucket.grad_in is None:  # nothing arrived: this rank adds zeros
+            self._stage(bucket)
         recv = None
         if bucket.pool is not None:
             recv = self._take(bucket.pool, bucket, "recv", grow=False)
-        bucket.recv = recv
         bucket.ready = bucket.stale = False
         bucket.launched = True
         self.signature = (self.signature * 1009 + bucket.key[0] * 4099 + bucket.key[1] + 1) % SIGNATURE_MOD
         accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
-        bucket.reduce = self.comm.reduce_scatter_avg(
-            bucket.grad_out, bucket.grad_in, None if recv is None else recv[:bucket.grad_in.numel()],
-            async_op=True, name=bucket.name("reduce_scatter"), accumulate=accumulate)
-        if bucket.recv is not None:
+
+        def start():
+            return self.comm.reduce_scatter_avg(
+                bucket.grad_out, bucket.grad_in, None if recv is None else recv[:bucket.grad_in.numel()],
+                async_op=True, name=bucket.name("reduce_scatter"), accumulate=accumulate)
+
+        if side is not None:
+            done = bucket.reduce = side.run(start)
+            if recv is not None:  # reused in the side stream's order
+                bucket.pool.append((recv, None))
+            if bucket.sharded:  # reused once the compute stream may write it
+                bucket.staging_pool.append((bucket.staging, done))
+                bucket.staging = bucket.grad_in = None
+            return
+        bucket.recv = recv
+        bucket.reduce = start()
+        if bucket.sharded:  # the next micro-batch stages into another buffer
+            bucket.sending, bucket.staging, bucket.grad_in = bucket.staging, None, None
+        if recv is not None:
             self.in_flight.append(bucket)
         else:
             bucket.wait_reduce()  # world size 1: a copy, done
@@ -317,7 +370,7 @@ class Reducer:
                 self.launch(b)
         self.wait_reduces()
         for kind, pool in self.staging_pools.items():
-            keep = self.max_in_flight * (2 if kind[1].type == "cuda" else 1)
+            keep = self._limit(kind[1])
             extra = len(pool) - keep
             if extra > 0:  # staging made beyond the pool goes back
                 del pool[keep:]
@@ -339,6 +392,7 @@ class Reducer:
             if key in by_key and key not in taken:
                 order.append(by_key[key])
                 taken.add(key)
+        self.in_backward = len(order)
         order.extend(b for b in self.buckets if b.key not in taken)
         self.order, self.seen = order, None
 
@@ -347,7 +401,7 @@ class Reducer:
         self.wait_reduces()
         for b in self.buckets:
             if b.staging is not None:  # ZeRO-2 gradients not averaged yet: dropped
-                b.staging_pool.append(b.staging)
+                b.staging_pool.append((b.staging, None))
                 b.staging = b.grad_in = None
             b.reset()
         self.next = 0
