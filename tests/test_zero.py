@@ -106,18 +106,18 @@ def _snapshot(opt):
     flat = opt._flats[0][0]
     return {"params": [p.detach().clone() for p in flat.params],
             "flat_param": flat.flat_param.clone(),
-            "master": flat.master.detach().clone(),
-            "exp_avg": flat.exp_avg.clone(),
-            "exp_avg_sq": flat.exp_avg_sq.clone(),
+            "master": flat.state.master.detach().clone(),
+            "exp_avg": flat.state.exp_avg.clone(),
+            "exp_avg_sq": flat.state.exp_avg_sq.clone(),
             "grad_shard": flat.grad_shard.clone(),
-            "step": float(flat.step)}
+            "step": float(flat.state.step)}
 
 
 def _describe_flat(opt):
     flat = opt._flats[0][0]
     return {"padded_numel": flat.layout.padded_numel, "shard_numel": flat.layout.shard_numel,
             "segments": flat.segments,
-            "sizes": {k: getattr(flat, k).numel() for k in ("master", "exp_avg", "exp_avg_sq")}}
+            "sizes": {k: getattr(flat.state, k).numel() for k in ("master", "exp_avg", "exp_avg_sq")}}
 
 
 def _job_trajectory(rank, world_size, case: Case):
@@ -416,7 +416,7 @@ class _References:
 
     def fused_state(self, key: str) -> torch.Tensor:
         """FusedAdam's flat master/m/v padded to the ZeRO layout's length."""
-        return _padded(getattr(self.fused._flats[0][0], key), self.layout.padded_numel)
+        return _padded(getattr(self.fused._flats[0][0].state, key), self.layout.padded_numel)
 
     def torch_state(self, key: str) -> torch.Tensor:
         if key == "master":

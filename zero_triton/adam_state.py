@@ -86,7 +86,7 @@ def local_state_dict(opt) -> dict:
     groups, ids = packed_groups(opt)
     state = {}
     for _, flat in opt._current_flats():
-        views, steps = flat.state_views(), flat.param_steps()
+        views, steps = flat.state.views(), flat.state.param_steps()
         for i, p in enumerate(flat.params):
             # A step tensor of its own per parameter: torch.optim.Adam increments
             # each one, a shared one would count N times per step.
@@ -150,21 +150,22 @@ def apply_load(opt, state_dict, plan) -> None:
 @torch.no_grad()
 def load_shard(flat, entries, step) -> None:
     """Copy this rank's shard (every bucket's) of each full per-parameter state in."""
-    flat.exp_avg.zero_()
-    flat.exp_avg_sq.zero_()
-    flat.set_param_steps(step if step is not None else [0.0] * len(flat.params))
+    state = flat.state
+    state.exp_avg.zero_()
+    state.exp_avg_sq.zero_()
+    state.set_param_steps(step if step is not None else [0.0] * len(flat.params))
     has_max = entries is not None and any(e is not None and "max_exp_avg_sq" in e for e in entries)
     if has_max:
-        flat.ensure_amsgrad()
-        flat.max_exp_avg_sq.zero_()
-    elif flat.max_exp_avg_sq is not None:
-        flat.max_exp_avg_sq.zero_()
+        state.ensure_amsgrad()
+        state.max_exp_avg_sq.zero_()
+    elif state.max_exp_avg_sq is not None:
+        state.max_exp_avg_sq.zero_()
     if flat.has_master:
-        for master, part in zip(flat.master_parts(), flat.param_parts):
+        for master, part in zip(state.master_parts(), flat.param_parts):
             master.copy_(part)
     if entries is None:
         return
-    targets = flat.state_buffers()
+    targets = state.buffers()
     if not has_max:
         targets.pop("max_exp_avg_sq", None)  # zeroed above: not every entry has it
     for lo, hi, s0 in flat.segments:
@@ -175,7 +176,7 @@ def load_shard(flat, entries, step) -> None:
                     buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
     # Every rank decides this from the same state dict: the all-gather is collective.
     if flat.has_master and any(e is not None and "master_param" in e for e in entries):
-        for master, part in zip(flat.master_parts(), flat.param_parts):
+        for master, part in zip(state.master_parts(), flat.param_parts):
             part.copy_(master)
         for k, bucket in enumerate(flat.buckets):
             flat.gather_bucket(k)
@@ -195,13 +196,13 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
     groups, ids = packed_groups(opt)
     state = {}
     for _, flat in opt._current_flats():
-        bufs = flat.state_buffers()
+        bufs = flat.state.buffers()
         layout, shard = flat.layout, flat.layout.shard_numel
         segments = [layout.shard_segments(r) for r in range(comm.world_size)]
         chunk = max(1, min(shard, chunk_elems))
         recv = None
         if me:
-            out, steps = [], flat.param_steps()
+            out, steps = [], flat.state.param_steps()
             for i, p in enumerate(flat.params):
                 entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
                 entry.update({k: torch.empty(p.shape, dtype=torch.float32) for k in bufs})

@@ -17,6 +17,7 @@ import torch
 from zero_triton import adam_state, backends, buckets, grads
 from zero_triton.comm import LocalComm, phase
 from zero_triton.flat import flatten_params
+from zero_triton.shard_state import ShardState
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SUPPORTED = (torch.float32,) + _LOW_PRECISION
@@ -131,13 +132,13 @@ def _remove_all(handles: list) -> None:
 class FlatShard:
     """One flat buffer (a param group's parameters of one dtype and device), its
     gradients (``grad_buffer``: ZeRO-1's full local buffer or ZeRO-2's hand-over to the
-    buckets, ``zero_triton.grads``), its buckets (``zero_triton.buckets``) and the
-    optimizer state of this rank's shard of every bucket.
+    buckets, ``zero_triton.grads``), its buckets (``zero_triton.buckets``), the
+    optimizer state of this rank's shard of every bucket (``state``,
+    ``zero_triton.shard_state``) and the kernel that steps it.
 
     Which parameters have a gradient at ``step`` follows torch.optim.Adam's rule (a
     parameter whose ``.grad`` is None is not stepped; ``zero_triton.grads`` says how it
-    is told). Parameters that were not stepped keep their state, step included:
-    ``steps`` then holds each parameter's own count (None while they all have ``step``).
+    is told). Parameters that were not stepped keep their state, step count included.
     """
 
     def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
@@ -152,10 +153,6 @@ class FlatShard:
         self.param_views = [p.detach() for p in params]  # where each parameter lives now
         if stage == 1:  # the local gradients, .grad views of one buffer (zero_triton.grads)
             self.grad_buffer = grads.LocalGrads(params, self.layout, self.flat_param)
-        # Per-parameter step counts (device, float32) once they differ, and a host label
-        # per parameter, equal for parameters with the same history (so equal counts).
-        self.steps = None
-        self.history = None
         # This rank's shard: one segment (buffer lo, hi, state offset) per bucket.
         self.segments = self.layout.shard_segments(comm.rank)
         n = self.layout.shard_numel
@@ -184,27 +181,17 @@ class FlatShard:
                 f"master_weights=False with {self.dtype} parameters is not supported: Adam "
                 "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
                 "for fp16/bf16 parameters) or train the parameters in float32")
-        # fp32 master of the shard, contiguous; fp32 parameters are their own master
-        # (then ``master`` is None when the shard has several segments).
-        if self.has_master:
-            self.master = torch.cat(self.param_parts).float()
-        else:
-            self.master = self.param_parts[0] if len(self.param_parts) == 1 else None
+        self.state = ShardState(self.param_parts, self.segments, self.layout,
+                                has_master=self.has_master, amsgrad=amsgrad)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.exp_avg = torch.zeros(n, **f32)
-        self.exp_avg_sq = torch.zeros(n, **f32)
-        self.max_exp_avg_sq = torch.zeros(n, **f32) if amsgrad else None
-        self.step = torch.zeros(1, **f32)
         self.lr = torch.zeros(1, **f32)
-        self.skipped = torch.zeros(1, **f32)
-        self.one = torch.ones(1, **f32)  # step += one: a Python 1.0 would be wrapped in a new tensor
         self.backend = backends.resolve(backend, self.device)
         self.step_fn = backends.step_function(self.backend)
         self.scratch = torch.empty(n, **f32) if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
         # Host list: which parameters are stepped this step (None: all of them).
         self.stepped = None
-        self.exposed_steps = None  # what optimizer.state[p]["step"] views (world size 1)
+        self.exposed_steps = None  # the state.steps optimizer.state[p]["step"] views (world size 1)
 
     def remove_hooks(self):
         _remove_all(self.hooks)
@@ -253,47 +240,15 @@ class FlatShard:
         if self.reducer is not None:
             self.reducer.wait_all()
         new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
-                        amsgrad=self.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
+                        amsgrad=self.state.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
                         bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer,
                         stage=self.stage)
         with torch.no_grad():
             # The new buffer copied every .grad in (Module.to converts them all, views
             # included); which parameters have a gradient is still the old answer.
             new.grad_buffer.carry_over(self.grad_buffer)
-            new.exp_avg.copy_(self.exp_avg)
-            new.exp_avg_sq.copy_(self.exp_avg_sq)
-            if self.max_exp_avg_sq is not None:
-                new.max_exp_avg_sq.copy_(self.max_exp_avg_sq)
-            new.step.copy_(self.step)
-            if self.steps is not None:
-                new.steps = self.steps.to(new.device)
-                new.history = list(self.history)
-            # Same precision before and after (a device move): the old master is exact.
-            # A cast: the parameters as they are now, as an optimizer built after it.
-            if new.has_master and self.has_master and new.dtype == self.dtype:
-                new.master.copy_(self.master)
+            new.state.carry_over(self.state)
         return new
-
-    def ensure_amsgrad(self) -> bool:
-        """Allocate max_exp_avg_sq (amsgrad switched on after construction); True if new."""
-        if self.max_exp_avg_sq is None:
-            self.max_exp_avg_sq = torch.zeros_like(self.exp_avg)
-            return True
-        return False
-
-    def state_buffers(self) -> dict:
-        """This rank's shard of each state buffer, keyed as torch.optim.Adam keys its
-        per-parameter state (``master_param`` only for fp16/bf16 parameters)."""
-        bufs = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.max_exp_avg_sq is not None:
-            bufs["max_exp_avg_sq"] = self.max_exp_avg_sq
-        if self.has_master:
-            bufs["master_param"] = self.master
-        return bufs
-
-    def state_views(self) -> dict:
-        """Per-parameter views of the state (world size 1: the shard is the whole buffer)."""
-        return {k: self.layout.views(b) for k, b in self.state_buffers().items()}
 
     def sync_grads(self, backward_seen: bool = False):
         """Decide which parameters have a gradient at this step (``self.stepped``: None
@@ -309,22 +264,6 @@ class FlatShard:
         self.grad_buffer.mark_zeroed()
         self.stepped = None
 
-    def param_steps(self) -> list:
-        """Each parameter's own step count (host floats, one read of the device)."""
-        if self.steps is not None:
-            return self.steps.tolist()
-        return [float(self.step[0])] * len(self.params)
-
-    def set_param_steps(self, steps) -> None:
-        """Per-parameter step counts (host floats): one ``step`` while they agree."""
-        if all(t == steps[0] for t in steps):
-            self.step.fill_(steps[0])
-            self.steps, self.history = None, None
-            return
-        self.steps = torch.tensor(steps, dtype=torch.float32, device=self.device)
-        labels = {}
-        self.history = [labels.setdefault(t, len(labels)) for t in steps]
-
     def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
         """Count this step and return the kernel's arguments for ``update_bucket``."""
         lr = group["lr"]
@@ -334,8 +273,6 @@ class FlatShard:
             self.lr.fill_(lr)
         if found_inf is not None:
             found_inf = found_inf.to(self.device, torch.float32, non_blocking=True)
-            # torch's fused Adam convention: a skipped step does not count.
-            self.skipped.copy_(found_inf).clamp_(max=1.0)
         if grad_scale is not None:
             grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
         beta1, beta2 = group["betas"]
@@ -343,13 +280,7 @@ class FlatShard:
                       weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
                       amsgrad=group["amsgrad"], maximize=group["maximize"],
                       grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
-        if self.stepped is None and self.steps is None:  # the common case: one run per segment
-            self.step.add_(self.one)
-            if found_inf is not None:
-                self.step.sub_(self.skipped)
-            runs = None
-        else:
-            runs = self._runs(found_inf is not None)
+        runs = self.state.count(self.stepped, found_inf)
         return {"kwargs": kwargs, "runs": runs, "amsgrad": group["amsgrad"]}
 
     def update_bucket(self, k: int, plan: dict) -> None:
@@ -364,62 +295,19 @@ class FlatShard:
         kwargs = plan["kwargs"]
         if self.backend == "torch":
             kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
+        st = self.state
         param = self.param_parts[k][a:b]
-        master = self.master[s0 + a:s0 + b] if self.master is not None else param
-        step = self.step if i is None or self.steps is None else self.steps[i:i + 1]
-        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], self.exp_avg[s0 + a:s0 + b],
-                     self.exp_avg_sq[s0 + a:s0 + b],
-                     self.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
-                     param if self.has_master else None, step, self.lr, **kwargs)
-
-    def _runs(self, has_found_inf: bool):
-        """Count this step for the parameters that have a gradient, then return, per
-        segment of this rank's shard, the (start, end, first parameter) buffer ranges
-        whose parameters are stepped and share one step count (padding between them
-        included)."""
-        n = len(self.params)
-        stepped = self.stepped if self.stepped is not None else [True] * n
-        if self.steps is None:
-            self.steps = self.step.expand(n).clone()
-            self.history = [0] * n
-        counted = [i for i in range(n) if stepped[i]]
-        if counted:
-            inc = (self.one - self.skipped) if has_found_inf else self.one
-            idx = torch.tensor(counted, dtype=torch.long, device=self.device)
-            self.steps.index_add_(0, idx, inc.expand(len(counted)))
-        labels = {}
-        self.history = [labels.setdefault((h, s), len(labels)) for h, s in zip(self.history, stepped)]
-        if len(labels) == 1:  # one history for all (e.g. none had a gradient): one step again
-            self.step.copy_(self.steps[0:1])
-            self.steps, self.history = None, None
-        history = self.history
-        out = []
-        for lo, hi, _ in self.segments:
-            runs, last = [], None
-            for i, a, b in self.layout.ranges_in(lo, hi):
-                if not stepped[i]:
-                    last = None
-                    continue
-                start, end = self.layout.offsets[i] + a, self.layout.offsets[i] + b
-                if last == i - 1 and (history is None or history[i] == history[last]):
-                    runs[-1][1] = end
-                else:
-                    runs.append([start, end, i])
-                last = i
-            out.append(runs)
-        return out
+        master = st.master[s0 + a:s0 + b] if st.master is not None else param
+        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], st.exp_avg[s0 + a:s0 + b],
+                     st.exp_avg_sq[s0 + a:s0 + b],
+                     st.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
+                     param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
 
     def gather_bucket(self, k: int) -> None:
         """Start gathering every rank's updated shard of bucket ``k``."""
         b = self.buckets[k]
         b.gather = self.comm.all_gather(b.param_full, b.param_shard, async_op=True,
                                         name=b.name("all_gather"))
-
-    def master_parts(self) -> list:
-        """The master of each segment (views)."""
-        if self.master is None:
-            return self.param_parts
-        return [self.master[s0:s0 + hi - lo] for lo, hi, s0 in self.segments]
 
     def nbytes(self) -> dict:
         def size(t):
@@ -428,8 +316,7 @@ class FlatShard:
         return {
             "params": size(self.flat_param),
             "grads": self.grad_buffer.nbytes() + (size(self.grad_shard) if self.grad_shard is not self.flat_grad else 0),
-            "master": size(self.master) if self.has_master else 0,
-            "moments": size(self.exp_avg) + size(self.exp_avg_sq) + size(self.max_exp_avg_sq),
+            **self.state.nbytes(),
             "padding": self.layout.padding * elem * 2,
             "scratch": size(self.scratch),
         }
@@ -613,11 +500,10 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _expose_state(self, flat: FlatShard):
         """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
-        views = flat.state_views()
+        views = flat.state.views()
         for i, p in enumerate(flat.params):
-            step = flat.step if flat.steps is None else flat.steps[i:i + 1]
-            self.state[p] = {"step": step, **{k: v[i] for k, v in views.items()}}
-        flat.exposed_steps = flat.steps
+            self.state[p] = {"step": flat.state.step_of(i), **{k: v[i] for k, v in views.items()}}
+        flat.exposed_steps = flat.state.steps
 
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
@@ -826,7 +712,7 @@ class FusedAdam(torch.optim.Optimizer):
             self.clip_grad_norm_(self._max_grad_norm, _grad_scale=grad_scale)
         found_inf = self._agree([flat for _, flat in flats], found_inf)
         for group, flat in flats:
-            if group["amsgrad"] and flat.ensure_amsgrad() and self._comm.world_size == 1:
+            if group["amsgrad"] and flat.state.ensure_amsgrad() and self._comm.world_size == 1:
                 self._expose_state(flat)
         cuda = any(flat.fused for _, flat in flats)
         with phase("zero_triton.adam_step", cuda):
@@ -849,7 +735,7 @@ class FusedAdam(torch.optim.Optimizer):
                 self._reducer.wait_gathers()
         if self._comm.world_size == 1:
             for _, flat in flats:
-                if flat.exposed_steps is not flat.steps:  # one step became several, or back
+                if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
                     self._expose_state(flat)
         self._grads_reduced = False
         self._clip_coef = None

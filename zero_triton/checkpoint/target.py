@@ -56,21 +56,17 @@ class Target:
         """This rank's shard of each optimizer state of ``flat`` (float32, one tensor in
         state order: its shard of every bucket; an fp32 master spread over several
         buckets is a copy)."""
-        master = flat.master if flat.master is not None else torch.cat(flat.param_parts)
-        out = {"master": master, "exp_avg": flat.exp_avg, "exp_avg_sq": flat.exp_avg_sq}
-        if flat.max_exp_avg_sq is not None:
-            out["max_exp_avg_sq"] = flat.max_exp_avg_sq
-        return out
+        return flat.state.checkpointed()
 
     def flat_entries(self) -> list[dict]:
         """Per flat buffer: group, dtype, numel, whether it keeps an fp32 master, step(s)."""
         out = []
         for gi, flat in zip(self.flat_groups, self.flats):
-            steps = flat.param_steps()
+            steps = flat.state.param_steps()
             entry = {"group": gi, "dtype": dtype_name(flat.dtype), "numel": flat.layout.numel,
                      "has_master": flat.has_master, "step": float(max(steps, default=0.0)),
                      "states": list(self.states(flat))}
-            if flat.steps is not None:  # parameters that missed steps count their own
+            if flat.state.steps is not None:  # parameters that missed steps count their own
                 entry["param_steps"] = [float(s) for s in steps]
             out.append(entry)
         return out
@@ -128,20 +124,20 @@ class Target:
         self._apply_hyperparameters(manifest["param_groups"])
         for k, flat in enumerate(self.flats):
             saved, got = manifest["flats"][k], plan["states"][k]
-            flat.set_param_steps(saved.get("param_steps") or [saved["step"]] * len(flat.params))
+            flat.state.set_param_steps(saved.get("param_steps") or [saved["step"]] * len(flat.params))
             unflatten_into(flat.params, plan["params"][k], flat.layout.canonical)
             if "max_exp_avg_sq" in got:
-                flat.ensure_amsgrad()
-            elif flat.max_exp_avg_sq is not None:
-                flat.max_exp_avg_sq.zero_()
+                flat.state.ensure_amsgrad()
+            elif flat.state.max_exp_avg_sq is not None:
+                flat.state.max_exp_avg_sq.zero_()
             for name, buf in self.states(flat).items():
                 if name in got:
                     buf.copy_(got[name])
-            if flat.master is None and "master" in got:  # fp32 over several buckets
+            if flat.state.master is None and "master" in got:  # fp32 over several buckets
                 for (lo, hi, s0), part in zip(flat.segments, flat.param_parts):
                     part.copy_(got["master"][s0:s0 + hi - lo])
             elif flat.has_master:
-                for master, part in zip(flat.master_parts(), flat.param_parts):
+                for master, part in zip(flat.state.master_parts(), flat.param_parts):
                     part.copy_(master)
         if self.world_size == 1:
             for flat in self.flats:
