@@ -26,7 +26,7 @@ they are interleaved. Configurations:
   zero_s1_overlap    the same with zero_triton.overlap(model, opt): all-gathers waited by
                      the next forward, module by module
 
-and the same for ZeRO-2 when ZeroAdamW takes ``stage``; until then one line says so.
+and the same three for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap).
 
     python bench/e2e.py                          # 2 and 4 gloo ranks on CPU, one thread each
     python bench/e2e.py --ranks 2 --steps 20 --dtype bf16
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import inspect
 import json
 import os
 import platform
@@ -71,26 +70,21 @@ COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "ma
 # -- configurations ------------------------------------------------------------------------
 
 def zero_variants(bucket_cap_mb):
-    """(variants to run as [(key, ZeroAdamW kwargs, label, overlap?)], one line naming
-    what is not available yet or None). Per ZeRO stage that ZeroAdamW takes: one bucket
-    (everything communicated inside step(), as before buckets), buckets (reduce-scatters
-    started during backward, all-gathers waited in step()), and buckets with
-    ``zero_triton.overlap`` (all-gathers waited by the next forward)."""
-    from zero_triton import ZeroAdamW
-    accepted = inspect.signature(ZeroAdamW.__init__).parameters
-    stages = (1, 2) if "stage" in accepted else (1,)
+    """The variants to run, [(key, ZeroAdamW kwargs, label, overlap?)]. Per ZeRO stage:
+    one bucket (everything communicated inside step(), as before buckets), buckets
+    (reduce-scatters started during backward, all-gathers waited in step()), and buckets
+    with ``zero_triton.overlap`` (all-gathers waited by the next forward)."""
     cap = bucket_cap_mb or 25
     variants = []
-    for s in stages:
-        st = {"stage": s} if "stage" in accepted else {}
+    for s in (1, 2):
+        st = {"stage": s}
         variants += [
             (f"zero_s{s}", {**st, "bucket_cap_mb": None}, f"ZeroAdamW (ZeRO-{s}, one bucket)", False),
             (f"zero_s{s}_buckets", {**st, "bucket_cap_mb": cap},
              f"ZeroAdamW (ZeRO-{s}, {cap:g} MiB buckets)", False),
             (f"zero_s{s}_overlap", {**st, "bucket_cap_mb": cap},
              f"ZeroAdamW (ZeRO-{s}, buckets + overlap())", True)]
-    note = None if 2 in stages else "not available yet in ZeroAdamW: ZeRO-2 (its signature takes no stage=)"
-    return variants, note
+    return variants
 
 
 def configurations(args):
@@ -339,7 +333,7 @@ def write_png(rows, meta, path) -> str | None:
     return None
 
 
-def metadata(args, note) -> dict:
+def metadata(args) -> dict:
     from zero_triton import __version__
     from zero_triton.bench import _cpu_model, _git_commit
     cfg = model_config(args)
@@ -356,7 +350,7 @@ def metadata(args, note) -> dict:
             "warmup": args.warmup, "ranks": args.ranks, "bucket_cap_mb": args.bucket_cap_mb,
             "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
                       "vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "params": params},
-            "zero_variants_note": note, "argv": args.argv,
+            "argv": args.argv,
             "time": "slowest rank's wall clock per iteration, after a barrier; median over rounds",
             "exposed_comm": "one torch.profiler iteration per configuration, zero_triton.profiling."
                             "timeline's split; mean over ranks",
@@ -427,16 +421,14 @@ def parse_args(argv) -> argparse.Namespace:
 def main(argv=None) -> int:
     """0 when every configuration ran at every world size, else 1; 2 for a bad option."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    args.variants, note = zero_variants(args.bucket_cap_mb)
+    args.variants = zero_variants(args.bucket_cap_mb)
 
     def say(text):
         print(f"e2e: {text}", file=sys.stderr, flush=True)
-    if note:
-        print(note, flush=True)
     out = Path(args.out)
     for stale in out.glob("error_rank*.txt"):
         stale.unlink()
-    meta = metadata(args, note)
+    meta = metadata(args)
     m = meta["model"]
     print(f"GPT {m['n_layer']} x {m['n_embd']}, {m['params']:,} parameters, {args.dtype}, batch "
           f"{args.batch} x {args.seq} tokens per rank; {args.steps} timed rounds after {args.warmup}, "
