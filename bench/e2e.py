@@ -9,8 +9,8 @@ forward, backward, optimizer step, zero_grad -- and we report per world size:
   round runs every configuration once, in an order rotated round by round, and an
   iteration's time is the slowest rank's (every rank starts it after a barrier);
 * the ratio to DDP (configuration median / DDP median: above 1 is slower);
-* exposed communication as a share of the iteration, from one more iteration recorded
-  by torch.profiler and cut by ``zero_triton.profiling.timeline`` (the same reading as
+* exposed communication as a share of the iteration, from three more iterations recorded
+  by torch.profiler (per rank the median iteration by that share; mean over ranks) and cut by ``zero_triton.profiling.timeline`` (the same reading as
   ``python -m zero_triton profile``: time the training thread waits for a collective);
 * peak memory per rank over one iteration (on CPU the process's resident set size,
   VmHWM after a reset through /proc/self/clear_refs; on a GPU max_memory_allocated).
@@ -60,6 +60,7 @@ from zero_triton.profiling.cli import check_out_dir
 from zero_triton.profiling.memory_probe import MemoryProbe
 from zero_triton.units import positive_number, whole_number
 
+PROFILED = 3  # profiled iterations per configuration and rank
 N_BATCHES = 4  # distinct batches per rank, cycled; every configuration sees the same
 MAX_CPU_RANKS = 64
 COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "max_ms", "x_ddp",
@@ -173,8 +174,9 @@ def timed_rank(args, rank, world, device) -> dict:
 
 
 def detail_rank(args, rank, world, device) -> dict:
-    """``args.config`` alone: peak memory over one iteration, then one profiled iteration
-    cut into exposed and hidden communication."""
+    """``args.config`` alone: peak memory over one iteration, then PROFILED profiled
+    iterations cut into exposed and hidden communication; returns the median one by its
+    exposed share (one iteration on a shared machine is one sample of noise)."""
     from zero_triton.profiling.harness import _quiet_kineto  # drops kineto's start/stop lines
     torch.manual_seed(0)
     start = MemoryProbe(device).snapshot()["current"]
@@ -189,16 +191,18 @@ def detail_rank(args, rank, world, device) -> dict:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
-        prof = torch.profiler.profile(  # one iteration to warm the profiler up, one recorded
-            activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
+        prof = torch.profiler.profile(  # one iteration to warm the profiler up, then recorded
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=0, warmup=1, active=PROFILED, repeat=1),
             on_trace_ready=lambda p: p.export_chrome_trace(str(raw)))
         with _quiet_kineto():
             prof.start()
-        for i in (2, 3):
+        last = 2 + PROFILED
+        for i in range(2, last + 1):
             sync()
             dist.barrier()
             iteration(net, opt, batches[i % N_BATCHES], sync if device.type == "cuda" else None)
-            if i == 3:
+            if i == last:
                 # zero_triton.overlap leaves the step's all-gathers in flight for the next
                 # forward; a gloo collective that starts inside the profiler's recorded
                 # window and ends after it closes crashed a rank (SIGSEGV, torch 2.13, in
@@ -212,9 +216,10 @@ def detail_rank(args, rank, world, device) -> dict:
             prof.stop()
         with open(raw) as fh:
             splits = timeline.split_iterations(json.load(fh)["traceEvents"])
-    if len(splits) != 1:
-        raise RuntimeError(f"the trace holds {len(splits)} iterations, 1 was profiled")
-    s = splits[0]
+    if len(splits) != PROFILED:
+        raise RuntimeError(f"the trace holds {len(splits)} iterations, {PROFILED} were profiled")
+    share = [sum(s.rows[k] for k in timeline.KINDS) / s.iteration_ms for s in splits]
+    s = splits[sorted(range(PROFILED), key=share.__getitem__)[PROFILED // 2]]
     return {"start": start, "peak": probe.phases["iteration"]["peak"], "memory_how": probe.how,
             "iteration_ms": s.iteration_ms, "rows": s.rows, "hidden": s.hidden,
             "exposed_ms": sum(s.rows[k] for k in timeline.KINDS),
@@ -352,8 +357,9 @@ def metadata(args) -> dict:
                       "vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "params": params},
             "argv": args.argv,
             "time": "slowest rank's wall clock per iteration, after a barrier; median over rounds",
-            "exposed_comm": "one torch.profiler iteration per configuration, zero_triton.profiling."
-                            "timeline's split; mean over ranks",
+            "exposed_comm": f"{PROFILED} torch.profiler iterations per configuration, "
+                            "zero_triton.profiling.timeline's split; per rank the median "
+                            "iteration by exposed share, mean over ranks",
             "peak_mb": "max over ranks; " + ("torch.cuda.max_memory_allocated over one iteration"
                                              if args.device == "cuda" else
                                              "VmHWM over one iteration after /proc/self/clear_refs; "
@@ -442,9 +448,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # launch.spawn stopped the ranks on the way out
         print("error: interrupted", file=sys.stderr)
         return 130
-    print("\nx DDP: median / DDP's median. Exposed comm: share of one profiled iteration (run on "
-          "the configuration's own ranks, under torch.profiler) the training thread waited for "
-          "collectives, mean of ranks. Peak: "
+    print(f"\nx DDP: median / DDP's median. Exposed comm: share of a profiled iteration (run on "
+          f"the configuration's own ranks, under torch.profiler) the training thread waited for "
+          f"collectives: per rank the median of {PROFILED} iterations by that share, mean of "
+          f"ranks. Peak: "
           + ("max_memory_allocated" if args.device == "cuda" else
              "VmHWM of the whole process (+ above its VmRSS before the model was built)")
           + " over one iteration, largest rank.")

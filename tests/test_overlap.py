@@ -356,6 +356,37 @@ def test_a_rank_that_raises_mid_step_fails_the_others_naming_the_bucket():
     assert "bucket" in errors[0] and "failed on rank 0" in errors[0], errors[0]
 
 
+def _job_dies_in_backward(rank, world_size, report, stage):
+    """Rank 1 dies (no Python error, no goodbye) half-way through its second backward,
+    while rank 0's buckets are in flight."""
+    model = Net()
+    opt = ZeroAdamW(param_groups(model), lr=1e-2, bucket_cap_mb=TINY, backend="torch", stage=stage)
+    second = []
+    if rank == 1:  # a middle layer: later layers' buckets went already
+        model.blocks[1][1].weight.register_post_accumulate_grad_hook(
+            lambda p: os._exit(3) if second else None)
+    for step in range(2):
+        second.extend([True] * step)
+        try:
+            loss_of(model, *batch(rank, step)).backward()
+            opt.step()
+        except RuntimeError as exc:
+            with open(report, "w") as f:
+                f.write(str(exc))
+            raise
+        opt.zero_grad()
+    return "finished"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_rank_that_dies_in_backward_fails_the_others_naming_the_bucket(tmp_path, stage):
+    report = str(tmp_path / "report")
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] died without reporting"):
+        run_ranks(_job_dies_in_backward, 2, report, stage, timeout=120, pg_timeout_s=10)
+    msg = open(report).read()
+    assert "of bucket" in msg and "failed on rank 0" in msg and "peer rank" in msg, msg
+
+
 def _job_lifecycle(rank, world_size):
     model = Net()
     refused = []
