@@ -157,7 +157,7 @@ def test_api_bad_input_raises_value_error(call, fix):
         call()
 
 
-def test_measure_stage_2_holds_a_shard_of_the_gradients(capsys):
+def test_measure_stage_2_holds_a_shard_of_the_gradients(capfd):
     """``memory --measure``: ZeroAdam stage 1 and 2 built for real on 2 gloo ranks (12M
     bf16 parameters, 1 MiB buckets). Stage 2 holds at most stage 1 minus half the
     gradients, within 10% (the issue's bound), on what the optimizer holds after backward
@@ -167,7 +167,10 @@ def test_measure_stage_2_holds_a_shard_of_the_gradients(capsys):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     assert main(["--params", "12e6", "--world-size", "2", "--measure", "--bucket-cap-mb", "1",
                  "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capfd.readouterr()  # the ranks' output too (their stderr)
+    out = json.loads(captured.out)
+    # Data-parallel gradients differ by rank; identical ones made ZeroAdam warn of DDP.
+    assert "Warning" not in captured.err, captured.err
     m = out["measured"]
     s1, s2 = m["stages"]["zero1"]["report"], m["stages"]["zero2"]["report"]
     # bf16 local gradients (2 B) + the fp32 averaged shard (4 B / 2 ranks) vs the shard only.

@@ -49,7 +49,9 @@ def _rank(args, rank, world, device):
     held = None
     for it in range(2):
         with probe.phase(f"iteration {it}"):
-            loss = sum((p * p).sum() for p in params)
+            # Gradients that differ by rank, as data parallelism's do (identical ones
+            # are what a DDP wrapper leaves, which ZeroAdam warns about).
+            loss = sum((p * p).sum() for p in params) * (rank + 1)
             loss.backward()
             del loss
             held = opt.memory_report()
