@@ -80,15 +80,21 @@ def loss_of(model, x, y):
 
 
 def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, no_sync=True,
-          touch_grads=False, steps=STEPS, scaler=False, inf_at=None, device="cpu"):
-    """Train a fresh Net; returns losses, parameters and the consolidated state."""
+          touch_grads=False, steps=STEPS, scaler=False, inf_at=None, device="cpu", clip="opt"):
+    """Train a fresh Net; returns losses, parameters and the consolidated state. ``clip``:
+    "opt" (max_grad_norm=0.5), "torch" (torch.nn.utils.clip_grad_norm_ after backward,
+    after GradScaler.unscale_ with a scaler: nanoGPT's loop), "log" (max_grad_norm=0.5
+    and, after unscale_, torch's clip_grad_norm_ with max_norm inf, as HF Trainer logs
+    the norm), "none",
+    or "unscale" (no clipping, GradScaler.unscale_ after backward)."""
     model = Net().to(device)
-    opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95), max_grad_norm=0.5,
+    opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95),
+                    max_grad_norm=0.5 if clip in ("opt", "log") else None,
                     reduce_dtype=torch.float32, backend="torch", bucket_cap_mb=bucket_cap_mb,
                     stage=stage)
     amp = torch.amp.GradScaler(device, init_scale=2.0 ** 10) if scaler else None
     handle = zero_triton.overlap(model, opt) if use_overlap else None
-    losses, launched = [], []
+    losses, launched, norms = [], [], []
     for step in range(steps):
         x, y = (t.to(device) for t in batch(rank, step))
         for k, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
@@ -107,6 +113,11 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
         if touch_grads:  # after backward: what GradScaler.unscale_ or a user does
             for p in model.blocks[0].parameters():
                 p.grad.mul_(0.5)
+        if clip in ("torch", "log", "unscale") and amp is not None:
+            amp.unscale_(opt)
+        if clip in ("torch", "log"):  # "log": HF Trainer's grad-norm logging, max_norm inf
+            max_norm = 0.5 if clip == "torch" else float("inf")
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         if amp is not None:
             amp.step(opt)
             amp.update()
@@ -119,7 +130,7 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
     if handle is not None:
         handle.remove()
     unused = {id(opt._reducer.bucket_of_param[id(p)]) for p in model.unused.parameters()}
-    return {"losses": losses, "params": params, "state": state, "launched": launched,
+    return {"losses": losses, "params": params, "state": state, "launched": launched, "norms": norms,
             "buckets": len(opt._reducer.buckets), "unused_buckets": len(unused),
             "memory": opt.memory_report(), "scale": amp.get_scale() if amp is not None else None,
             "made": {role: n for (role, _), n in opt._reducer.made.items()}}

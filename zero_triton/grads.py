@@ -61,6 +61,11 @@ class LocalGrads:
         micro-batch, GradScaler.unscale_, a DDP wrapper, a hand): every bucket is stale."""
         return self.flat._version != self.seen_version
 
+    def rewritten(self) -> None:
+        """The gradients were changed by an op that leaves the version counter alone
+        (GradScaler.unscale_'s ``_amp_foreach_non_finite_check_and_unscale_``)."""
+        self.seen_version = -1
+
     def register_hooks(self, bucket_list, reducer) -> list:
         """Hooks that mark ``reached`` (and, with a reducer, launch the buckets)."""
         if reducer is None:

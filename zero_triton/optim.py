@@ -569,6 +569,17 @@ class FusedAdam(torch.optim.Optimizer):
                 self._reducer.finish([f.grad_buffer for f in flats])
         self._grads_reduced = True
 
+    def _grads_rescaled(self) -> None:
+        """GradScaler.unscale_ has rescaled the local gradients in place, without bumping
+        their version counter: the averages that buckets started from them during
+        backward are stale, and so is any average already taken (zero_triton.zero makes
+        GradScaler call this). ZeRO-2 unscales its averaged shards instead."""
+        local = [flat.grad_buffer for _, flat in self._all_flats() if not flat.grad_buffer.sharded]
+        for buffer in local:
+            buffer.rewritten()
+        if local:
+            self._grads_reduced = False
+
     def _before_reduce(self, flats) -> None:
         """Called once the local gradients are all in the flat buffers, before any
         reduction (ZeroAdam looks at them there)."""
@@ -666,7 +677,8 @@ class FusedAdam(torch.optim.Optimizer):
         """Clip the global gradient norm (over every rank's shard) to ``max_norm``, as
         torch.nn.utils.clip_grad_norm_ would on the full averaged gradient. The
         coefficient is applied inside the next ``step``'s kernel; returns the total
-        norm as a tensor (no host sync)."""
+        norm as a tensor (no host sync). Under ZeroAdam, torch.nn.utils.clip_grad_norm_
+        over the optimizer's parameters calls this (``zero_triton.clipping``)."""
         norm_type = float(norm_type)
         self._reduce_grads()
         flats = [flat for _, flat in self._all_flats()]
@@ -689,7 +701,13 @@ class FusedAdam(torch.optim.Optimizer):
             total = (total ** (1.0 / norm_type)).float()
         if _grad_scale is not None:  # GradScaler still holds the gradients scaled
             total = total / _grad_scale.to(device, torch.float32).reshape(())
-        self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
+        if self._clip_coef is not None:
+            # Clipped already this step: as a second call of torch's function would, see
+            # the clipped gradients and clip them again (the coefficients multiply).
+            total = total * self._clip_coef.reshape(())
+            coef = self._clip_coef * torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
+        self._clip_coef = coef
         self.grad_norm = total
         return total
 
@@ -708,7 +726,7 @@ class FusedAdam(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         self._reduce_grads(flats)
-        if self._max_grad_norm is not None and self._clip_coef is None:
+        if self._max_grad_norm is not None:  # on top of any clipping called since backward
             self.clip_grad_norm_(self._max_grad_norm, _grad_scale=grad_scale)
         found_inf = self._agree([flat for _, flat in flats], found_inf)
         for group, flat in flats:

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from zero_triton import adam_state
+from zero_triton import adam_state, clipping
 from zero_triton.comm import GroupComm
 from zero_triton.optim import FusedAdam
 
@@ -75,8 +75,10 @@ class ZeroAdam(FusedAdam):
     Construction is collective: ranks compare parameter shapes and dtypes and raise on
     every rank at the first mismatch. torch.amp.GradScaler works as is: every rank
     agrees on skipped steps and on the scale (``ZeroGradScaler`` is the same thing).
-    ``max_grad_norm`` clips by the global norm inside ``step()``;
-    ``torch.nn.utils.clip_grad_norm_`` would see only this rank's local gradients.
+    ``max_grad_norm`` clips by the global norm inside ``step()``, and so does
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` (``zero_triton.clipping``
+    hands it to ``clip_grad_norm_``: torch's own would see this rank's local gradients,
+    or at stage 2 none).
     The ``.grad`` of every parameter keeps this rank's local gradient; the averaged
     shard lives in the optimizer. ``no_sync()`` accumulates micro-batches without
     communicating; ``zero_triton.overlap(model, optimizer)`` leaves the parameter
@@ -129,6 +131,12 @@ class ZeroAdam(FusedAdam):
                 param_group["params"] = list(param_group["params"])
             self._check_same_model(self._comm, [param_group])
         super().add_param_group(param_group)
+        clipping.register(self, [p for f in self._flats[-1] for p in f.params])
+
+    def _routes_clipping(self) -> bool:
+        """torch's clip_grad_norm_ comes here (``zero_triton.clipping``): the local
+        gradients are not the averaged ones (several ranks), or there are none (stage 2)."""
+        return self._comm.world_size > 1 or self._stage == 2
 
     def _before_reduce(self, flats) -> None:
         # The local gradients, every .grad copied in (HF Trainer's model.zero_grad() makes
@@ -393,3 +401,17 @@ def _install_scaler_agreement() -> None:
 
     _unscale_grads_._zero_triton_agrees = True
     cls._unscale_grads_ = _unscale_grads_
+
+    original_unscale = cls.unscale_
+
+    @functools.wraps(original_unscale)
+    def unscale_(self, optimizer):
+        # unscale_ rescales .grad in place with an op that leaves the version counter
+        # alone: a ZeroAdam whose buckets averaged them during backward must know.
+        out = original_unscale(self, optimizer)
+        rescaled = getattr(optimizer, "_grads_rescaled", None)
+        if rescaled is not None and getattr(self, "_enabled", True):
+            rescaled()
+        return out
+
+    cls.unscale_ = unscale_

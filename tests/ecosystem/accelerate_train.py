@@ -25,8 +25,9 @@ Phases recorded in OUT/rank{r}.pt (see common.Phases):
                  way; acc.load_state(dir); the model and optimizer state right after
                  loading; N-K more steps (acc.skip_first_batches); the final parameters.
   local_clip     (--recipe no_ddp with --clip) the no_ddp recipe clipping with
-                 acc.clip_grad_norm_ instead of max_grad_norm=: a negative control, it
-                 clips each rank's local gradients and must NOT match the reference.
+                 acc.clip_grad_norm_ instead of max_grad_norm=: torch's clip_grad_norm_,
+                 which ZeroAdam hands to its global norm (on its own it would clip each
+                 rank's local gradients): it must match the reference.
   st_*           (with --safetensors-model) safetensors.torch: save_model(model) and
                  save_file(model.state_dict()) of the trained model; load_model and
                  load_file + load_state_dict of the save_file file, each into a fresh
