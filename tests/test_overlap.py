@@ -398,6 +398,56 @@ def test_a_rank_that_dies_in_backward_fails_the_others_naming_the_bucket(tmp_pat
     assert "of bucket" in msg and "failed on rank 0" in msg and "peer rank" in msg, msg
 
 
+class FunctionalHead(nn.Module):
+    """Reads ``proj.weight`` in its own forward without calling ``proj`` (which it does
+    not own): no forward pre-hook of an owner runs before the read."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.proj = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, x):
+        return nn.functional.linear(self.emb(x), self.proj.weight)
+
+
+def _job_unwaited_forward(rank, world_size, case):
+    """Two steps with overlap; the second forward does not wait for the all-gathers."""
+    torch._dynamo.reset()
+    model = FunctionalHead() if case == "functional" else Net()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=TINY, backend="torch")
+    if case != "compiled before overlap":
+        zero_triton.overlap(model, opt)
+    fwd = model if case == "functional" else torch.compile(model, backend="aot_eager")
+    try:
+        for step in range(3):
+            loss_of(fwd, *batch(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0 and case == "compiled before overlap":
+                zero_triton.overlap(model, opt)  # the compiled graph skips these hooks
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        opt.wait_params()
+    return "trained"
+
+
+@pytest.mark.parametrize("case", ["functional", "compiled before overlap", "overlap before compile"])
+def test_a_forward_that_did_not_wait_for_the_all_gathers_is_refused(case):
+    """The forward read parameters whose all-gather was never waited for (stale values,
+    silently, before): backward refuses, naming both causes and their fixes. A model
+    compiled after overlap() waits (the compiled graph runs the hooks) and trains."""
+    for rank, msg in enumerate(run_ranks(_job_unwaited_forward, 2, case, timeout=180)):
+        if case == "overlap before compile":
+            assert msg == "trained", f"rank {rank}: {msg}"
+            continue
+        assert msg.startswith("zero_triton.overlap: backward reached a parameter of bucket") and \
+            "call overlap() before the first forward" in msg and "wait_params()" in msg, \
+            f"rank {rank}, {case}: {msg}"
+
+
 def _job_lifecycle(rank, world_size):
     model = Net()
     refused = []

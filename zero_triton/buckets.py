@@ -113,9 +113,24 @@ class Bucket:
         self.ready = self.launched = self.stale = self.accumulated = False
 
 
+def _read_before_gathered(bucket: Bucket):
+    return RuntimeError(
+        f"zero_triton.overlap: backward reached a parameter of bucket {bucket.key[1]} of flat "
+        f"buffer {bucket.key[0]} whose all-gather from the last step() was never waited for: the "
+        "forward read it before its updated values were known to have arrived, because no "
+        "forward pre-hook of a module owning it ran. Either the model was compiled "
+        "(torch.compile) into a graph made before zero_triton.overlap(model, optimizer) was "
+        "called (compiled graphs skip module hooks added later: call overlap() before the "
+        "first forward), or the parameter is read outside the forward of every module that "
+        "owns it (make the module that uses it own it, or call optimizer.wait_params() before "
+        "the forward)")
+
+
 def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: Bucket,
                reducer_ref, param: torch.Tensor) -> None:
     """Post-accumulate-grad hook of parameter ``i`` (``j`` within its bucket)."""
+    if bucket.gather is not None:  # zero_triton.overlap: the forward did not wait for it
+        raise _read_before_gathered(bucket)
     reached[i] = 1
     g = param.grad
     if g is not view and g is not None and not g.is_sparse:
@@ -132,6 +147,8 @@ def grad_taken(reached: bytearray, i: int, j: int, lo: int, hi: int, bucket: Buc
                reducer_ref, param: torch.Tensor) -> None:
     """ZeRO-2's post-accumulate-grad hook: add ``.grad`` into the bucket's staging
     buffer at [lo, hi) and free it."""
+    if bucket.gather is not None:  # zero_triton.overlap: the forward did not wait for it
+        raise _read_before_gathered(bucket)
     g = param.grad
     reducer = reducer_ref()
     if g is None or reducer is None:

@@ -9,6 +9,9 @@ and next ``step`` wait for whatever is left; code that reads parameters outside 
 model's forward (logging a weight norm, an EMA copy) calls ``optimizer.wait_params()``
 first. A module that uses another module's parameter functionally (not through that
 module's forward) must own it too (tied weights: the same Parameter in both modules).
+A forward that read a parameter without waiting (that, or a graph compiled by
+torch.compile before ``overlap`` was called, which skips the hooks) is refused by the
+backward hooks that follow (``buckets.grad_ready``), before the step.
 """
 from __future__ import annotations
 
