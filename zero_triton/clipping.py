@@ -53,14 +53,16 @@ def _install() -> None:
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                         foreach=None):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        owners = {}
+        owners, unowned = {}, []
         for p in params:
             opt = _owner(p)
             if opt is not None:
                 owners[id(opt)] = opt
+            else:
+                unowned.append(p)
         if not owners:
             return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        opt = _check_call(params, owners)
+        opt = _check_call(params, owners, unowned)
         total = opt.clip_grad_norm_(float(max_norm), float(norm_type))
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(
@@ -74,8 +76,9 @@ def _install() -> None:
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
-def _check_call(params, owners):
-    """The one ZeroAdam whose every trainable parameter ``params`` holds, or raise."""
+def _check_call(params, owners, unowned):
+    """The one ZeroAdam whose every trainable parameter ``params`` holds (``unowned``:
+    those of ``params`` no routing ZeroAdam owns), or raise."""
     if len(owners) > 1:
         raise ValueError(
             "zero_triton: torch.nn.utils.clip_grad_norm_ got the parameters of several "
@@ -85,7 +88,7 @@ def _check_call(params, owners):
     given = {id(p) for p in params}
     missing = [p for _, flat in opt._all_flats() for p in flat.params
                if p.requires_grad and id(p) not in given]
-    others = [p for p in params if _owner(p) is None and p.grad is not None]
+    others = [p for p in unowned if p.grad is not None]
     if missing or others:
         what = (f"{len(missing)} of the optimizer's trainable parameters are missing from the call"
                 if missing else f"{len(others)} parameters with gradients belong to no ZeroAdam")

@@ -203,10 +203,6 @@ class FlatShard:
         return self.grad_buffer.flat
 
     @property
-    def grad_views(self):
-        return self.grad_buffer.views
-
-    @property
     def reached(self) -> bytearray:
         return self.grad_buffer.reached
 
