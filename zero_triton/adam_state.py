@@ -142,6 +142,7 @@ def apply_load(opt, state_dict, plan) -> None:
         group.setdefault("decoupled_weight_decay", False)
     for flat, entries, step in plan:
         load_shard(flat, entries, step)
+        flat.versions.accept()  # the master is what was loaded (or the parameters now)
     if opt._comm.world_size == 1:
         for _, flat in opt._all_flats():
             opt._expose_state(flat)

@@ -140,6 +140,7 @@ def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: B
     bucket.grads.seen_version = bucket.grads.flat._version
     reducer = reducer_ref()
     if reducer is not None:
+        reducer.note_backward()
         reducer.arrived(bucket, j)
 
 
@@ -154,6 +155,7 @@ def grad_taken(reached: bytearray, i: int, j: int, lo: int, hi: int, bucket: Buc
     if g is None or reducer is None:
         return
     reached[i] = 2  # taken by the hook (1: found at step)
+    reducer.note_backward()
     reducer.accept(bucket, j, lo, hi, g)
     param.grad = None
 
@@ -194,6 +196,11 @@ class Reducer:
         # collectives, which the step's agreement detects (FusedAdam._agree).
         self.signature = 0
         self.last_signature = 0
+        # Called before backward launches the first bucket of a round: ZeroAdam's
+        # agreement that every rank is there (zero_triton.agreement); None: no check.
+        self.enter = None
+        self.backwards = 0       # backward passes that reached our parameters since the last step
+        self._in_backward = False
 
     # -- building -------------------------------------------------------------------
     def rebuild(self, flats) -> None:
@@ -294,6 +301,18 @@ class Reducer:
             if t is not None)
 
     # -- backward -------------------------------------------------------------------
+    def note_backward(self) -> None:
+        """From a gradient hook: count this backward pass once, when it ends (the
+        agreement compares the counts: a rank that ran one more backward, or skipped a
+        step, is at another iteration)."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._in_backward = False
+        self.backwards += 1
+
     def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor) -> None:
         """ZeRO-2: add a parameter's gradient into its bucket's staging buffer (a new one
         when the last is still being sent: the next micro-batch)."""
@@ -328,6 +347,8 @@ class Reducer:
         if order is None or not self.sync or not self.early:
             return
         while self.next < self.in_backward and order[self.next].ready:
+            if self.next == 0 and self.enter is not None:
+                self.enter("backward")
             self.launch(order[self.next])
             self.next += 1
         if self.next == self.in_backward:
@@ -374,16 +395,29 @@ class Reducer:
             bucket.wait_reduce()  # world size 1: a copy, done
 
     # -- step -----------------------------------------------------------------------
-    def finish(self, grad_buffers) -> None:
-        """Reduce whatever backward did not (or whose gradients changed since), in the
-        agreed order, and wait for everything. Learns the order at the first step."""
-        for grads in grad_buffers:
-            if not grads.sharded and grads.written_since_hooks():
-                for b in self.buckets:
-                    if b.grads is grads:
-                        b.stale = True
-        for b in self.order or self.buckets:
-            if b.stale or not b.launched:  # ZeRO-2: stale = gradients staged since the launch
+    def changed_since_launch(self, grad_buffers) -> bool:
+        """Whether this rank's gradients changed after backward launched a bucket of them
+        (a ``.grad`` edited by hand, GradScaler.unscale_, another micro-batch without
+        ``no_sync``, ``zero_grad`` between backward and step): what ``finish`` needs to
+        know, agreed over the ranks first, to average everything again."""
+        if any(b.stale for b in self.buckets):
+            return True
+        return any(b.launched for b in self.buckets) and any(
+            not g.sharded and g.written_since_hooks() for g in grad_buffers)
+
+    def finish(self, grad_buffers, again: bool | None = None) -> None:
+        """Reduce whatever backward did not, in the agreed order, then, when ``again``
+        (the ranks' agreed ``changed_since_launch``; None: this rank's own), every bucket
+        once more, and wait for everything. Every rank launched the same buckets in
+        backward, so both passes pair up. Learns the order at the first step."""
+        if again is None:
+            again = self.changed_since_launch(grad_buffers)
+        order = self.order or self.buckets
+        for b in order:
+            if not b.launched:
+                self.launch(b)
+        if again:  # ZeRO-2 adds what was staged since (zeros on ranks that staged none)
+            for b in order:
                 self.launch(b)
         self.wait_reduces()
         for kind, pool in self.staging_pools.items():
@@ -414,15 +448,21 @@ class Reducer:
         self.order, self.seen = order, None
 
     def reset(self) -> None:
-        """``zero_grad``: wait for reductions reading the gradients, start a new step."""
+        """``zero_grad``: wait for reductions reading the gradients, start a new step.
+        Buckets backward launched already (``zero_grad`` between backward and ``step``)
+        stay launched and become stale: ``step`` averages them again, on every rank."""
         self.wait_reduces()
         for b in self.buckets:
             if b.staging is not None:  # ZeRO-2 gradients not averaged yet: dropped
                 b.staging_pool.append((b.staging, None))
                 b.staging = b.grad_in = None
+            launched = b.launched
             b.reset()
+            if launched:
+                b.launched = b.stale = True
         self.next = 0
-        self.signature = 0
+        if not any(b.launched for b in self.buckets):
+            self.signature = 0
 
     def wait_reduces(self) -> None:
         while self.in_flight:

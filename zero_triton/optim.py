@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from zero_triton import adam_state, backends, buckets, grads
+from zero_triton import adam_state, backends, buckets, grads, watch
 from zero_triton.comm import LocalComm, phase
 from zero_triton.flat import flatten_params
 from zero_triton.shard_state import ShardState
@@ -183,6 +183,8 @@ class FlatShard:
                 "for fp16/bf16 parameters) or train the parameters in float32")
         self.state = ShardState(self.param_parts, self.segments, self.layout,
                                 has_master=self.has_master, amsgrad=amsgrad)
+        # The parameters' writes since the master was last taken from them (zero_triton.watch).
+        self.versions = watch.ParamVersions(params)
         f32 = dict(dtype=torch.float32, device=self.device)
         self.lr = torch.zeros(1, **f32)
         self.backend = backends.resolve(backend, self.device)
@@ -244,7 +246,33 @@ class FlatShard:
             # included); which parameters have a gradient is still the old answer.
             new.grad_buffer.carry_over(self.grad_buffer)
             new.state.carry_over(self.state)
+            # A parameter whose .data was replaced by other values (p.data = pretrained)
+            # starts from them; one that was only moved keeps its exact master.
+            new.reseed([i for i in self.versions.written()] + [
+                i for i, (p, old) in enumerate(zip(self.params, self.param_views))
+                if p.dtype == old.dtype and not torch.equal(p.detach().to(old.device), old)])
         return new
+
+    @torch.no_grad()
+    def reseed(self, indices) -> None:
+        """The user wrote parameters ``indices`` (their version moved, or their .data was
+        replaced): seed this rank's part of their fp32 master again from them where they
+        differ from it, so the next step starts from what the user wrote (fp32
+        parameters are their own master). An element written with the value it had
+        (DDP's broadcast, an EMA swapped back, the same weights loaded) keeps its master's
+        extra precision."""
+        if not indices:
+            return
+        wanted = set(indices)
+        if self.has_master:
+            master, layout = self.state.master, self.layout
+            for part, (lo, hi, s0) in zip(self.param_parts, self.segments):
+                for i, a, b in layout.ranges_in(lo, hi):
+                    if i in wanted:
+                        x = layout.offsets[i] + a - lo
+                        m, p = master[s0 + x:s0 + x + b - a], part[x:x + b - a]
+                        m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
+        self.versions.accept(wanted)
 
     def sync_grads(self, backward_seen: bool = False):
         """Decide which parameters have a gradient at this step (``self.stepped``: None
@@ -403,6 +431,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     # -- construction -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        if "_tracked" not in self.__dict__:  # construction: torch.optim.Optimizer's empty state
+            self.state = self._tracked = watch.TrackedState()
+            self._group_sizes = []
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -482,6 +513,7 @@ class FusedAdam(torch.optim.Optimizer):
                 flat.remove_hooks()
             raise
         super().add_param_group(param_group)
+        self._group_sizes.append(len(params))
         self._frozen.extend((len(self._flats), p) for p in params if not p.requires_grad)
         self._flats.append(flats)
         self._reducer.rebuild([f for _, f in self._all_flats()])
@@ -498,7 +530,7 @@ class FusedAdam(torch.optim.Optimizer):
         """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
         views = flat.state.views()
         for i, p in enumerate(flat.params):
-            self.state[p] = {"step": flat.state.step_of(i), **{k: v[i] for k, v in views.items()}}
+            self._tracked.set_entry(p, {"step": flat.state.step_of(i), **{k: v[i] for k, v in views.items()}})
         flat.exposed_steps = flat.state.steps
 
     def _all_flats(self):
@@ -532,6 +564,117 @@ class FusedAdam(torch.optim.Optimizer):
         dicts, checkpoints and ``step`` call it themselves."""
         self._reducer.wait_gathers()
 
+    # -- the user's edits (zero_triton.watch) -----------------------------------------
+    def _enter(self, entry: str, flats=None, stale: bool = False) -> bool:
+        """Start a call that reads the state (``step``, the state dicts, clipping,
+        checkpoints): follow what the user changed since the last one — param groups
+        edited by hand (refused), ``opt.state`` edited (followed), parameters written
+        (their master re-seeded). Returns whether gradients must be averaged again
+        (``stale``: they changed after their bucket was averaged). ZeroAdam first agrees
+        on all of it with every rank (``zero_triton.agreement``)."""
+        flats = flats if flats is not None else self._current_flats()
+        self._check_groups()
+        self._follow_state_edits(flats)
+        self._reseed_written(flats)
+        return stale
+
+    def _check_groups(self) -> None:
+        """Refuse parameters added to or removed from ``param_groups`` by hand: the
+        optimizer has flat buffers and state for the ones it was given."""
+        sizes = self._group_sizes
+        if len(self.param_groups) == len(sizes) and all(
+                len(g["params"]) == n for g, n in zip(self.param_groups, sizes)):
+            return
+        raise RuntimeError(
+            f"{type(self).__name__}: param_groups were edited by hand (now "
+            f"{[len(g['params']) for g in self.param_groups]} parameters per group, built with "
+            f"{sizes}); the optimizer keeps flat buffers and state for the parameters it was "
+            "given and would not train the others. Add parameters with "
+            "optimizer.add_param_group({'params': [...]}) (ZeroAdam: on every rank), or build a "
+            "new optimizer. Nothing was changed")
+
+    def _state_edited(self) -> bool:
+        return self.state is not self._tracked or self._tracked.edited
+
+    def _follow_state_edits(self, flats) -> None:
+        """``opt.state`` is what the next step reads, as in torch.optim.Adam: a tensor
+        assigned to a parameter's entry is copied into the flat state, a ``step``
+        assigned becomes that parameter's count, and a parameter without an entry (after
+        ``state.clear()``, ``del state[p]`` or ``opt.state = defaultdict(dict)``) starts
+        over: zero moments, step 0, master from the parameter. Everything is checked
+        before anything changes."""
+        if not self._state_edited():
+            return
+        user = self.state
+        plans = [(flat, self._plan_state(flat, user)) for _, flat in flats]
+        for flat, (copies, steps, reseed) in plans:
+            with torch.no_grad():
+                for target, value in copies:
+                    target.copy_(value)
+            if steps is not None:
+                flat.state.set_param_steps(steps)
+            flat.reseed(reseed)
+        self._restore_state_table()
+
+    def _restore_state_table(self) -> None:
+        tracked = self._tracked
+        self.state = tracked
+        dict.clear(tracked)
+        if self._comm.world_size == 1:
+            for _, flat in self._all_flats():
+                self._expose_state(flat)
+        tracked.edited = False
+
+    @staticmethod
+    def _plan_state(flat, user):
+        """(copies, new step counts or None, parameters to re-seed) for one flat buffer
+        from the user's ``opt.state``; raises on entries it cannot take."""
+        views, counts = flat.state.views(), flat.state.param_steps()
+        copies, reseed, steps_changed = [], [], False
+        for i, p in enumerate(flat.params):
+            entry = dict.get(user, p) if isinstance(user, dict) else None
+            if not entry:  # no state: torch.optim.Adam starts this parameter over
+                copies.extend((v[i], torch.zeros((), dtype=v[i].dtype)) for k, v in views.items()
+                              if k != "master_param")
+                reseed.append(i)
+                counts[i], steps_changed = 0.0, True
+                continue
+            for key, v in views.items():
+                given = entry.get(key)
+                if given is None:
+                    if key == "master_param":  # torch's own format: the master is the parameter
+                        reseed.append(i)
+                    elif key == "max_exp_avg_sq":
+                        copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
+                    else:
+                        raise ValueError(
+                            f"optimizer.state[p] of parameter {i} {tuple(p.shape)} has no "
+                            f"'{key}'; assign a tensor of the parameter's shape, or delete the "
+                            "whole entry (del optimizer.state[p]) to start it over")
+                    continue
+                if not isinstance(given, torch.Tensor) or given.numel() != v[i].numel():
+                    raise ValueError(
+                        f"optimizer.state[p]['{key}'] of parameter {i} {tuple(p.shape)} must be "
+                        f"a tensor of {v[i].numel()} elements, got "
+                        f"{tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
+                if given.data_ptr() != v[i].data_ptr() or given.device != v[i].device:
+                    copies.append((v[i], given.detach().reshape(v[i].shape)))
+            s = entry.get("step")
+            mine = flat.state.step_of(i)
+            if isinstance(s, torch.Tensor) and s.data_ptr() == mine.data_ptr():
+                continue
+            value = float(s) if isinstance(s, (int, float, torch.Tensor)) and (
+                not isinstance(s, torch.Tensor) or s.numel() == 1) else None
+            if value is None or not math.isfinite(value) or value < 0:
+                raise ValueError(f"optimizer.state[p]['step'] of parameter {i} {tuple(p.shape)} "
+                                 f"must be a count >= 0 (a number or 1-element tensor), got {s!r}")
+            counts[i], steps_changed = value, True
+        return copies, counts if steps_changed else None, reseed
+
+    def _reseed_written(self, flats) -> None:
+        for _, flat in flats:
+            flat.reseed(flat.versions.written())
+
     # -- the step -------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat grad buffers. The ``.grad`` views stay (``set_to_none`` is
@@ -552,17 +695,23 @@ class FusedAdam(torch.optim.Optimizer):
                     "state for it and would not train it. Unfreeze it before building the "
                     "optimizer, or add it with optimizer.add_param_group({'params': [p]})")
 
-    def _reduce_grads(self, flats=None):
+    def _reduce_grads(self, flats=None, entry: str = "step"):
+        """Average the gradients (once per step), after ``_enter(entry)``; a step whose
+        gradients are averaged already only enters."""
+        pairs = flats or self._current_flats()
         if self._grads_reduced:
+            self._enter(entry, pairs)
             return
-        flats = [flat for _, flat in (flats or self._current_flats())]
+        flats = [flat for _, flat in pairs]
         backward_seen = any(1 in flat.reached for flat in flats)
         for flat in flats:
             flat.sync_grads(backward_seen)
+        buffers = [f.grad_buffer for f in flats]
+        again = self._enter(entry, pairs, stale=self._reducer.changed_since_launch(buffers))
         self._before_reduce(flats)
         if self._comm.world_size > 1 or any(f.grad_shard is not f.flat_grad for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
-                self._reducer.finish([f.grad_buffer for f in flats])
+                self._reducer.finish(buffers, again)
         self._grads_reduced = True
 
     def _grads_rescaled(self) -> None:
@@ -669,14 +818,16 @@ class FusedAdam(torch.optim.Optimizer):
                 "reaches), or make every rank's forward use every parameter")
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None,
+                        _in_step: bool = False) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shard) to ``max_norm``, as
         torch.nn.utils.clip_grad_norm_ would on the full averaged gradient. The
         coefficient is applied inside the next ``step``'s kernel; returns the total
         norm as a tensor (no host sync). Under ZeroAdam, torch.nn.utils.clip_grad_norm_
         over the optimizer's parameters calls this (``zero_triton.clipping``)."""
         norm_type = float(norm_type)
-        self._reduce_grads()
+        if not _in_step:  # step() has entered and averaged already
+            self._reduce_grads(entry="clip_grad_norm_")
         flats = [flat for _, flat in self._all_flats()]
         if not flats:
             return torch.zeros(())
@@ -723,7 +874,7 @@ class FusedAdam(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         self._reduce_grads(flats)
         if self._max_grad_norm is not None:  # on top of any clipping called since backward
-            self.clip_grad_norm_(self._max_grad_norm, _grad_scale=grad_scale)
+            self.clip_grad_norm_(self._max_grad_norm, _grad_scale=grad_scale, _in_step=True)
         found_inf = self._agree([flat for _, flat in flats], found_inf)
         for group, flat in flats:
             if group["amsgrad"] and flat.state.ensure_amsgrad() and self._comm.world_size == 1:
@@ -753,7 +904,11 @@ class FusedAdam(torch.optim.Optimizer):
                     self._expose_state(flat)
         self._grads_reduced = False
         self._clip_coef = None
+        self._stepped()
         return loss
+
+    def _stepped(self) -> None:
+        """A step() completed (ZeroAdam counts them in its agreement)."""
 
     # -- copy and pickle ------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -813,12 +968,25 @@ class FusedAdam(torch.optim.Optimizer):
         adam_state.load_with_hooks(self, state_dict, self._load_full_state_dict)
 
     def _full_state_dict(self) -> dict:
+        self._enter("state_dict")
         return adam_state.local_state_dict(self)
 
     def _load_full_state_dict(self, state_dict: dict) -> None:
-        self._current_flats()
+        self._enter("load_state_dict")
+        # What state_dict() handed out may come back (a self-load, DCP's in-place load):
+        # copy it before the load overwrites the buffers it views.
+        state_dict = watch.unaliased(state_dict, self._live_tensors())
         plan = adam_state.plan_load(self, state_dict)
         adam_state.apply_load(self, state_dict, plan)
+
+    def _live_tensors(self) -> list:
+        """The tensors a state dict's entries may alias: state buffers and parameters."""
+        out = []
+        for _, flat in self._all_flats():
+            out.extend(flat.state.buffers().values())
+            out.append(flat.flat_param)
+            out.extend(flat.param_parts)
+        return out
 
 class FusedAdamW(FusedAdam):
     """AdamW: FusedAdam with decoupled weight decay (default 1e-2), as torch.optim.AdamW."""

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from zero_triton import adam_state, clipping
+from zero_triton import adam_state, agreement, clipping, watch
 from zero_triton.comm import GroupComm
 from zero_triton.optim import FusedAdam
 
@@ -100,6 +100,10 @@ class ZeroAdam(FusedAdam):
                 g["params"] = list(g["params"])
         self._check_same_model(comm, groups)
         _install_scaler_agreement()
+        # Built after the model check, which every rank passes together: the ordinal
+        # (how many ZeroAdams this process built on this group before) is the same on all.
+        self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.group)) \
+            if comm.world_size > 1 else None
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
         self._ddp_checked = comm.world_size == 1 or stage == 2
@@ -110,6 +114,61 @@ class ZeroAdam(FusedAdam):
                     foreach=foreach, fused=fused,
                     capturable=capturable, differentiable=differentiable)
         self._constructed = True
+        if self._agreement is not None:
+            self._reducer.enter = self._enter_backward
+
+    # -- every rank at the same call (zero_triton.agreement) -----------------------------
+    def _enter_backward(self, entry: str) -> None:
+        self._enter(entry, stale=False)
+
+    def _enter(self, entry: str, flats=None, stale: bool = False) -> bool:
+        """FusedAdam's ``_enter``, agreed with every rank first: each finds locally what
+        changed (param groups edited, opt.state reset or edited, parameters written,
+        gradients changed after their bucket was averaged), one host-side exchange tells
+        every rank what all found, and then every rank does the same: follows it, or
+        raises. A rank at another call, or a step behind, fails every rank here."""
+        if self._agreement is None:
+            return super()._enter(entry, flats, stale)
+        flats = flats if flats is not None else self._current_flats()
+        refuse, error = 0, None
+        try:
+            self._check_groups()
+        except RuntimeError as exc:
+            refuse, error = 1, exc
+        flags = agreement.STALE if stale else 0
+        if self._state_edited():
+            if any(len(v) for v in dict.values(self.state)) if isinstance(self.state, dict) else True:
+                refuse = refuse or 3
+                error = error or RuntimeError(
+                    "ZeroAdam keeps its optimizer state sharded over the ranks: entries "
+                    "assigned to optimizer.state are not read. To reset the state, call "
+                    "optimizer.state.clear() (or assign a new defaultdict(dict)) on every "
+                    "rank; to set it, load a state dict (optimizer.load_state_dict, on every "
+                    "rank) or a checkpoint. Nothing was changed")
+                flags |= agreement.EDITED
+            else:
+                flags |= agreement.RESET
+        written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
+        agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
+                                       written=written, refuse=refuse)
+        if error is not None:
+            raise error
+        if agreed & agreement.RESET:
+            for _, flat in flats:
+                flat.state.exp_avg.zero_()
+                flat.state.exp_avg_sq.zero_()
+                if flat.state.max_exp_avg_sq is not None:
+                    flat.state.max_exp_avg_sq.zero_()
+                flat.state.set_param_steps([0.0] * len(flat.params))
+                flat.reseed(range(len(flat.params)))
+            self._restore_state_table()
+        self._reseed_written(flats)
+        return bool(agreed & agreement.STALE)
+
+    def _stepped(self) -> None:
+        if self._agreement is not None:
+            self._agreement.stepped()
+            self._reducer.backwards = 0
 
     @staticmethod
     def _check_same_model(comm, groups):
@@ -193,7 +252,7 @@ class ZeroAdam(FusedAdam):
         GradScaler's per-device flags."""
         if self._stage != 2:
             return
-        self._reduce_grads()
+        self._reduce_grads(entry="GradScaler")
         for _, flat in self._all_flats():
             g = flat.grad_shard
             if not allow_fp16 and g.dtype == torch.float16:
@@ -205,6 +264,8 @@ class ZeroAdam(FusedAdam):
 
     def _agree_found_inf(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
+        if self._agreement is not None:
+            self._agreement.check("GradScaler", backwards=self._reducer.backwards)
         for flag in per_device.values():
             self._comm.all_reduce(flag, "max")
 
@@ -272,7 +333,8 @@ class ZeroAdam(FusedAdam):
                 "TrainerCallback.on_save), or use a Trainer subclass whose "
                 "_save_optimizer_and_scheduler calls optimizer.state_dict() on every rank "
                 "(the README shows one)")
-        return self.consolidated_state_dict(to_rank=None)
+        self._enter("state_dict")
+        return adam_state.gathered_state_dict(self, None, self._GATHER_CHUNK)
 
     def consolidated_state_dict(self, to_rank: int | None = 0):
         """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
@@ -284,12 +346,15 @@ class ZeroAdam(FusedAdam):
         receiver's peak memory is one full copy plus ``world_size`` chunks (not
         ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
         self.wait_params()
+        self._enter("consolidated_state_dict")
         return adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
 
     @torch.no_grad()
     def _load_full_state_dict(self, state_dict: dict) -> None:
         if self._comm.world_size == 1:
             return super()._load_full_state_dict(state_dict)
+        self._enter("load_state_dict")
+        state_dict = watch.unaliased(state_dict, self._live_tensors())
         plan, error = None, None
         try:
             plan = adam_state.plan_load(self, state_dict)

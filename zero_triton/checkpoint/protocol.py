@@ -256,7 +256,7 @@ def load(path, optimizer, model=None):
     rank and leaves the optimizer untouched. A load that races a save to the same path
     retries once. The checkpoint's hyperparameters replace the optimizer's (with a
     warning if they differ)."""
-    target = Target(optimizer)
+    target = Target(optimizer, "checkpoint.load")
     comm = target.comm
     where = f"load from {os.fspath(path)}"
     for attempt in (0, 1):

@@ -37,7 +37,7 @@ def own_bytes(t: torch.Tensor) -> torch.Tensor:
 class Target:
     """One optimizer (FusedAdam or ZeroAdam), seen as a checkpoint sees it."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, entry: str = "checkpoint.save"):
         if not hasattr(optimizer, "_current_flats"):
             raise TypeError(f"zero_triton.checkpoint saves and loads zero_triton optimizers "
                             f"(FusedAdam, FusedAdamW, ZeroAdam, ZeroAdamW), not "
@@ -46,7 +46,9 @@ class Target:
         self.comm = optimizer._comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         optimizer.wait_params()  # all-gathers left in flight by overlap
-        optimizer._current_flats()  # follow parameters moved since the last step
+        # Every rank is here (ZeroAdam), and the optimizer follows what the user changed:
+        # parameters moved or written, opt.state edited.
+        optimizer._enter(entry)
         self.flats = [flat for flats in optimizer._flats for flat in flats]
         self.flat_groups = [gi for gi, flats in enumerate(optimizer._flats) for _ in flats]
 
@@ -139,6 +141,8 @@ class Target:
             elif flat.has_master:
                 for master, part in zip(flat.state.master_parts(), flat.param_parts):
                     part.copy_(master)
+        for flat in self.flats:  # the masters are the checkpoint's, not the parameters' writes
+            flat.versions.accept()
         if self.world_size == 1:
             for flat in self.flats:
                 self.optimizer._expose_state(flat)

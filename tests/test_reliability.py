@@ -1,0 +1,292 @@
+"""Nothing silently wrong, nothing hangs: what users do to the tensors the optimizer keeps
+copies of, and what one rank does that the others do not (README, Reliability).
+
+Each test names the README guarantee it holds. The multi-rank ones run on gloo ranks
+with a hard timeout: on a build without the agreement they hang and fail by it.
+"""
+import collections
+import copy
+import time
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from zero_triton import FusedAdam, FusedAdamW, ZeroAdamW
+
+LOW = [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)]
+
+
+def _mlp(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 8)).to(dtype)
+
+
+def _train(model, opt, steps, dtype, seed=1, between=None):
+    g = torch.Generator().manual_seed(seed)
+    for it in range(steps):
+        x = torch.randn(4, 16, generator=g).to(dtype)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if between is not None:
+            between(model, opt, it)
+
+
+# -- item 1: writes to low-precision parameters after construction ------------------------
+@pytest.mark.parametrize("dtype,tol", LOW)
+@pytest.mark.parametrize("write", ["load_state_dict", "nn.init", "copy_", "data="])
+def test_writes_after_construction_are_what_the_step_starts_from(dtype, tol, write):
+    """A bf16/fp16 parameter written after the optimizer was built (a pretrained
+    load_state_dict, nn.init, copy_, .data replaced) is stepped from the written values,
+    as torch.optim.AdamW steps it; the fp32 master is seeded again from it."""
+    model, ref = _mlp(dtype), _mlp(dtype)
+    opt = FusedAdamW(model.parameters(), lr=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    for m in (model, ref):
+        with torch.no_grad():
+            if write == "load_state_dict":
+                m.load_state_dict({k: torch.full_like(v, 0.5) for k, v in m.state_dict().items()})
+            elif write == "nn.init":
+                for p in m.parameters():
+                    torch.nn.init.constant_(p, 0.5)
+            elif write == "copy_":
+                for p in m.parameters():
+                    p.copy_(torch.full_like(p, 0.5))
+            else:
+                for p in m.parameters():
+                    p.data = torch.full_like(p, 0.5)
+    _train(model, opt, 1, dtype)
+    _train(ref, ref_opt, 1, dtype)
+    for i, (a, b) in enumerate(zip(model.parameters(), ref.parameters())):
+        assert abs(a.float().mean().item() - 0.5) < 1e-2, (write, i, a.float().mean().item())
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=0, msg=f"{write} param {i}")
+
+
+@pytest.mark.parametrize("dtype,tol", LOW)
+def test_inplace_constraints_after_each_step_hold(dtype, tol):
+    """WGAN's clamp_ and pruning's mul_(mask) after every step are what the next step
+    starts from: the pruned entries stay zero (they came back from the master before)."""
+    model = _mlp(dtype)
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    mask = (torch.rand(16, 16, generator=torch.Generator().manual_seed(3)) > 0.5).to(dtype)
+
+    def constrain(m, _opt, _it):
+        with torch.no_grad():
+            m[0].weight.mul_(mask)
+            for p in m.parameters():
+                p.clamp_(-0.01, 0.01)
+
+    constrain(model, opt, -1)
+    _train(model, opt, 4, dtype, between=constrain)
+    w = model[0].weight.float()
+    assert (w[mask == 0] == 0).all(), "pruned entries came back"
+    # One step after the constraints moves each weight by about lr: never past it.
+    _train(model, opt, 1, dtype)
+    assert model[0].weight.float().abs().max().item() <= 0.01 + 1.5e-2
+
+
+# -- item 4: edits of opt.state and param_groups -------------------------------------------
+@pytest.mark.parametrize("edit", ["assign_exp_avg", "reset_step", "clear", "replace", "del"])
+def test_edits_of_opt_state_are_followed_as_torch_follows_them(edit):
+    model, ref = _mlp(), _mlp()
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def edit_state(m, o, it):
+        if it != 1:
+            return
+        w = m[0].weight
+        if edit == "assign_exp_avg":
+            o.state[w]["exp_avg"] = torch.zeros_like(w)
+        elif edit == "reset_step":
+            o.state[w]["step"] = torch.tensor(0.0)
+        elif edit == "clear":
+            o.state.clear()
+        elif edit == "replace":
+            o.state = collections.defaultdict(dict)
+        else:
+            del o.state[w]
+
+    _train(model, opt, 4, torch.float32, between=edit_state)
+    _train(ref, ref_opt, 4, torch.float32, between=edit_state)
+    for i, (a, b) in enumerate(zip(model.parameters(), ref.parameters())):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{edit}: param {i}")
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    for k in ref_sd["state"]:
+        assert float(sd["state"][k]["step"]) == float(ref_sd["state"][k]["step"]), (edit, k)
+
+
+def test_a_parameter_appended_to_param_groups_is_refused_with_the_fix():
+    model = _mlp()
+    opt = FusedAdam(list(model[0].parameters()), lr=1e-2)
+    _train(model, opt, 1, torch.float32)
+    before = [p.clone() for p in model.parameters()]
+    opt.param_groups[0]["params"].append(model[2].weight)
+    model(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.step()
+    for a, b in zip(model.parameters(), before):
+        assert torch.equal(a, b), "a refused step changed a parameter"
+
+
+# -- item 5: what state_dict() handed out comes back ----------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_load_keeps_the_state(dtype):
+    model = _mlp(dtype)
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2, dtype)
+    want = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(opt.state_dict())
+    got = opt.state_dict()
+    for k, entry in want["state"].items():
+        for name, t in entry.items():
+            assert torch.equal(got["state"][k][name], t), (k, name)
+    assert got["state"][0]["exp_avg"].abs().max() > 0
+
+
+def test_dcp_resume_continues_from_the_saved_moments(tmp_path):
+    """torch.distributed.checkpoint's documented flow (a fresh model and optimizer,
+    get_optimizer_state_dict, dcp.load, set_optimizer_state_dict) resumes exactly."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    model = _mlp()
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2, torch.float32)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path))
+    _train(model, opt, 2, torch.float32, seed=5)
+
+    fresh = _mlp(seed=9)
+    fresh_opt = FusedAdamW(fresh.parameters(), lr=1e-2)
+    sd = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(sd, checkpoint_id=str(tmp_path))
+    fresh.load_state_dict(sd["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+    _train(fresh, fresh_opt, 2, torch.float32, seed=5)
+    for i, (a, b) in enumerate(zip(fresh.parameters(), model.parameters())):
+        assert torch.equal(a, b), f"param {i}: {(a - b).abs().max().item()}"
+
+
+# -- under ZeRO: the same, agreed over the ranks -----------------------------------------------
+def _zero_writes(rank, world, stage):
+    """Item 1 and 4 under ZeroAdamW: bf16 writes after construction on every rank, and
+    opt.state.clear() on every rank (followed); a clear on one rank only (refused)."""
+    out = {}
+    model = _mlp(torch.bfloat16)
+    opt = ZeroAdamW(model.parameters(), lr=1e-4, stage=stage, bucket_cap_mb=0.0005)
+    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
+    _train(model, opt, 1, torch.bfloat16, seed=rank)
+    out["mean"] = [p.float().mean().item() for p in model.parameters()]
+    opt.state.clear()
+    _train(model, opt, 1, torch.bfloat16, seed=rank)
+    out["steps"] = sorted({float(e["step"]) for e in opt.state_dict()["state"].values()})
+    if rank == 0:
+        opt.state.clear()
+    try:
+        _train(model, opt, 1, torch.bfloat16, seed=rank)
+        out["one_rank_clear"] = "trained"
+    except RuntimeError as exc:
+        out["one_rank_clear"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_follows_writes_and_resets_agreed_on_every_rank(stage):
+    results = run_ranks(_zero_writes, 2, stage, timeout=180)
+    for rank, out in enumerate(results):
+        assert all(abs(m - 0.5) < 5e-3 for m in out["mean"]), (rank, out["mean"])
+        assert out["steps"] == [1.0], (rank, out["steps"])
+        assert "on ranks [0] only" in out["one_rank_clear"], (rank, out["one_rank_clear"])
+
+
+def _grad_edit_on_one_rank(rank, world, scaler_inf):
+    """Item 6: rank 0 edits its .grad after backward (default buckets, launched during
+    backward): every rank averages again, so the step is Adam on the mean of the final
+    gradients; with GradScaler, an inf written into rank 0's gradient skips the step on
+    every rank."""
+    model, ref = _mlp(), _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.0005)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler_inf else None
+    for it in range(3):
+        g = torch.Generator().manual_seed(10 + it)
+        xs = torch.randn(world, 4, 16, generator=g)
+        loss = model(xs[rank]).pow(2).mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if rank == 0:
+            with torch.no_grad():
+                scale = scaler.get_scale() if scaler else 1.0  # the gradients are scaled
+                model[0].weight.grad[0, 0] += float("inf") if scaler_inf and it == 1 else scale
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        if scaler_inf and it == 1:
+            continue  # skipped on every rank: the reference skips it too
+        grads = []
+        for r in range(world):
+            ref.zero_grad()
+            ref(xs[r]).pow(2).mean().backward()
+            gs = [p.grad.clone() for p in ref.parameters()]
+            if r == 0:
+                gs[0][0, 0] += 1.0
+            grads.append(gs)
+        for p, *gs in zip(ref.parameters(), *grads):
+            p.grad = sum(gs) / world
+        ref_opt.step()
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("scaler_inf", [False, True])
+def test_one_ranks_grad_edit_is_averaged_again_on_every_rank(scaler_inf):
+    diffs = run_ranks(_grad_edit_on_one_rank, 2, scaler_inf, timeout=120, pg_timeout_s=60)
+    assert max(diffs) < 1e-5, diffs
+
+
+def _rank_local(rank, world, case, stage, bucket_cap_mb):
+    """Item 6 and 7: one rank does what the others do not. Returns (seconds, message)."""
+    model = _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=bucket_cap_mb)
+    start = time.monotonic()
+    try:
+        for it in range(4):
+            model(torch.randn(4, 16)).pow(2).mean().backward()
+            if case == "zero_grad" and rank == 0 and it == 2:
+                opt.zero_grad()
+            if not (case == "skip_step" and rank == 1 and it == 1):
+                opt.step()
+            opt.zero_grad()
+            if case == "save_on_rank0" and rank == 0 and it == 1:
+                torch.save(opt.state_dict(), "/dev/null")
+        if case == "zero_grad":
+            return "trained", [p.detach().sum().item() for p in model.parameters()]
+    except RuntimeError as exc:
+        return time.monotonic() - start, str(exc)
+    return "no error", None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("case,bucket_cap_mb", [("save_on_rank0", 25), ("save_on_rank0", None),
+                                                ("skip_step", None), ("skip_step", 0.0005)])
+def test_one_ranks_call_fails_every_rank_within_seconds(case, bucket_cap_mb, stage):
+    """``if rank == 0: torch.save(opt.state_dict())`` and a step skipped on one rank
+    raise on every rank at once, naming the ranks' calls and the fix (they hung until
+    the process-group timeout)."""
+    results = run_ranks(_rank_local, 2, case, stage, bucket_cap_mb, timeout=90, pg_timeout_s=600)
+    for rank, (seconds, message) in enumerate(results):
+        assert seconds != "no error", f"rank {rank} trained on: {case}"
+        assert seconds < 30, (rank, seconds)
+        assert "different calls" in message, (rank, message)
+        if case == "save_on_rank0":
+            assert "call it on every rank" in message, message
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_between_backward_and_step_on_one_rank_is_agreed(stage):
+    results = run_ranks(_rank_local, 2, "zero_grad", stage, 0.0005, timeout=90, pg_timeout_s=600)
+    assert results[0][0] == "trained" and results[0][1] == results[1][1], results
