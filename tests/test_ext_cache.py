@@ -245,3 +245,69 @@ def test_lock_held_past_the_bound_is_not_waited_on_forever(tmp_path, monkeypatch
     assert f"waiting for pid {os.getpid()}" in lines[0], lines
     assert "after 3 s" in lines[1] and "building separately" in lines[1], lines
     assert "no C++ compiler" in lines[2], lines
+
+
+# -- another user's files in the cache are never loaded, links never followed ------------------
+def other_owner(path: Path) -> None:
+    """Make ``path`` another user's (uid 65534, 'nobody'): root can, others cannot."""
+    if os.geteuid() != 0:
+        pytest.skip(reason="making a file of another owner needs root; the mode checks below "
+                           "run for every user")
+    os.chown(path, 65534, 65534, follow_symlinks=False)
+
+
+def planted_cache(recovered, tmp_path):
+    """A cache holding a whole, correctly checksummed extension (a real build)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(recovered["cache"], cache)
+    (so,) = cache.glob("*/zero_triton_C.so")
+    return cache, so
+
+
+@pytest.mark.parametrize("how", ["so of another user", "build folder of another user",
+                                 "build folder writable by all", "cache folder writable by all"])
+def test_a_cache_another_user_could_write_is_refused_in_one_line(recovered, tmp_path, how):
+    """A .so with a matching .sha256 that another user could have put there (their file,
+    their folder, or a folder anyone can write) is never loaded: one line says why and
+    names the fix, and the plain torch step runs."""
+    cache, so = planted_cache(recovered, tmp_path)
+    if how == "so of another user":
+        other_owner(so)
+        other_owner(so.parent / "zero_triton_C.so.sha256")
+    elif how == "build folder of another user":
+        other_owner(so.parent)
+    elif how == "build folder writable by all":
+        so.parent.chmod(0o777)
+    else:
+        cache.chmod(0o777)
+    step = run(["-c", STEP], cache)
+    assert step.returncode == 0, step.stderr
+    assert "backend torch 0.9" in step.stdout, (step.stdout, step.stderr)
+    lines = step.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not trusted" in lines[0] and "ZERO_TRITON_EXT_DIR" in lines[0], lines
+
+
+def test_a_planted_lock_link_truncates_nothing(tmp_path, monkeypatch):
+    """build.lock planted as a link to another file: the file is left as it was."""
+    cache = tmp_path / "cache"
+    build_dir = cache_dir(cache, monkeypatch)
+    build_dir.mkdir(parents=True, mode=0o700)
+    victim = tmp_path / "notes.txt"
+    victim.write_text("a user's notes\n")
+    (build_dir / "build.lock").symlink_to(victim)
+    step = run(["-c", STEP], cache, **no_compiler_env(tmp_path))
+    assert step.returncode == 0, step.stderr
+    assert "backend torch 0.9" in step.stdout
+    assert victim.read_text() == "a user's notes\n"
+    lines = step.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not trusted" in lines[0] and "symbolic link" in lines[0], lines
+
+
+def test_the_cache_folders_it_makes_are_private(tmp_path):
+    cache = tmp_path / "cache"
+    step = run(["-c", STEP], cache, **no_compiler_env(tmp_path))
+    assert step.returncode == 0, step.stderr
+    (build_dir,) = cache.iterdir()
+    assert build_dir.stat().st_mode & 0o077 == 0, oct(build_dir.stat().st_mode)
+    for f in build_dir.iterdir():
+        assert f.stat().st_mode & 0o022 == 0, (f, oct(f.stat().st_mode))

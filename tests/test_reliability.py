@@ -290,3 +290,221 @@ def test_one_ranks_call_fails_every_rank_within_seconds(case, bucket_cap_mb, sta
 def test_zero_grad_between_backward_and_step_on_one_rank_is_agreed(stage):
     results = run_ranks(_rank_local, 2, "zero_grad", stage, 0.0005, timeout=90, pg_timeout_s=600)
     assert results[0][0] == "trained" and results[0][1] == results[1][1], results
+
+
+# -- items 2 and 3: overlap() and what touches parameters between step and forward -------------
+class _Stat(torch.nn.Module):
+    """A parent whose forward reads its children's weights outside their forward, under
+    no_grad (a statistic) and detached (a stop-gradient tied weight), before calling them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.a.weight.abs().mean()
+        tied = self.b.weight.detach()
+        h = torch.tanh(self.a(x)) * scale
+        return self.b(h) + torch.nn.functional.linear(h, tied)
+
+
+def _slow_gathers(opt):
+    """This rank starts its all-gathers late: the other ranks' land after step() returns."""
+    for flats in opt._flats:
+        for f in flats:
+            def slow(k, launch=f.gather_bucket):
+                time.sleep(0.05)
+                launch(k)
+            f.gather_bucket = slow
+
+
+def _overlap_job(rank, world, stage):
+    import zero_triton
+    out = {}
+    # Item 3: the same losses with and without overlap().
+    for use_overlap in (False, True):
+        model = _Stat()
+        opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=0.0005)
+        if use_overlap:
+            zero_triton.overlap(model, opt)
+        losses = []
+        for it in range(4):
+            if use_overlap and it == 2 and rank == 1:
+                _slow_gathers(opt)
+            g = torch.Generator().manual_seed(100 * rank + it)
+            loss = model(torch.randn(4, 16, generator=g)).pow(2).mean()
+            losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_params()
+        out[f"losses_{use_overlap}"] = losses
+    # Item 2: model.load_state_dict right after an overlapped step keeps what was loaded.
+    model = _Stat()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=0.0005)
+    zero_triton.overlap(model, opt)
+    loaded = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()}
+    torch.manual_seed(rank)
+    for it in range(2):
+        if it == 1 and rank == 1:
+            _slow_gathers(opt)
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model.load_state_dict(loaded)
+    out["kept"] = all(torch.equal(p, loaded[n]) for n, p in model.named_parameters())
+    # Any other write while gathers are in flight is refused loudly at the next wait.
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        model.a.weight.copy_(torch.zeros_like(model.a.weight))
+    try:
+        model(torch.randn(4, 16))
+        out["write"] = "no error" if rank == 0 else "slow rank"
+    except RuntimeError as exc:
+        out["write"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_reads_and_writes_between_step_and_forward(stage):
+    """Under overlap(): a parent's no_grad/detached read of its children's weights sees the
+    updated values (the losses equal a run without overlap), and model.load_state_dict()
+    between step() and the next forward is never overwritten by that step's gathers;
+    another write in that window is refused with the fix."""
+    for rank, out in enumerate(run_ranks(_overlap_job, 2, stage, timeout=180)):
+        assert out["losses_True"] == out["losses_False"], (rank, out)
+        assert out["kept"], f"rank {rank}: the load was overwritten by in-flight gathers"
+        if rank == 0:
+            assert "optimizer.wait_params()" in out["write"], out["write"]
+
+
+# -- items 10-13: files and arguments ---------------------------------------------------------
+def test_consolidate_refuses_an_output_inside_the_checkpoint(tmp_path, capsys):
+    """``checkpoint consolidate CKPT OUT`` with OUT (or --model) inside CKPT would
+    overwrite the only copy of the training state: refused, nothing written."""
+    from zero_triton import checkpoint
+    from zero_triton.checkpoint import tools
+    model = _mlp()
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1, torch.float32)
+    ck = tmp_path / "ck"
+    checkpoint.save(ck, opt, model)
+    before = {p.name: p.read_bytes() for p in ck.iterdir()}
+    for argv in ([str(ck), str(ck / "manifest.json")], [str(ck), str(ck / "rank00000.bin")],
+                 [str(ck), str(tmp_path / "out.pt"), "--model", str(ck / "model.bin")],
+                 [str(ck), str(ck)], [str(ck), str(ck / "sub" / "x.pt")]):
+        assert tools.main(["consolidate", *argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert "inside the checkpoint" in err and "outside it" in err, (argv, err)
+    assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_bench_out_replaces_planted_links_never_follows_them(tmp_path):
+    """``bench --out D``: a link planted at an output name is replaced by the output; the
+    file it pointed to is left as it was."""
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    out.mkdir()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's notes\n")
+    for name in ("step_cpu.json", "step_cpu.csv", "step_cpu.png"):
+        (out / name).symlink_to(notes)
+    proc = subprocess.run([sys.executable, "-m", "zero_triton", "bench", "--quick", "--cases", "fp32",
+                           "--providers", "zt-cpu", "--out", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert notes.read_text() == "a user's notes\n"
+    for name in ("step_cpu.json", "step_cpu.csv"):
+        assert not (out / name).is_symlink() and (out / name).stat().st_size > 0, name
+    assert not [p for p in out.iterdir() if p.name.startswith(".")], list(out.iterdir())
+
+
+def test_output_writer_replaces_a_link_and_leaves_nothing_on_error(tmp_path):
+    from zero_triton import outputs
+    target = tmp_path / "victim"
+    target.write_text("keep\n")
+    link = tmp_path / "report.json"
+    link.symlink_to(target)
+    with outputs.replacing(link, "w") as fh:
+        fh.write("{}\n")
+    assert target.read_text() == "keep\n" and not link.is_symlink() and link.read_text() == "{}\n"
+    with pytest.raises(ZeroDivisionError):
+        with outputs.replacing(tmp_path / "other.json", "w") as fh:
+            fh.write("half")
+            1 / 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "victim"]
+
+
+@pytest.mark.parametrize("command", ["demo", "profile"])
+def test_a_world_size_the_machine_cannot_run_is_refused_before_spawning(command):
+    import subprocess
+    import sys
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "zero_triton", command, "--world-size", "100000"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert "more than this machine can run" in lines[-1] and "pass e.g." in lines[-1], lines
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(params="module"), "pass model.parameters()"),
+    (dict(params=None), "iterable of tensors"),
+    (dict(params=3), "iterable of tensors"),
+    (dict(amsgrad="no"), "amsgrad must be True or False"),
+    (dict(maximize="yes"), "maximize must be True or False"),
+    (dict(master_weights="yes"), "master_weights must be True or False"),
+    (dict(lr=float("nan")), "Invalid learning rate"),
+    (dict(eps=float("nan")), "Invalid epsilon"),
+    (dict(weight_decay=-1.0), "weight_decay"),
+    (dict(betas=(float("nan"), 0.9)), "beta parameter"),
+    (dict(max_grad_norm=float("nan")), "max_grad_norm"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm"),
+    (dict(backend="gpu"), "unknown backend"),
+])
+def test_bad_constructor_arguments_name_the_argument_and_the_fix(kwargs, match):
+    model = _mlp()
+    kwargs = dict(kwargs)
+    params = kwargs.pop("params", model.parameters())
+    if params == "module":
+        params = model
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises((TypeError, ValueError), match=match):
+        FusedAdam(params, **kwargs)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b) and p.grad is None
+
+
+def _zero_bad_arguments(rank, world):
+    out = {}
+    model = _mlp()
+    cases = {"module": dict(params=model), "process_group": dict(process_group="gloo"),
+             "bucket inf": dict(bucket_cap_mb=float("inf")), "bucket nan": dict(bucket_cap_mb=float("nan")),
+             "reduce int": dict(reduce_dtype=torch.int32), "reduce str": dict(reduce_dtype="float32"),
+             "stage": dict(stage=3), "stage float": dict(stage=2.0)}
+    for name, kwargs in cases.items():
+        kwargs = dict(kwargs)
+        params = kwargs.pop("params", model.parameters())
+        try:
+            ZeroAdamW(params, **kwargs)
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_zero_bad_arguments_name_the_argument_and_the_fix():
+    out = run_ranks(_zero_bad_arguments, 1, timeout=120)[0]
+    assert "pass model.parameters()" in out["module"], out
+    assert "ProcessGroup" in out["process_group"] and "init_process_group" in out["process_group"], out
+    assert "bucket_cap_mb" in out["bucket inf"] and "None for one bucket" in out["bucket nan"], out
+    assert "reduce_dtype" in out["reduce int"] and "reduce_dtype" in out["reduce str"], out
+    assert "stage must be 1" in out["stage"] and "stage must be 1" in out["stage float"], out

@@ -46,6 +46,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import importlib.util
@@ -54,6 +55,7 @@ import os
 import shlex
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -86,6 +88,7 @@ _CHECKSUM = f"{_SO}.sha256"
 _LOCK = "build.lock"
 _FAILED = "build-failed.json"
 _TMP_PREFIX = ".build-"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class _Unavailable(Exception):
@@ -171,6 +174,62 @@ def _cache_dir(sources: list[Path], root: Path) -> Path:
     return _cache_base() / f"{_JIT_NAME}_{digest.hexdigest()[:16]}"
 
 
+# -- trust: only what this user alone can write is loaded ------------------------------
+def _not_private(path: Path) -> str | None:
+    """Why ``path`` (the cache folder, its build folder or a file in it) is not this
+    user's alone, or None: it must be no link, owned by this user and not writable by
+    group or others (as ssh asks of its keys and pip of its cache)."""
+    try:
+        st = os.lstat(path)
+    except OSError:  # missing, or unreachable: whatever uses it next says why
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _unsafe_ancestor(base: Path) -> str | None:
+    """Why a folder above the cache lets another user replace it (owned by someone other
+    than root or this user, or writable by all without the sticky bit), or None."""
+    for parent in Path(os.path.abspath(base)).parents:
+        try:
+            st = os.stat(parent)
+        except OSError:
+            continue
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{parent} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            return f"{parent} is writable by all without the sticky bit"
+    return None
+
+
+def _check_trusted(build_dir: Path, *files: str) -> None:
+    """Refuse (``_Unavailable``: one line, then the fallback) a cache that another user
+    could have written: code planted there would run in this process."""
+    base = build_dir.parent
+    why = _unsafe_ancestor(base)
+    where = None
+    if why is None:
+        for path in (base, build_dir, *(build_dir / f for f in files)):
+            reason = _not_private(path)
+            if reason is not None:
+                where, why = path, f"{path} {reason}"
+                break
+    if why is not None:
+        raise _Unavailable(f"the CPU extension's cache is not trusted: {why}, so another user "
+                           f"could plant code there; not loading or building in it. Set {DIR_ENV} "
+                           "to a folder of your own that only you can write (mode 700)")
+
+
+def _create_private(path: Path) -> int:
+    """Open a new file of ours at ``path`` (never an existing file or a planted link)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+
+
 # -- the cached file and its checksum -------------------------------------------------
 def _checksum(path: Path) -> tuple[str, int]:
     digest, size = hashlib.sha256(), 0
@@ -239,12 +298,15 @@ def _record_failure(build_dir: Path, reason: str) -> bool:
     """Best effort: False when the record cannot be written."""
     record = {"reason": reason, "compiler": _compiler_identity(), "time": time.time(),
               "pid": os.getpid(), "host": socket.gethostname()}
+    tmp = build_dir / f"{_FAILED}.{os.getpid()}.{time.monotonic_ns()}"
     try:
-        tmp = build_dir / f"{_FAILED}.{os.getpid()}"
-        tmp.write_text(json.dumps(record) + "\n")
+        with os.fdopen(_create_private(tmp), "w") as f:
+            f.write(json.dumps(record) + "\n")
         os.replace(tmp, build_dir / _FAILED)
         return True
     except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         return False
 
 
@@ -277,7 +339,19 @@ def _build_lock(build_dir: Path, timeout: float):
     except ImportError:  # not POSIX
         yield False
         return
-    fd = os.open(build_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)  # not inherited by children
+    try:  # never through a link planted at its name: that would truncate its target
+        fd = os.open(build_dir / _LOCK, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)  # not inherited
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _Unavailable(f"the CPU extension's cache is not trusted: {build_dir / _LOCK} is a "
+                               f"symbolic link; not building there. Set {DIR_ENV} to a folder of "
+                               "your own that only you can write (mode 700)") from None
+        raise
+    if os.fstat(fd).st_uid != os.geteuid():
+        os.close(fd)
+        raise _Unavailable(f"the CPU extension's cache is not trusted: {build_dir / _LOCK} belongs "
+                           f"to another user; not building there. Set {DIR_ENV} to a folder of "
+                           "your own that only you can write (mode 700)")
     try:
         deadline = time.monotonic() + timeout
         said = False
@@ -416,6 +490,7 @@ def _compile_jit() -> ModuleType:
     sources = _cpu_sources(root)
     build_dir = _cache_dir(sources, root)
     so = build_dir / _SO
+    _check_trusted(build_dir, _SO, _CHECKSUM, _LOCK, _FAILED)
     damage = _damage(build_dir) if so.exists() else None
     if so.exists() and damage is None:
         return _import_so(so)
@@ -425,9 +500,13 @@ def _compile_jit() -> ModuleType:
         raise _Unavailable(_earlier_failure(record, build_dir))
     timeout = _timeout()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
+        build_dir.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            build_dir.mkdir(mode=0o700)
+        _check_trusted(build_dir)  # made by this process, or by whoever was first
         with _build_lock(build_dir, timeout) as held:
             # Again: another process may have built it, or failed, while this one waited.
+            _check_trusted(build_dir, _SO, _CHECKSUM, _FAILED)
             damage = _damage(build_dir) if so.exists() else None
             if so.exists() and damage is None:
                 return _import_so(so)

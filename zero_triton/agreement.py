@@ -19,10 +19,14 @@ exits instead of joining closes its side connections, which fails the others at 
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import weakref
 
 import torch
 import torch.distributed as dist
+
+from zero_triton.comm import without_python_tls
 
 ENTRIES = ("backward", "step", "clip_grad_norm_", "GradScaler", "state_dict",
            "load_state_dict", "consolidated_state_dict", "checkpoint.save", "checkpoint.load")
@@ -65,11 +69,23 @@ _FIXES = {
                 "bucket_cap_mb=None)",
 }
 
-# torch 2.13 renamed the collective; older torch (>= 2.4) has only the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 _side_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ordinals: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _release() -> None:
+    """At exit, while Python still runs: shut the side groups down and drop them (and the
+    store they hold), instead of leaving their threads and sockets to static destructors,
+    which abort the process when they run in the wrong order."""
+    sides = list(_side_groups.values())
+    _side_groups.clear()
+    for side in sides:
+        with contextlib.suppress(Exception):
+            side.shutdown()
+    del sides
+
+
+atexit.register(_release)
 
 
 def next_ordinal(group) -> int:
@@ -83,12 +99,17 @@ def next_ordinal(group) -> int:
 
 def _side_group(group):
     """A gloo group over ``group``'s ranks, made once per process group: agreements never
-    share a sequence with data collectives, and run on the host whatever the backend."""
+    share a sequence with data collectives, and run on the host whatever the backend.
+    Built on the default store under the group's name (the same on its ranks), outside
+    torch.distributed's registry: only the group's ranks take part, in any order with the
+    creation of other groups."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     side = _side_groups.get(pg)
     if side is None:
-        ranks = dist.get_process_group_ranks(pg)
-        side = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        store = dist.PrefixStore(f"zero_triton/agreement/{pg.group_name}/",
+                                 dist.distributed_c10d._get_default_store())
+        side = dist.ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg),
+                                     dist.default_pg_timeout)
         _side_groups[pg] = side
     return side
 
@@ -106,22 +127,24 @@ class Agreement:
         self.steps = 0  # step() calls completed, counted alike on every rank
 
     def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
-              refuse: int = 0) -> int:
+              refuse: int = 0, detail: str = "") -> int:
         """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
         ranks; raise on every rank if they are at different calls, have taken different
         numbers of steps, wrote different parameters (``written``: ints), reset the state
         on some ranks only, or one refuses (``refuse``: a code of ``REFUSALS``; that rank
-        raises its own error afterwards)."""
+        raises its own error afterwards). ``detail`` names what it was about to start."""
         row = self.mine
         row[_MAGIC], row[_ORDINAL], row[_ENTRY], row[_STEPS] = MAGIC, self.ordinal, _CODE[entry], self.steps
         row[_BACKWARDS] = backwards
         row[_FLAGS], row[_COUNT], row[_HASH], row[_ERROR] = flags, len(written), _digest(written), refuse
         try:
-            _all_gather(self.rows, row, group=self.group)
+            with without_python_tls():
+                self.group._allgather_base(self.rows, row).wait()
         except RuntimeError as exc:
+            what = f"{entry} ({detail})" if detail else entry
             raise RuntimeError(
-                f"ZeroAdam: rank {self.comm.rank} called {entry} and another rank did not join "
-                f"({exc}); it has probably exited or died. {_FIXES[entry]}") from exc
+                f"zero_triton: {what} failed on rank {self.comm.rank}: a peer rank did not join "
+                f"it ({exc}); it probably died or exited. If it is alive: {_FIXES[entry]}") from exc
         rows = self.rows.view(self.comm.world_size, WORDS).tolist()
         where = [(r[_ORDINAL], r[_ENTRY], r[_STEPS], r[_BACKWARDS]) for r in rows]
         if any(w != where[0] for w in where) or any(r[_MAGIC] != MAGIC for r in rows):

@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from zero_triton.units import BINARY, parse_count, positive_number
+from zero_triton import outputs
+from zero_triton.units import BINARY, parse_count, positive_number, whole_number
 
 BYTES_PER_PARAM = 28
 LR = 1e-2           # large enough that a missing update shows in the guard (see _guard)
@@ -802,11 +803,11 @@ def write_outputs(rows, meta, out: Path, device, say) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"step_{device.type}"
     paths = {"csv": out / f"{stem}.csv", "json": out / f"{stem}.json", "png": out / f"{stem}.png"}
-    with open(paths["csv"], "w", newline="") as fh:
+    with outputs.replacing(paths["csv"], "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    with open(paths["json"], "w") as fh:
+    with outputs.replacing(paths["json"], "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     try:
         import matplotlib
@@ -834,7 +835,8 @@ def write_outputs(rows, meta, out: Path, device, say) -> dict:
     axes[-1, 0].set_xlabel(f"GB/s at {BYTES_PER_PARAM} B/param (median)")
     fig.suptitle(f"optimizer step, {meta['device']}, torch {meta['torch']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(paths["png"], dpi=110)
+    with outputs.replacing(paths["png"], "wb") as fh:
+        fig.savefig(fh, dpi=110, format="png")
     plt.close(fig)
     return paths
 
@@ -860,9 +862,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--providers", default=None,
                     help=f"comma list to keep (the case baseline and the limit always stay): "
                          f"{','.join(PROVIDER_IDS)}")
-    ap.add_argument("--repeats", type=int, default=None,
+    ap.add_argument("--repeats", type=whole_number(1, "15"), default=None,
                     help="interleaved rounds (default 15 on cpu, 50 on cuda)")
-    ap.add_argument("--min-time", type=float, default=None,
+    ap.add_argument("--min-time", type=positive_number("number of seconds", "0.02"), default=None,
                     help="seconds per sample: steps are repeated to last this long "
                          "(default 0.02 on cpu, 0.005 on cuda)")
     ap.add_argument("--out", default=os.path.join("bench", "results"),

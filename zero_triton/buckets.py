@@ -74,6 +74,7 @@ class Bucket:
         self.recv = None        # its scratch, back to ``pool`` at the wait
         self.pool = None
         self.gather = None      # Pending all-gather of the updated parameters
+        self.versions = None    # under overlap(): the members' versions when it started
 
     def name(self, what: str) -> str:
         """The phase named in errors, made once (launches happen every step)."""
@@ -102,15 +103,27 @@ class Bucket:
         if pending is None:
             return
         pending.wait()
-        for p, view in self.members:
+        versions, self.versions = self.versions, None
+        for i, (p, view) in enumerate(self.members):
             if p.data_ptr() != view.data_ptr():  # moved (model.to) before the gather landed
                 with torch.no_grad():
                     p.copy_(view)
+            elif versions is not None and p._version != versions[i]:
+                raise _written_while_gathering(self, p)
 
     def reset(self) -> None:
         self.arrived[:] = bytes(self.nparams)
         self.count = 0
         self.ready = self.launched = self.stale = self.accumulated = False
+
+
+def _written_while_gathering(bucket: Bucket, param):
+    return RuntimeError(
+        f"zero_triton.overlap: a parameter {tuple(param.shape)} of bucket {bucket.key[1]} of flat "
+        f"buffer {bucket.key[0]} was written between step() and the next forward while its "
+        "all-gather was in flight: the gathered values may have overwritten the write. "
+        "model.load_state_dict() waits by itself; before any other write to parameters after "
+        "step() (nn.init, copy_, an EMA swap), call optimizer.wait_params()")
 
 
 def _read_before_gathered(bucket: Bucket):
@@ -189,6 +202,7 @@ class Reducer:
         self.pools: dict = {}
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
         self.gathering = False            # all-gathers may be in flight
+        self.overlapped = False           # zero_triton.overlap: they outlive step()
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
         self.buffer_numel: dict = {}
         # A checksum of the buckets launched this step, in order: ranks that launched
@@ -199,6 +213,9 @@ class Reducer:
         # Called before backward launches the first bucket of a round: ZeroAdam's
         # agreement that every rank is there (zero_triton.agreement); None: no check.
         self.enter = None
+        # Every rank agreed at the start of this round's launches: they are all in it, so
+        # launching the rest of it (complete_round) pairs up before any other agreement.
+        self.round_agreed = False
         self.backwards = 0       # backward passes that reached our parameters since the last step
         self._in_backward = False
 
@@ -348,13 +365,14 @@ class Reducer:
             return
         while self.next < self.in_backward and order[self.next].ready:
             if self.next == 0 and self.enter is not None:
-                self.enter("backward")
+                self.enter(order[0].name("the reduce_scatter"))
+                self.round_agreed = True
             self.launch(order[self.next])
             self.next += 1
         if self.next == self.in_backward:
             self.next = 0  # all that backward launches went: the next micro-batch starts over
 
-    def launch(self, bucket: Bucket) -> None:
+    def launch(self, bucket: Bucket, grow: bool = False) -> None:
         """Start averaging ``bucket``'s local gradients into this rank's shard (ZeRO-2:
         added to it after the first average of the step). On a GPU this never waits:
         the average goes to the side stream behind the ones before it."""
@@ -366,7 +384,7 @@ class Reducer:
             self._stage(bucket)
         recv = None
         if bucket.pool is not None:
-            recv = self._take(bucket.pool, bucket, "recv", grow=False)
+            recv = self._take(bucket.pool, bucket, "recv", grow=grow)
         bucket.ready = bucket.stale = False
         bucket.launched = True
         self.signature = (self.signature * 1009 + bucket.key[0] * 4099 + bucket.key[1] + 1) % SIGNATURE_MOD
@@ -405,6 +423,15 @@ class Reducer:
         return any(b.launched for b in self.buckets) and any(
             not g.sharded and g.written_since_hooks() for g in grad_buffers)
 
+    def complete_round(self) -> None:
+        """Launch, in order, the buckets backward did not, without waiting for a receive
+        buffer (more are made instead): after an agreed round every rank launches the
+        same ones, and nothing here may block before the step's own agreement, which a
+        rank still in backward (waiting for these very launches) could never join."""
+        for b in self.order or self.buckets:
+            if not b.launched:
+                self.launch(b, grow=True)
+
     def finish(self, grad_buffers, again: bool | None = None) -> None:
         """Reduce whatever backward did not, in the agreed order, then, when ``again``
         (the ranks' agreed ``changed_since_launch``; None: this rank's own), every bucket
@@ -420,17 +447,19 @@ class Reducer:
             for b in order:
                 self.launch(b)
         self.wait_reduces()
-        for kind, pool in self.staging_pools.items():
-            keep = self._limit(kind[1])
-            extra = len(pool) - keep
-            if extra > 0:  # staging made beyond the pool goes back
-                del pool[keep:]
-                self.made[("staging", kind)] -= extra
+        for role, pools in (("staging", self.staging_pools), ("recv", self.pools)):
+            for kind, pool in pools.items():
+                keep = self._limit(kind[1])
+                extra = len(pool) - keep
+                if extra > 0:  # buffers made beyond the limit go back
+                    del pool[keep:]
+                    self.made[(role, kind)] -= extra
         if self.seen is not None and self.comm.world_size > 1:
             self._learn()
         for b in self.buckets:
             b.reset()
         self.next = 0
+        self.round_agreed = False
         self.last_signature, self.signature = self.signature, 0
 
     def _learn(self) -> None:

@@ -35,6 +35,30 @@ def phase(name: str, cuda: bool):
                 torch.cuda.nvtx.range_pop()
 
 
+@contextlib.contextmanager
+def without_python_tls():
+    """Launch a collective without the Python object torch keeps in thread-local state
+    during backward (the ``contextvars`` context ``autograd.graph`` stashes for compiled
+    code). A gloo work captures the thread-local state when launched; the worker thread
+    that drops the finished work last then has to release that object, which takes the
+    GIL, and if the interpreter is finalizing by then (the script just ended) the thread
+    is killed inside a destructor and the process aborts (SIGABRT, "terminate called
+    without an active exception"). Collectives need nothing from it."""
+    if not _TLS_KEYS or not torch._C._is_key_in_tls("context"):
+        yield
+        return
+    saved = torch._C._get_obj_in_tls("context")
+    torch._C._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls("context", saved)
+
+
+_TLS_KEYS = all(hasattr(torch._C, name) for name in (
+    "_is_key_in_tls", "_get_obj_in_tls", "_remove_obj_from_tls", "_stash_obj_in_tls"))
+
+
 class Pending:
     """A collective in flight (or, with no work, one already done)."""
 
@@ -172,7 +196,8 @@ class GroupComm:
         """Re-raise a failed collective as a RuntimeError that names the phase, so a rank
         that died mid-step fails the others with a message, never a bare gloo error."""
         try:
-            yield
+            with without_python_tls():
+                yield
         except RuntimeError as exc:  # DistBackendError and gloo's errors derive from it
             raise self._failed(name, exc) from exc
 

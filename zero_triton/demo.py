@@ -18,7 +18,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from zero_triton.backends import NAMES
 from zero_triton.cli import run, silence_stdout
+from zero_triton.units import positive_number, rank_count, whole_number
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -157,18 +159,17 @@ def _free_port() -> int:
 
 def build_parser(prog="python -m zero_triton demo"):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (default 4)")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--world-size", type=rank_count("4"), default=4,
+                   help="ranks to spawn (default 4; at most what this machine can run)")
+    p.add_argument("--steps", type=whole_number(1, "20"), default=20)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--backend", default="auto", help="auto | triton | cuda | cpu | torch")
+    p.add_argument("--lr", type=positive_number("learning rate", "1e-2"), default=1e-2)
+    p.add_argument("--backend", choices=NAMES, default="auto", help="kernel backend (default auto)")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.world_size < 1 or args.steps < 1:
-        raise SystemExit("--world-size and --steps must be >= 1")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun
         use_nccl = torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
         if use_nccl:

@@ -32,7 +32,7 @@ import sys
 from numbers import Integral
 from typing import Dict, List, Optional, Sequence
 
-from zero_triton.units import DECIMAL, parse_count
+from zero_triton.units import DECIMAL, parse_count, positive_number
 
 __all__ = [
     "STAGES",
@@ -194,7 +194,7 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
     parser.add_argument("--measure", action="store_true",
                         help="also measure ZeroAdam stage 1 and 2 on --world-size gloo CPU "
                              "ranks with --params parameters (at most 4e8)")
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+    parser.add_argument("--bucket-cap-mb", type=positive_number("number of MiB", "25"), default=25.0,
                         help="ZeroAdam's bucket size for --measure (default 25)")
     return parser
 

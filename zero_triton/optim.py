@@ -97,6 +97,24 @@ def _check_no_shared_memory(existing, params) -> None:
                 "object in both modules is fine)")
 
 
+def check_params_argument(params, who: str) -> None:
+    """Refuse what is not an iterable of parameters (or of param-group dicts) with the fix,
+    before anything is built."""
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"{who}(model): pass model.parameters() (or param-group dicts), not the "
+                        f"{type(params).__name__} module itself")
+    if isinstance(params, torch.Tensor):
+        return  # torch.optim.Optimizer refuses it with its own message
+    if params is None or isinstance(params, (str, bytes, int, float, dict)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"{who}: params must be an iterable of tensors or of param-group dicts "
+                        f"(e.g. model.parameters()), got {type(params).__name__}")
+
+
+def _check_flag(name: str, value) -> None:
+    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def _to_float(x):
     return float(x.item()) if isinstance(x, torch.Tensor) else x
 
@@ -332,6 +350,8 @@ class FlatShard:
         b = self.buckets[k]
         b.gather = self.comm.all_gather(b.param_full, b.param_shard, async_op=True,
                                         name=b.name("all_gather"))
+        if self.reducer is not None and self.reducer.overlapped:  # it outlives step(): watch writes
+            b.versions = [p._version for p, _ in b.members]
 
     def nbytes(self) -> dict:
         def size(t):
@@ -381,8 +401,13 @@ class FusedAdam(torch.optim.Optimizer):
         """The constructor proper, over ``comm`` (``LocalComm`` here; ZeroAdam passes its
         process group's) with gradients averaged in ``reduce_dtype`` (None: their own),
         in buckets of ``bucket_cap_mb`` MiB of gradients (None: one per flat buffer)."""
+        check_params_argument(params, type(self).__name__)
         _check_drop_in_flags(foreach, fused, capturable, differentiable)
         _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
+        _check_flag("amsgrad", amsgrad)
+        _check_flag("maximize", maximize)
+        if master_weights is not None:
+            _check_flag("master_weights", master_weights)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
                                           not isinstance(max_grad_norm, (int, float)) or
                                           not max_grad_norm > 0):
@@ -395,10 +420,10 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"unknown backend {backend!r}; choose one of {backends.NAMES}")
         if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or
                                           not isinstance(bucket_cap_mb, (int, float)) or
-                                          not bucket_cap_mb > 0):
+                                          not 0 < bucket_cap_mb < math.inf):
             raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB of gradients per bucket; "
                              f"25 is DDP's default) or None for one bucket, got {bucket_cap_mb!r}")
-        if stage not in (1, 2) or isinstance(stage, bool):
+        if stage not in (1, 2) or not isinstance(stage, int) or isinstance(stage, bool):
             raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), "
                              f"got {stage!r}")
         self._stage = stage
@@ -707,7 +732,10 @@ class FusedAdam(torch.optim.Optimizer):
         for flat in flats:
             flat.sync_grads(backward_seen)
         buffers = [f.grad_buffer for f in flats]
-        again = self._enter(entry, pairs, stale=self._reducer.changed_since_launch(buffers))
+        stale = self._reducer.changed_since_launch(buffers)
+        if self._reducer.round_agreed:  # finish what every rank started in backward first
+            self._reducer.complete_round()
+        again = self._enter(entry, pairs, stale=stale)
         self._before_reduce(flats)
         if self._comm.world_size > 1 or any(f.grad_shard is not f.flat_grad for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from decimal import Decimal, InvalidOperation, localcontext
 
 DECIMAL = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
@@ -76,5 +77,44 @@ def positive_number(what: str = "number", example: str = "1"):
             value = math.nan
         if not 0 < value < math.inf:
             raise argparse.ArgumentTypeError(f"{text!r} is not a positive {what}; pass e.g. {example}")
+        return value
+    return parse
+
+
+# A CPU rank is a process with torch loaded and a model to train: about this much memory.
+RANK_BYTES = 512 * 2**20
+
+
+def max_cpu_ranks() -> tuple[int, str]:
+    """How many CPU ranks this machine can start (4 per core, and RANK_BYTES of available
+    memory each), with the reason in words: commands that spawn ranks check it before
+    starting any."""
+    cores = os.cpu_count() or 1
+    try:
+        with open("/proc/meminfo") as fh:
+            info = dict(line.split(":", 1) for line in fh)
+        avail = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        avail = None
+    by_cores = 4 * cores
+    by_memory = avail // RANK_BYTES if avail is not None else by_cores
+    limit = max(1, min(by_cores, by_memory))
+    why = (f"{cores} cores (4 ranks each)" if by_cores <= by_memory else
+           f"{avail / 2**30:.1f} GiB of available memory ({RANK_BYTES >> 20} MiB per rank)")
+    return limit, why
+
+
+def rank_count(example: str = "4"):
+    """An argparse type: a whole number of CPU ranks, >= 1 and at most what this machine
+    can start (``max_cpu_ranks``)."""
+    whole = whole_number(1, example)
+
+    def parse(text) -> int:
+        value = whole(text)
+        limit, why = max_cpu_ranks()
+        if value > limit:
+            raise argparse.ArgumentTypeError(
+                f"{value} ranks are more than this machine can run: at most {limit}, for {why}; "
+                f"pass e.g. {min(limit, int(example))}")
         return value
     return parse

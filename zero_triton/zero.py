@@ -21,10 +21,11 @@ import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from zero_triton import adam_state, agreement, clipping, watch
 from zero_triton.comm import GroupComm
-from zero_triton.optim import FusedAdam
+from zero_triton.optim import FusedAdam, check_params_argument
 
 
 def _signature(param_groups) -> list:
@@ -90,6 +91,15 @@ class ZeroAdam(FusedAdam):
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
                  max_grad_norm=None, bucket_cap_mb=25, stage=1, foreach=None, fused=None,
                  capturable=False, differentiable=False):
+        check_params_argument(params, type(self).__name__)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
+                            f"torch.distributed.new_group(ranks)) or None for the default group, "
+                            f"got {process_group!r}; the backend (nccl, gloo) is chosen by "
+                            "init_process_group")
+        if reduce_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"reduce_dtype must be None (the gradients' own dtype), "
+                             f"torch.float32, torch.float16 or torch.bfloat16, got {reduce_dtype!r}")
         comm = GroupComm(process_group)
         params = list(params)
         if not params:
@@ -118,10 +128,10 @@ class ZeroAdam(FusedAdam):
             self._reducer.enter = self._enter_backward
 
     # -- every rank at the same call (zero_triton.agreement) -----------------------------
-    def _enter_backward(self, entry: str) -> None:
-        self._enter(entry, stale=False)
+    def _enter_backward(self, detail: str) -> None:
+        self._enter("backward", detail=detail)
 
-    def _enter(self, entry: str, flats=None, stale: bool = False) -> bool:
+    def _enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         """FusedAdam's ``_enter``, agreed with every rank first: each finds locally what
         changed (param groups edited, opt.state reset or edited, parameters written,
         gradients changed after their bucket was averaged), one host-side exchange tells
@@ -150,7 +160,7 @@ class ZeroAdam(FusedAdam):
                 flags |= agreement.RESET
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
         agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
-                                       written=written, refuse=refuse)
+                                       written=written, refuse=refuse, detail=detail)
         if error is not None:
             raise error
         if agreed & agreement.RESET:
@@ -204,8 +214,8 @@ class ZeroAdam(FusedAdam):
             self._ddp_checked = True
             self._fingerprint = self._grad_fingerprint(flats)
 
-    def _reduce_grads(self, flats=None):
-        super()._reduce_grads(flats)
+    def _reduce_grads(self, flats=None, entry: str = "step"):
+        super()._reduce_grads(flats, entry)
         fingerprint, self._fingerprint = getattr(self, "_fingerprint", None), None
         if fingerprint is not None:  # exchanged after the reduce-scatter: it fails first
             self._warn_if_already_averaged(fingerprint)

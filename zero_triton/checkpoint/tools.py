@@ -163,13 +163,26 @@ def _check_output_file(path) -> None:
                               "pass a path in a writable directory")
 
 
+def _check_outside(out, source) -> None:
+    """Refuse an output that is, or lies inside, the checkpoint being read (links
+    followed): writing there would replace the only copy of the training state."""
+    src = os.path.realpath(source)
+    dst = os.path.realpath(out)
+    if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
+        raise CheckpointError(f"{out} lies inside the checkpoint {source} that is being read; "
+                              "writing it there would overwrite the checkpoint: pass an output "
+                              "path outside it")
+
+
 def _save_file(obj, path) -> None:
     """``torch.save`` into a temporary file renamed over ``path`` (parent directories
     created): no half-written file."""
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "wb") as f:
+        # A new file of our own: never a planted file or link under the temporary name.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
         os.replace(tmp, path)
     except OSError as exc:
@@ -203,8 +216,9 @@ def main(argv=None) -> int:
         model_out = args.model or (args.out[:-3] if args.out.endswith(".pt") else args.out) + ".model.pt"
         if os.path.abspath(model_out) == os.path.abspath(args.out):
             parser.error("--model names the same file as OUT; pass another file for the model")
-        _check_output_file(args.out)
-        _check_output_file(model_out)
+        for out in (args.out, model_out):
+            _check_outside(out, args.path)
+            _check_output_file(out)
         optimizer_sd, model_sd = consolidate(args.path)
         _save_file(optimizer_sd, args.out)
         _save_file(model_sd, model_out)

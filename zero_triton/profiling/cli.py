@@ -9,7 +9,8 @@ import platform
 import sys
 from pathlib import Path
 
-from zero_triton.units import BINARY, parse_count, positive_number, whole_number
+from zero_triton import outputs
+from zero_triton.units import BINARY, parse_count, positive_number, rank_count, whole_number
 
 # Defaults that profile a step on 2 CPU cores in well under a minute.
 MODEL_DEFAULTS = {"layers": 2, "width": 128, "heads": 4, "vocab": 2048, "seq": 64, "batch": 8}
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "communication, bytes on the wire, the Adam kernel's bandwidth and memory "
                     "per phase. Ranks: spawned (gloo on CPU, NCCL on GPUs) or torchrun's.")
     run = ap.add_argument_group("run")
-    run.add_argument("--world-size", type=_positive_int, default=None,
+    run.add_argument("--world-size", type=rank_count("2"), default=None,
                      help="ranks to spawn (default: 2 on cpu, every GPU on cuda; under torchrun, "
                           "torchrun's --nproc_per_node)")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
             _say(f"PNG skipped: {why}")
         text = report.format_text(result)
     result["report"] = str(path)
-    with open(path, "w") as fh:
+    with outputs.replacing(path, "w") as fh:
         json.dump(result, fh, indent=1)
     if args.json:
         print(json.dumps(result, indent=1))

@@ -21,6 +21,7 @@ import contextlib
 import gc
 import gzip
 import inspect
+import io
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zero_triton import outputs
 from zero_triton.comm import phase
 from zero_triton.gpt import GPTConfig, build_gpt, synthetic_batch
 from zero_triton.memory import stage_bytes
@@ -125,10 +127,9 @@ def _finish_trace(raw: Path, final: Path, splits) -> None:
         trace = json.load(fh)
     timeline.annotate(trace, splits)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(final.name + ".tmp")
-    with (gzip.open(tmp, "wt") if final.suffix == ".gz" else open(tmp, "w")) as fh:
-        json.dump(trace, fh)
-    os.replace(tmp, final)
+    with outputs.replacing(final, "wb") as raw_fh:
+        with (gzip.open(raw_fh, "wt") if final.suffix == ".gz" else io.TextIOWrapper(raw_fh)) as fh:
+            json.dump(trace, fh)
 
 
 def _model_states(name, model, opt, world: int) -> dict:
@@ -192,7 +193,7 @@ def _profiled(iteration, sync, args, trace: Path, device, wait_params=None):
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     trace.parent.mkdir(parents=True, exist_ok=True)
-    raw = trace.with_name(f".raw_{trace.name.split('.')[0]}_{os.getpid()}.json")
+    raw = Path(outputs.new_temporary(trace.with_name(f"raw_{trace.name.split('.')[0]}"), ".json"))
     prof = torch.profiler.profile(
         activities=activities,
         schedule=torch.profiler.schedule(wait=0, warmup=args.warmup, active=args.steps, repeat=1),

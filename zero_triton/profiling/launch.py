@@ -20,6 +20,8 @@ import time
 import traceback
 from pathlib import Path
 
+from zero_triton import outputs
+
 
 class RankFailure(RuntimeError):
     """One line saying which rank failed and how."""
@@ -67,7 +69,8 @@ def _write_traceback(out_dir, rank: int) -> str:
     try:
         path = Path(out_dir) / f"error_rank{rank}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(traceback.format_exc())
+        with outputs.replacing(path, "w") as fh:
+            fh.write(traceback.format_exc())
         return f" (traceback in {path})"
     except OSError:
         return ""

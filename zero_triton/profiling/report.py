@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+from zero_triton import outputs
 from zero_triton.profiling.timeline import KINDS, LABELS, ROWS
 
 SHORT = {"zero": "ZeroAdamW", "ddp": "DDP + AdamW"}
@@ -256,6 +257,7 @@ def write_png(report: dict, path) -> str | None:
                  f"{meta['batch']}x{meta['seq']}, {meta['world_size']} {meta['dist_backend']} "
                  f"rank(s) on {meta['device']}", fontsize=9)
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.28), frameon=False)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    with outputs.replacing(path, "wb") as fh:
+        fig.savefig(fh, dpi=100, bbox_inches="tight", format="png")
     plt.close(fig)
     return None
