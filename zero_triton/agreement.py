@@ -71,6 +71,7 @@ _FIXES = {
 
 _side_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ordinals: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_agreements: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _release() -> None:
@@ -79,10 +80,12 @@ def _release() -> None:
     which abort the process when they run in the wrong order."""
     sides = list(_side_groups.values())
     _side_groups.clear()
+    for agreement in list(_agreements):
+        agreement.group = None
     for side in sides:
         with contextlib.suppress(Exception):
             side.shutdown()
-    del sides
+    del sides  # the last references: each group joins its idle worker threads now
 
 
 atexit.register(_release)
@@ -125,6 +128,7 @@ class Agreement:
         self.mine = torch.zeros(WORDS, dtype=torch.int64)
         self.rows = torch.zeros(comm.world_size * WORDS, dtype=torch.int64)
         self.steps = 0  # step() calls completed, counted alike on every rank
+        _agreements.add(self)
 
     def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
               refuse: int = 0, detail: str = "") -> int:
@@ -137,6 +141,9 @@ class Agreement:
         row[_MAGIC], row[_ORDINAL], row[_ENTRY], row[_STEPS] = MAGIC, self.ordinal, _CODE[entry], self.steps
         row[_BACKWARDS] = backwards
         row[_FLAGS], row[_COUNT], row[_HASH], row[_ERROR] = flags, len(written), _digest(written), refuse
+        if self.group is None:
+            raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
+                               "nothing was changed")
         try:
             with without_python_tls():
                 self.group._allgather_base(self.rows, row).wait()
