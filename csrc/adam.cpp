@@ -209,6 +209,28 @@ std::pair<int64_t, int64_t> flat_status(const pybind11::list& params,
   return {moved, foreign};
 }
 
+// The first parameter whose version counter is not seen[i] (written by the user since
+// the optimizer last looked: zero_triton.watch), or -1: one pass in C instead of a Python
+// attribute read per parameter on every step.
+int64_t first_written(const pybind11::list& params, const pybind11::list& seen) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  TORCH_CHECK(PyList_GET_SIZE(seen.ptr()) == n,
+              "first_written: `params` and `seen` differ in length");
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+    if (!THPVariable_Check(p)) return i;
+    const long long version = static_cast<long long>(
+        THPVariable_Unpack(p).unsafeGetTensorImpl()->version_counter().current_version());
+    const long long was = PyLong_AsLongLong(PyList_GET_ITEM(seen.ptr(), i));
+    if (was == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return i;
+    }
+    if (version != was) return i;
+  }
+  return -1;
+}
+
 }  // namespace
 
 namespace {
@@ -285,6 +307,8 @@ All tensors on param's device; scalars are read there (no host sync on CUDA).)do
         py::arg("grad_views"),
         "(first parameter no longer at its view of the flat buffer, first parameter whose "
         ".grad is not its grad view), each -1 when there is none.");
+  m.def("first_written", &zero_triton::first_written, py::arg("params"), py::arg("seen"),
+        "Index of the first parameter whose version counter differs from seen[i], or -1.");
   m.def("cpu_isa", &zero_triton::cpu_isa,
         "Instruction-set variant used by the CPU kernel: 'avx512', 'avx2' or 'default'.");
   m.def("_set_cpu_isa", &zero_triton::set_cpu_isa, py::arg("isa"),

@@ -23,29 +23,42 @@ under ZeRO, all ranks agree on it: ``zero_triton.agreement``).
 from __future__ import annotations
 
 import collections
+import operator
 
 import torch
+
+from zero_triton import _ext
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 class ParamVersions:
     """The version counter of each of ``params`` as we last saw it."""
 
-    __slots__ = ("params", "seen")
+    __slots__ = ("params", "seen", "first_written")
 
     def __init__(self, params):
         self.params = params
-        self.seen = [p._version for p in params]
+        self.seen = list(map(_VERSION, params))
+        native = _ext.loaded_or_prebuilt()
+        self.first_written = getattr(native, "first_written", None)
 
     def written(self) -> list[int]:
         """Indices of the parameters written through since ``accept`` (a host read of one
-        integer per parameter: no device work, no sync)."""
-        seen = self.seen
-        return [i for i, p in enumerate(self.params) if p._version != seen[i]]
+        integer per parameter: no device work, no sync; one C loop with the extension)."""
+        if self.first_written is not None:
+            if self.first_written(self.params, self.seen) < 0:
+                return []
+        now = list(map(_VERSION, self.params))
+        if now == self.seen:
+            return []
+        return [i for i, (a, b) in enumerate(zip(now, self.seen)) if a != b]
 
     def accept(self, indices=None) -> None:
         """What the parameters hold now is what our copies hold (all, or ``indices``)."""
         if indices is None:
-            self.seen = [p._version for p in self.params]
+            self.seen = list(map(_VERSION, self.params))
         else:
             for i in indices:
                 self.seen[i] = self.params[i]._version
