@@ -40,11 +40,9 @@ MAGIC = 0x7A7401
 # Flags: what a rank found locally, OR-ed over the ranks by the caller.
 STALE = 1     # gradients changed after their bucket was averaged (or were never averaged)
 RESET = 2     # opt.state was replaced or cleared: start the state over
-EDITED = 4    # opt.state entries assigned under ZeRO (not followed: the state is sharded)
 
 # Refusals a rank can send (with its own message raised locally).
-REFUSALS = {1: "its param_groups were edited by hand", 2: "it refused the state dict",
-            3: "its opt.state was edited", 4: "a local check failed"}
+REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited"}
 
 _FIXES = {
     "state_dict": "ZeroAdam.state_dict() is collective (it gathers every rank's shard): call "

@@ -147,7 +147,9 @@ class ZeroAdam(FusedAdam):
             refuse, error = 1, exc
         flags = agreement.STALE if stale else 0
         if self._state_edited():
-            if any(len(v) for v in dict.values(self.state)) if isinstance(self.state, dict) else True:
+            # Cleared or replaced by an empty table: a reset. Anything put in it: refused.
+            assigned = not isinstance(self.state, dict) or any(dict.values(self.state))
+            if assigned:
                 refuse = refuse or 3
                 error = error or RuntimeError(
                     "ZeroAdam keeps its optimizer state sharded over the ranks: entries "
@@ -155,7 +157,6 @@ class ZeroAdam(FusedAdam):
                     "optimizer.state.clear() (or assign a new defaultdict(dict)) on every "
                     "rank; to set it, load a state dict (optimizer.load_state_dict, on every "
                     "rank) or a checkpoint. Nothing was changed")
-                flags |= agreement.EDITED
             else:
                 flags |= agreement.RESET
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
