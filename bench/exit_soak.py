@@ -8,7 +8,8 @@ that ends one of four ways: ``destroy_process_group()`` after the last step, no 
 at all, right after an overlapped step (all-gathers in flight) with and without destroy,
 and an exception on every rank. Prints, per variant, how many runs ended with the
 expected status and the statuses seen otherwise (a negative status is a signal: -6 is
-SIGABRT). Exit status 1 when any run ended otherwise.
+SIGABRT); with ``EXIT_SOAK_VERBOSE=1`` the end of each such run's stderr. Exit status 1
+when any run ended otherwise.
 """
 from __future__ import annotations
 
@@ -46,20 +47,25 @@ VARIANTS = {"destroy": 0, "no-destroy": 0, "overlap+destroy": 0, "overlap": 0, "
 
 
 def run_once(script: str, variant: str, timeout: float) -> int:
+    status, stderr = _run_once(script, variant, timeout)
+    if status != VARIANTS[variant] and os.environ.get("EXIT_SOAK_VERBOSE"):
+        sys.stderr.write(f"--- {variant}: status {status}\n{stderr[-6000:]}\n")
+    return status
+
+
+def _run_once(script: str, variant: str, timeout: float) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--standalone", script, variant]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": os.devnull}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return 124
+    except subprocess.TimeoutExpired as exc:
+        return 124, str(exc.stderr or "")
     # torchrun reports a child's signal as its own failure: look for it in its summary.
     for line in proc.stderr.splitlines():
         if "exitcode" in line and ("-6" in line or "Signal" in line or "SIGABRT" in line):
-            if os.environ.get("EXIT_SOAK_VERBOSE"):
-                sys.stderr.write(proc.stderr[-6000:])
-            return -6
-    return proc.returncode
+            return -6, proc.stderr
+    return proc.returncode, proc.stderr
 
 
 def main(argv=None) -> int:

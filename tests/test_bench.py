@@ -24,7 +24,8 @@ def test_gpt2_small_shapes():
     assert 0.24 < ratio < 0.26, ratio
 
 
-@pytest.mark.parametrize("text, n", [("16M", 16 << 20), ("1B", 1 << 30), ("64K", 65536), ("1000", 1000)])
+@pytest.mark.parametrize("text, n", [("16Mi", 16 << 20), ("1Gi", 1 << 30), ("64Ki", 65536), ("1000", 1000),
+                                     ("16M", 16_000_000), ("1B", 10**9)])
 def test_parse_size(text, n):
     assert bench.parse_size(text) == n
 

@@ -58,7 +58,7 @@ def synthetic_steps(opt, start, count):
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    p.grad.copy_(torch.randn(p.shape, generator=g))
+                    p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
         opt.step()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zero_triton import FusedAdam, bench, checkpoint, cli
-from zero_triton.units import BINARY, DECIMAL, parse_count
+from zero_triton.units import format_count, parse_count
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CMD = [sys.executable, "-m", "zero_triton"]
@@ -25,15 +25,17 @@ def _no_traceback(proc):
 
 
 # -- counts: one parser for bench --sizes and memory --params -----------------------------
-@pytest.mark.parametrize("text, units, n", [
-    ("7B", DECIMAL, 7 * 10**9), ("7.5e9", DECIMAL, 7_500_000_000), ("7.5b", DECIMAL, 7_500_000_000),
-    ("2T", DECIMAL, 2 * 10**12), ("1.5K", DECIMAL, 1500), ("175_000_000_000", DECIMAL, 175 * 10**9),
-    ("1152921504606846977", DECIMAL, 2**60 + 1),
-    ("64M", BINARY, 64 << 20), ("1G", BINARY, 1 << 30), ("1B", BINARY, 1 << 30),
-    ("1T", BINARY, 1 << 40), ("1.5K", BINARY, 1536), ("1000", BINARY, 1000),
+@pytest.mark.parametrize("text, n", [
+    ("7B", 7 * 10**9), ("7.5e9", 7_500_000_000), ("7.5b", 7_500_000_000), ("7G", 7 * 10**9),
+    ("2T", 2 * 10**12), ("1.5K", 1500), ("175_000_000_000", 175 * 10**9),
+    ("1152921504606846977", 2**60 + 1), ("64M", 64 * 10**6),
+    ("64Mi", 64 << 20), ("1Gi", 1 << 30), ("1gi", 1 << 30), ("1Ti", 1 << 40), ("1.5Ki", 1536),
+    ("1000", 1000),
 ])
-def test_parse_count(text, units, n):
-    assert parse_count(text, units) == n
+def test_parse_count_one_convention_for_every_command(text, n):
+    # K/M/G(B)/T powers of ten, Ki/Mi/Gi/Ti powers of two, for bench, profile and memory alike.
+    assert parse_count(text) == n
+    assert parse_count(format_count(n)) == n
 
 
 @pytest.mark.parametrize("args, message", [
@@ -59,8 +61,8 @@ def test_bad_counts_are_argparse_errors(args, message, capsys):
 
 
 def test_bench_sizes_take_suffixes():
-    args = bench.parse_args(["--sizes", "64M,1G,3k", "--many", "4x1K"])
-    assert args.sizes == args.bf16_sizes == [64 << 20, 1 << 30, 3 << 10]
+    args = bench.parse_args(["--sizes", "64Mi,1Gi,3k", "--many", "4x1Ki"])
+    assert args.sizes == args.bf16_sizes == [64 << 20, 1 << 30, 3000]
     assert args.many == (4, 1024)
     assert bench.parse_args([]).many == (8192, 4096)
 

@@ -11,9 +11,9 @@ from zero_triton import backends
 def _optimizer(device, dtype, backend):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, device=device).to(dtype)) for n in (1, 1000, 37)]
-    opt = zero_triton.FusedAdam(params, backend=backend, weight_decay=0.1, amsgrad=True)
     for p in params:
-        p.grad.normal_()
+        p.grad = torch.randn_like(p)  # moved into the flat buffer: .grad is its view from here
+    opt = zero_triton.FusedAdam(params, backend=backend, weight_decay=0.1, amsgrad=True)
     opt.step()  # first step: compiles, loads the extension, allocates nothing later
     # Everything a step can be handed: GradScaler's tensors and a clip coefficient.
     opt.grad_scale = torch.tensor([2.0], device=device)

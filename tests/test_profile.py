@@ -319,7 +319,7 @@ def test_profile_text_tables(two_ranks):
 
 
 def test_collectives_only_on_a_synthetic_buffer(tmp_path):
-    proc = _run(["--collectives-only", "--size", "3K", "--world-size", 2, "--repeats", 2,
+    proc = _run(["--collectives-only", "--size", "3Ki", "--world-size", 2, "--repeats", 2,
                  "--out", tmp_path, "--json"])
     assert proc.returncode == 0, proc.stderr
     w = json.loads(proc.stdout)["wire"]

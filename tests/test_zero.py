@@ -127,7 +127,7 @@ def _job_trajectory(rank, world_size, case: Case):
     for t in range(1, case.steps + 1):
         opt.zero_grad()
         for p, g in zip(params, _rank_grads(case, rank, t)):
-            p.grad.copy_(g)
+            p.grad = g.to(p.dtype).clone()
         if case.max_norms:
             max_norm = case.max_norms[(t - 1) % len(case.max_norms)]
             out["norms"].append(opt.clip_grad_norm_(max_norm))
@@ -153,7 +153,7 @@ def _job_inf_step(rank, world_size, case: Case):
             scaler.scale(torch.ones(()))  # as scaler.scale(loss).backward() would
             scale = scaler.get_scale()
         for p, g in zip(params, _rank_grads(case, rank, t)):
-            p.grad.copy_(g * scale)  # a power of two: scaling and unscaling are exact
+            p.grad = (g * scale).to(p.dtype)  # a power of two: scaling and unscaling are exact
         if rank == case.inf_rank and t == case.inf_step:
             params[-1].grad.view(-1)[3] = float("inf")
         before = _snapshot(opt)
@@ -175,10 +175,10 @@ def _job_profile(rank, world_size, case: Case):
     params = _init_params(case.shapes, case.dtype)
     opt = _make_zero(case, params)
     for p, g in zip(params, _rank_grads(case, rank, 1)):
-        p.grad.copy_(g)
+        p.grad = g.to(p.dtype).clone()
     opt.step()  # warm-up outside the trace
     for p, g in zip(params, _rank_grads(case, rank, 2)):
-        p.grad.copy_(g)
+        p.grad = g.to(p.dtype).clone()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         opt.step()
     return [(e.name, e.time_range.start) for e in prof.events() if e.name.startswith("zero_triton.")]
@@ -402,7 +402,7 @@ class _References:
         """One step of both on ``average`` (per parameter); returns torch's total norm."""
         self.fused.zero_grad()
         for p, g in zip(self.fused_params, average):
-            p.grad.copy_(g)
+            p.grad = g.to(p.dtype).clone()
         if max_norm is not None:
             self.fused.clip_grad_norm_(max_norm)
         self.fused.step()

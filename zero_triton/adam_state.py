@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from zero_triton.flat import contiguous_strides, memory_order, real_shape
+
 # Keys torch.optim.Adam keeps in every param group, with the values that describe this
 # optimizer: a torch.optim.Adam loading our state dict behaves as its defaults.
 TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
@@ -26,13 +28,34 @@ GATHER_CHUNK = 4 << 20
 def packed_groups(opt):
     """torch's param_groups with parameters replaced by their state-dict index, and
     the map id(param) -> index."""
-    groups, ids = [], {}
-    for group in opt.param_groups:
+    groups, ids, start = [], {}, 0
+    for group in opt.param_groups:  # as torch.optim.Optimizer.state_dict numbers them
         packed = {k: v for k, v in group.items() if k != "params"}
-        packed["params"] = list(range(len(ids), len(ids) + len(group["params"])))
-        ids.update({id(p): i for p, i in zip(group["params"], packed["params"])})
+        ids.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in ids})
+        packed["params"] = [ids[id(p)] for p in group["params"]]
+        start += len(packed["params"])
         groups.append(packed)
     return groups, ids
+
+
+# The per-parameter state keys this optimizer keeps in its flat buffers; anything else a
+# user or a wrapper puts in ``opt.state`` (a parameter's extra entry, a key that is not a
+# parameter) is kept beside them and round-trips through the state dict as in torch.
+OWN_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"))
+
+
+def extras(table, params) -> tuple[dict, dict]:
+    """(entries of ``table`` not keyed by one of ``params``, {id(p): p's extra keys})."""
+    by_id = {id(p) for p in params}
+    others, per_param = {}, {}
+    for key, entry in dict.items(table):
+        if not (isinstance(key, torch.Tensor) and id(key) in by_id):
+            others[key] = entry
+        elif isinstance(entry, dict):
+            extra = {k: v for k, v in entry.items() if k not in OWN_KEYS}
+            if extra:
+                per_param[id(key)] = extra
+    return others, per_param
 
 
 def with_state_dict_hooks(opt, build) -> dict:
@@ -85,14 +108,46 @@ def local_state_dict(opt) -> dict:
             "zero_triton.checkpoint.save for a sharded checkpoint")
     groups, ids = packed_groups(opt)
     state = {}
-    for _, flat in opt._current_flats():
-        views, steps = flat.state.views(), flat.state.param_steps()
+    flats = [flat for _, flat in opt._current_flats()]
+    others, per_param = extras(opt.state, [p for flat in flats for p in flat.params])
+    for flat in flats:
+        views, steps = flat.state_views(), flat.state.param_steps()
         for i, p in enumerate(flat.params):
             # A step tensor of its own per parameter: torch.optim.Adam increments
             # each one, a shared one would count N times per step.
             state[ids[id(p)]] = {"step": torch.tensor(steps[i], dtype=torch.float32),
-                                 **{k: v[i] for k, v in views.items()}}
+                                 **{k: v[i] for k, v in views.items()}, **per_param.get(id(p), {})}
+    for key, entry in others.items():  # as torch: a parameter's index, any other key as is
+        state[ids.get(id(key), key) if isinstance(key, torch.Tensor) else key] = entry
     return {"state": state, "param_groups": groups}
+
+
+def _as_param_policy(p, key, value):
+    """torch.optim.Optimizer.load_state_dict's cast of a loaded extra: floating tensors
+    to the parameter's dtype and device, other tensors to its device."""
+    if not isinstance(value, torch.Tensor) or key == "step":
+        return value
+    if p.is_floating_point() and value.is_floating_point():
+        return value.to(dtype=p.dtype, device=p.device)
+    return value.to(device=p.device)
+
+
+def loaded_extras(opt, state_dict) -> tuple[dict, dict]:
+    """What a loaded state dict puts in ``opt.state`` beside our own keys: (entries not
+    of a parameter, {id(p): p's extra keys}), as torch.optim.Optimizer loads them."""
+    index = {}
+    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        index.update({idx: p for p, idx in zip(group["params"], saved["params"])})
+    others, per_param = {}, {}
+    for key, entry in state_dict["state"].items():
+        p = index.get(key)
+        if p is None:
+            others[key] = entry
+        elif isinstance(entry, dict):
+            extra = {k: _as_param_policy(p, k, v) for k, v in entry.items() if k not in OWN_KEYS}
+            if extra:
+                per_param[id(p)] = extra
+    return others, per_param
 
 
 def plan_load(opt, state_dict) -> list:
@@ -125,7 +180,8 @@ def plan_load(opt, state_dict) -> list:
                 if e is None:
                     continue
                 for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
-                    if key in e and tuple(e[key].shape) != tuple(p.shape):
+                    if key in e and tuple(e[key].shape) != real_shape(p) and not (
+                            p.is_complex() and tuple(e[key].shape) == tuple(p.shape)):
                         raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
                                          f"has shape {tuple(e[key].shape)}, the parameter "
                                          f"{tuple(p.shape)}")
@@ -135,17 +191,16 @@ def plan_load(opt, state_dict) -> list:
 
 def apply_load(opt, state_dict, plan) -> None:
     """Copy a checked state dict in: hyperparameters, then each flat buffer's shard."""
+    others, per_param = loaded_extras(opt, state_dict)
     for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
-        for k, v in saved.items():
-            if k not in ("params", "param_names"):
+        for k, v in saved.items():  # saved names win, as in torch; ours stay if it has none
+            if k != "params":
                 group[k] = v
         group.setdefault("decoupled_weight_decay", False)
     for flat, entries, step in plan:
         load_shard(flat, entries, step)
         flat.versions.accept()  # the master is what was loaded (or the parameters now)
-    if opt._comm.world_size == 1:
-        for _, flat in opt._all_flats():
-            opt._expose_state(flat)
+    opt._set_extras(others, per_param)
 
 
 @torch.no_grad()
@@ -174,7 +229,11 @@ def load_shard(flat, entries, step) -> None:
             o = flat.layout.offsets[i] + a - lo + s0
             for key, buf in targets.items():
                 if entries[i] is not None and key in entries[i]:
-                    buf[o:o + b - a].copy_(entries[i][key].reshape(-1)[a:b])
+                    given = entries[i][key]
+                    if given.is_complex():  # torch's complex moments: (real, imaginary) pairs
+                        given = torch.view_as_real(given)
+                    # In the parameter's memory order (channels_last keeps its own).
+                    buf[o:o + b - a].copy_(memory_order(given, flat.layout.strides[i])[a:b])
     # Every rank decides this from the same state dict: the all-gather is collective.
     if flat.has_master and any(e is not None and "master_param" in e for e in entries):
         for master, part in zip(state.master_parts(), flat.param_parts):
@@ -206,10 +265,12 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
             out, steps = [], flat.state.param_steps()
             for i, p in enumerate(flat.params):
                 entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
-                entry.update({k: torch.empty(p.shape, dtype=torch.float32) for k in bufs})
+                stride = layout.strides[i] or contiguous_strides(real_shape(p))
+                entry.update({k: torch.empty_strided(real_shape(p), stride, dtype=b.dtype)
+                              for k, b in bufs.items()})
                 state[ids[id(p)]] = entry
                 out.append(entry)
-            recv = torch.empty(comm.world_size, chunk, dtype=torch.float32, device=flat.device)
+            recv = torch.empty(comm.world_size, chunk, dtype=flat.state.dtype, device=flat.device)
         for key, buf in bufs.items():
             for c in range(0, shard, chunk):
                 n = min(chunk, shard - c)
@@ -230,5 +291,11 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
                         start = lo + s_a - s0
                         for i, a, b in layout.ranges_in(start, start + s_b - s_a):
                             o = layout.offsets[i] + a - start + s_a - c
-                            out[i][key].view(-1)[a:b].copy_(pieces[r][o:o + b - a])
+                            # Memory order, as the flat buffer (the entry has its strides).
+                            t = out[i][key]
+                            t.as_strided((t.numel(),), (1,))[a:b].copy_(pieces[r][o:o + b - a])
+        if me:
+            for p, entry in zip(flat.params, out):
+                if p.is_complex():
+                    entry.update({k: torch.view_as_complex(entry[k]) for k in bufs})
     return {"state": state, "param_groups": groups} if me else None

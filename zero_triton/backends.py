@@ -13,7 +13,6 @@ that the step allocates nothing.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import sys
 
@@ -55,7 +54,7 @@ def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step,
     else:
         v = exp_avg_sq
     bias_correction1 = 1 - beta1 ** t
-    bias_correction2_sqrt = math.sqrt(1 - beta2 ** t)
+    bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5  # as torch.optim.Adam computes it
     denom = torch.sqrt(v, out=scratch)  # g is dead: reuse its buffer
     denom.div_(bias_correction2_sqrt).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-lr_value / bias_correction1)

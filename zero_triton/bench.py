@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from zero_triton import outputs
-from zero_triton.units import BINARY, parse_count, positive_number, whole_number
+from zero_triton.units import SUFFIXES, format_count, parse_count, positive_number, whole_number
 
 BYTES_PER_PARAM = 28
 LR = 1e-2           # large enough that a missing update shows in the guard (see _guard)
@@ -78,9 +78,9 @@ LEGEND = {
 # -- sizes and cases ------------------------------------------------------------------
 
 def parse_size(text: str) -> int:
-    """'16M' -> 16 * 2**20: a positive integer with an optional K, M, G (or B), T suffix
-    (2**10, 2**20, 2**30, 2**40). Anything else raises argparse.ArgumentTypeError."""
-    return parse_count(text, BINARY, "64M")
+    """'16Mi' -> 16 * 2**20, '16M' -> 16 * 10**6: a positive integer with an optional
+    suffix (``zero_triton.units``). Anything else raises argparse.ArgumentTypeError."""
+    return parse_count(text, "64Mi")
 
 
 def _size_list(text: str) -> list[int]:
@@ -98,10 +98,7 @@ _positive_float = positive_number("number", "0.25")
 
 
 def format_size(n: int) -> str:
-    for unit, value in (("B", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= value and n % value == 0:
-            return f"{n // value}{unit}"
-    return str(n)
+    return format_count(n)
 
 
 def gpt2_small_shapes(scale: float = 1.0) -> list[tuple[int, ...]]:
@@ -852,9 +849,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cases", default=",".join(ALL_CASES),
                     help=f"comma list of {','.join(ALL_CASES)} (default: all)")
     ap.add_argument("--sizes", type=_size_list, default=None,
-                    help="params per flat buffer for the fp32 and bf16 cases, e.g. 64M,256M,1G "
-                         "(K/M/G/T = 2**10/2**20/2**30/2**40, B = G; default: fp32 16M,64M "
-                         "and bf16 64M)")
+                    help="params per flat buffer for the fp32 and bf16 cases, e.g. "
+                         f"64Mi,256Mi,1Gi ({SUFFIXES}; default: fp32 16Mi,64Mi and bf16 64Mi)")
     ap.add_argument("--scale", type=_positive_float, default=None,
                     help="GPT-2 small element count scale (default 0.25 on cpu, 1 on cuda)")
     ap.add_argument("--many", type=_many, default="8192x4096",

@@ -146,8 +146,10 @@ def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: B
         raise _read_before_gathered(bucket)
     reached[i] = 1
     g = param.grad
-    if g is not view and g is not None and not g.is_sparse:
-        # .grad was None (module.zero_grad()): autograd made a tensor of its own.
+    if g is not view and g is not None and not g.is_sparse and g.dtype == view.dtype \
+            and g.device == view.device:
+        # .grad was None (zero_grad()): autograd made a tensor of its own; it moves into
+        # the flat buffer (a parameter moved by model.to() is re-homed at step instead).
         view.copy_(g)
         param.grad = view
     bucket.grads.seen_version = bucket.grads.flat._version
@@ -335,6 +337,8 @@ class Reducer:
         when the last is still being sent: the next micro-batch)."""
         if bucket.grad_in is None:
             self._stage(bucket)
+        if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
+            grad = torch.view_as_real(grad)
         bucket.grad_in[lo:hi].add_(grad.reshape(-1))
         self.arrived(bucket, j)
 

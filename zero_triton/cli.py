@@ -19,8 +19,14 @@ commands:
 `python -m zero_triton COMMAND --help` for each command's options."""
 
 
-def info() -> int:
+def info(argv=None) -> int:
+    import argparse
+
     import torch
+    argparse.ArgumentParser(
+        prog="python -m zero_triton info",
+        description="Versions, devices, and which backends are usable here (and why not)."
+    ).parse_args(argv)
 
     from zero_triton import __version__, backends
     print(f"zero_triton {__version__}")
@@ -92,7 +98,7 @@ def _dispatch(argv=None) -> int:
         from zero_triton.profiling import main as profile
         return profile(rest)
     if command == "info":
-        return info()
+        return info(rest)
     if command == "checkpoint":
         from zero_triton.checkpoint import main as checkpoint
         return checkpoint(rest)

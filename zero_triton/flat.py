@@ -58,15 +58,22 @@ class FlatLayout:
     buckets: tuple = ()
     canonical_offsets: tuple = ()
     bucket_numel: int | None = None
+    # Per parameter: its strides over its slice when they are not the contiguous ones
+    # (channels_last, or any dense layout: the slice holds it in memory order), else None.
+    strides: tuple = ()
 
     @classmethod
     def build(cls, shapes, world_size: int = 1, align: int = ALIGN,
-              bucket_numel: int | None = None) -> "FlatLayout":
+              bucket_numel: int | None = None, strides=None) -> "FlatLayout":
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if bucket_numel is not None and bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1 or None, got {bucket_numel}")
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        strides = tuple(None if st is None else tuple(int(d) for d in st)
+                        for st in (strides or [None] * len(shapes)))
+        if len(strides) != len(shapes):
+            raise ValueError(f"{len(strides)} strides for {len(shapes)} shapes")
         canonical, end = [], 0
         for s in shapes:
             canonical.append(end)
@@ -85,15 +92,15 @@ class FlatLayout:
             start += size
             shard_start += size // world_size
         return cls(shapes, tuple(offsets), numel, start, world_size, align, tuple(buckets),
-                   tuple(canonical), bucket_numel)
+                   tuple(canonical), bucket_numel, strides)
 
     def with_world_size(self, world_size: int) -> "FlatLayout":
-        return FlatLayout.build(self.shapes, world_size, self.align, self.bucket_numel)
+        return FlatLayout.build(self.shapes, world_size, self.align, self.bucket_numel, self.strides)
 
     @property
     def canonical(self) -> "FlatLayout":
         """The same parameters in one bucket at world size 1: the layout checkpoints keep."""
-        return FlatLayout.build(self.shapes, 1, self.align)
+        return FlatLayout.build(self.shapes, 1, self.align, strides=self.strides)
 
     @property
     def shard_numel(self) -> int:
@@ -133,8 +140,9 @@ class FlatLayout:
         return self.padded_numel - sum(_numel(s) for s in self.shapes)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """One view of ``flat`` per parameter, shaped like it."""
-        return [flat[o:o + _numel(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
+        """One view of ``flat`` per parameter, shaped (and strided) like it."""
+        return [_shaped(flat[o:o + _numel(s)], s, st)
+                for o, s, st in zip(self.offsets, self.shapes, self.strides)]
 
     def aliases(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Like ``views``, but each tensor has a storage of its own over its part of
@@ -144,9 +152,10 @@ class FlatLayout:
         and ``torch.save`` of one writes only its own bytes."""
         storage, base, size = flat.untyped_storage(), flat.storage_offset(), flat.element_size()
         out = []
-        for o, s in zip(self.offsets, self.shapes):
+        for o, s, st in zip(self.offsets, self.shapes, self.strides):
             lo, hi = (base + o) * size, (base + o + _numel(s)) * size
-            out.append(torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage[lo:hi], 0, s))
+            out.append(torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+                storage[lo:hi], 0, s, st if st is not None else contiguous_strides(s)))
         return out
 
     def ranges_in(self, start: int, end: int):
@@ -175,11 +184,67 @@ def _bucket_runs(shapes, bucket_numel):
     return runs[::-1]
 
 
+def contiguous_strides(shape) -> tuple:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(out))
+
+
+def _shaped(run: torch.Tensor, shape, stride) -> torch.Tensor:
+    """A 1-D run of ``numel(shape)`` elements seen with ``shape`` (and ``stride``)."""
+    return run.view(shape) if stride is None else run.as_strided(shape, stride)
+
+
+def dense_strides(p: torch.Tensor):
+    """``p``'s strides when they are a dense, non-overlapping layout other than the
+    contiguous one (channels_last, a transposed weight made contiguous that way): its
+    place in a flat buffer keeps them. None otherwise (contiguous, or a view with gaps,
+    which is packed contiguously)."""
+    if p.is_complex() or p.dim() < 2 or p.is_contiguous():
+        return None
+    dims = sorted((st, d) for d, (st, d) in enumerate(zip(p.stride(), p.shape)) if d != 1)
+    expected = 1
+    for st, d in dims:
+        if st != expected:
+            return None
+        expected *= d
+    return tuple(p.stride())
+
+
+def memory_order(t: torch.Tensor, stride) -> torch.Tensor:
+    """``t``'s values as a 1-D tensor in the memory order of ``stride`` (its flat-buffer
+    order; ``t.reshape(-1)`` when None)."""
+    if stride is None:
+        return t.reshape(-1)
+    dense = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    dense.copy_(t)
+    return dense.as_strided((t.numel(),), (1,))
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
+
+
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a flat buffer holds ``dtype`` in: a complex parameter lives in a buffer
+    of its real dtype as (real, imaginary) pairs, as ``torch.view_as_real`` lays it out."""
+    return {torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+def real_shape(p: torch.Tensor) -> tuple:
+    """The shape a parameter has in a flat buffer (a complex one's ``view_as_real``)."""
+    return tuple(p.shape) + (2,) if p.is_complex() else tuple(p.shape)
+
+
+def as_param(view: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``view`` (laid out as ``real_shape(like)``) seen as ``like`` sees it: complex for a
+    complex parameter."""
+    return torch.view_as_complex(view) if like.is_complex() else view
 
 
 def _as_params(module_or_params):
@@ -202,16 +267,20 @@ def flatten_params(module_or_params, *, world_size: int = 1, align: int = ALIGN,
     params = _as_params(module_or_params)
     if not params:
         raise ValueError("flatten_params got no parameters")
-    dtype, device = params[0].dtype, params[0].device
+    dtype, device = real_dtype(params[0].dtype), params[0].device
     for i, p in enumerate(params):
-        if p.dtype != dtype or p.device != device:
+        if real_dtype(p.dtype) != dtype or p.device != device:
             raise ValueError(
                 f"flatten_params needs one dtype and device: parameter {i} is {p.dtype} on "
-                f"{p.device}, parameter 0 is {dtype} on {device}; flatten each kind separately")
-    layout = FlatLayout.build([p.shape for p in params], world_size, align, bucket_numel)
+                f"{p.device}, parameter 0 is {params[0].dtype} on {device}; flatten each kind "
+                "separately")
+    layout = FlatLayout.build([real_shape(p) for p in params], world_size, align, bucket_numel,
+                              [dense_strides(p) for p in params])
     flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
     with torch.no_grad():
-        for p, view in zip(params, layout.aliases(flat) if rehome else layout.views(flat)):
+        own = rehome and device.type != "meta"  # meta storages cannot be sliced; nothing to save
+        for p, view in zip(params, layout.aliases(flat) if own else layout.views(flat)):
+            view = as_param(view, p)
             view.copy_(p)
             if rehome:
                 p.data = view
@@ -224,14 +293,14 @@ def unflatten_into(module_or_params, flat: torch.Tensor, layout: FlatLayout | No
     in ``flat`` are left alone."""
     params = _as_params(module_or_params)
     if layout is None:
-        layout = FlatLayout.build([p.shape for p in params])
+        layout = FlatLayout.build([real_shape(p) for p in params])
     if len(layout.shapes) != len(params):
         raise ValueError(f"layout has {len(layout.shapes)} parameters, got {len(params)}")
     if flat.numel() < layout.numel:
         raise ValueError(f"flat has {flat.numel()} elements, the layout needs {layout.numel}")
     with torch.no_grad():
         for i, (p, view) in enumerate(zip(params, layout.views(flat))):
-            if tuple(p.shape) != tuple(view.shape):
+            if real_shape(p) != tuple(view.shape):
                 raise ValueError(f"parameter {i} has shape {tuple(p.shape)}, the layout says {tuple(view.shape)}")
             if p.data_ptr() != view.data_ptr():
-                p.copy_(view)
+                p.copy_(as_param(view, p))

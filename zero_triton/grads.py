@@ -1,18 +1,24 @@
 """The gradients of one flat buffer, as backward leaves them: ZeRO-1's and ZeRO-2's.
 
+``.grad`` is torch's in both: None after ``zero_grad()`` (``set_to_none=True``) and until
+backward reaches the parameter, and "has a gradient at ``step``" is torch.optim.Adam's
+rule: a parameter whose ``.grad`` is None is not stepped, one with a gradient tensor
+(zero or not) is.
+
 ``LocalGrads`` (ZeRO-1, and FusedAdam): every parameter's local gradient lives in one
-flat buffer laid out like the parameters, and each ``.grad`` is a view of it, so autograd
-accumulates straight into it; the buckets' reduce-scatters read it.
+flat buffer laid out like the parameters. When a gradient arrives (autograd's own tensor,
+seen by the post-accumulate-grad hook, or one set by hand, found at ``step``) it is copied
+into the parameter's view of the buffer and ``.grad`` becomes that view, so the next
+micro-batches accumulate in place and the buckets' reduce-scatters read the buffer:
+DDP's ``gradient_as_bucket_view`` does the same. The copy replaces the add into a zeroed
+buffer, so ``zero_grad()`` writes no memory at all.
 
 ``ShardedGrads`` (ZeRO-2): no such buffer. Backward's hooks hand each ``.grad`` to its
 bucket's staging buffer and free it (``zero_triton.buckets``); a rank keeps only its
 averaged shard.
 
 Both answer the same questions for ``FlatShard``: did a parameter move (``first_moved``),
-which parameters have a gradient at ``step`` (``sync``: torch.optim.Adam's rule, a
-parameter whose ``.grad`` is None is not stepped), and start over (``zero``). ``reached``
-has one byte per parameter: backward reached it since the last ``zero`` (ZeRO-2: 2 when a
-hook took its gradient, 1 when ``sync`` found one set by hand).
+which parameters have a gradient at ``step`` (``sync``), and start over (``zero``).
 """
 from __future__ import annotations
 
@@ -21,20 +27,29 @@ import functools
 import torch
 
 from zero_triton import _ext, buckets
+from zero_triton.flat import as_param
 
 
-def _mark_reached(reached: bytearray, i: int, _param) -> None:
-    """Post-accumulate-grad hook: backward reached parameter ``i`` of a flat buffer."""
-    reached[i] = 1
+def _adopt(views: list, dirty: bytearray, i: int, param) -> None:
+    """Post-accumulate-grad hook (world size 1): a gradient that autograd put in a
+    tensor of its own (``.grad`` was None) moves into the parameter's view."""
+    g = param.grad
+    view = views[i]
+    if g is not view and g is not None and not g.is_sparse and g.dtype == view.dtype \
+            and g.device == view.device:  # else moved by model.to(): the step re-homes it
+        view.copy_(g)
+        param.grad = view
+        dirty[i] = 1
 
 
 class LocalGrads:
-    """ZeRO-1 / FusedAdam: the local gradients in one flat buffer, ``.grad`` its views.
+    """ZeRO-1 / FusedAdam: the local gradients in one flat buffer, each ``.grad`` None or
+    its view of it.
 
-    "Has a gradient" means: backward reached the parameter since the last ``zero`` (a
-    post-accumulate-grad hook sets ``reached``), or its ``.grad`` is a tensor of its own,
-    or, when no backward ran at all, something wrote into the buffer (then every view
-    counts: writes by hand into views of one buffer cannot be told apart per parameter).
+    ``dirty[i]``: parameter ``i``'s view holds values written since it was last zeroed.
+    A view whose parameter has no gradient at ``step`` is zeroed there when dirty (a
+    bucket averages a whole range, and clipping takes the norm of the whole buffer), so
+    the buffer never needs zeroing as a whole.
     """
 
     sharded = False
@@ -42,19 +57,24 @@ class LocalGrads:
     def __init__(self, params, layout, flat_param):
         self.params = params
         self.flat = torch.zeros_like(flat_param)
-        self.views = layout.views(self.flat)
-        self.reached = bytearray(len(params))
+        self.views = [as_param(v, p) for v, p in zip(layout.views(self.flat), params)]
+        self.dirty = bytearray(len(params))
+        self.bucket_of = None  # index of each parameter's bucket, with a reducer
+        self.buckets = None
         native = _ext.loaded_or_prebuilt()
         self.check_flat = getattr(native, "flat_status", None)
-        self.foreign_hint = None  # first foreign .grad, found by this step's check_flat
+        self.foreign_hint = None  # first .grad that is not its view, found by this step's check_flat
         with torch.no_grad():
             for i, (p, view) in enumerate(zip(params, self.views)):
-                if p.grad is not None:
+                if p.grad is not None:  # a gradient from before the optimizer counts
                     view.copy_(p.grad)
-                    self.reached[i] = 1  # a gradient from before the optimizer counts
-                p.grad = view
-        self.version = self.flat._version
-        self.seen_version = self.version  # the version the last bucket hook saw
+                    self.dirty[i] = 1
+                    p.grad = view
+        self.seen_version = self.flat._version  # the version the last bucket hook saw
+
+    @property
+    def reached(self) -> bytearray:
+        return self.dirty
 
     def written_since_hooks(self) -> bool:
         """Something wrote into the gradients after the last bucket hook (another
@@ -67,80 +87,99 @@ class LocalGrads:
         self.seen_version = -1
 
     def register_hooks(self, bucket_list, reducer) -> list:
-        """Hooks that mark ``reached`` (and, with a reducer, launch the buckets)."""
+        """Hooks that move arriving gradients into the views (and, with a reducer,
+        launch the buckets)."""
         if reducer is None:
-            return [buckets.post_accumulate_hook(p, functools.partial(_mark_reached, self.reached, i))
+            return [buckets.post_accumulate_hook(p, functools.partial(_adopt, self.views, self.dirty, i))
                     for i, p in enumerate(self.params)]
-        return buckets.register_hooks(self.params, self.reached, self.views, bucket_list, reducer)
+        self.buckets = bucket_list
+        self.bucket_of = [k for k, b in enumerate(bucket_list)
+                          for _ in range(b.geometry.first, b.geometry.end)]
+        return buckets.register_hooks(self.params, self.dirty, self.views, bucket_list, reducer)
 
     def first_moved(self, param_views, dtype, device, hint: bool) -> int:
         """Index of the first parameter whose storage is no longer ``param_views[i]``, or
-        -1. With the extension, one C loop also finds the first foreign ``.grad``;
-        ``hint=True`` keeps it for the ``sync`` that follows in the same step."""
-        if self.check_flat is not None:
+        -1. With the extension, one C loop also finds the first ``.grad`` that is not
+        its view; ``hint=True`` keeps it for the ``sync`` that follows in the same step."""
+        if self.check_flat is not None and not torch.compiler.is_compiling():
             moved, foreign = self.check_flat(self.params, param_views, self.views)
             self.foreign_hint = foreign if hint else None
             return moved
         return _first_moved(self.params, param_views, dtype, device)
 
-    def sync(self, param_views, backward_seen: bool):
-        """Point every ``.grad`` back at its view and return which parameters have a
-        gradient (None when all do). A ``.grad`` that something replaced
-        (``module.zero_grad()`` sets it to None, and autograd then allocates a fresh one)
-        is copied in; a None one is zeroed and not stepped."""
-        written = self.flat._version != self.version
-        reached = self.reached
+    def sync(self, param_views):
+        """Move every ``.grad`` that is a tensor of its own (set by hand, or by a wrapper)
+        into its view, zero the dirty views of parameters without a gradient, and return
+        which parameters have one (None when all do)."""
         start, self.foreign_hint = self.foreign_hint, None
-        if start is None and self.check_flat is not None:  # the common case in one C loop
+        if start is None and self.check_flat is not None and not torch.compiler.is_compiling():
             start = self.check_flat(self.params, param_views, self.views)[1]
         if start is not None and start < 0:
-            if backward_seen:
-                return None if 0 not in reached else [r == 1 for r in reached]
-            return None if written else [False] * len(reached)
-        by_hand = written and not backward_seen
-        present = []
-        for i in range(len(self.params)):
-            p, view = self.params[i], self.views[i]
+            return None  # every .grad is its view
+        start = start or 0
+        n = len(self.params)
+        present = [True] * n
+        dirty, views = self.dirty, self.views
+        clean = self.flat._version == self.seen_version
+        changed = False  # a launched bucket's gradients changed
+        for i in range(start, n):
+            p, view = self.params[i], views[i]
             g = p.grad
             if g is view:
-                present.append(reached[i] == 1 or by_hand)
                 continue
             if g is None:
-                view.zero_()
-                reached[i] = 0
-                present.append(False)
-            else:
-                if g.is_sparse:
-                    raise RuntimeError(
-                        f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; FusedAdam "
-                        "needs dense gradients (use torch.optim.SparseAdam for sparse ones)")
-                view.copy_(g)
-                reached[i] = 1
-                present.append(True)
+                present[i] = False
+                if dirty[i]:
+                    view.zero_()
+                    dirty[i] = 0
+                    changed |= self._launched(i)
+                continue
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; FusedAdam "
+                    "needs dense gradients (use torch.optim.SparseAdam for sparse ones)")
+            view.copy_(g)
+            dirty[i] = 1
             p.grad = view
+            changed = True
+        if clean and not changed:  # only views no launched bucket reads were zeroed
+            self.seen_version = self.flat._version
         return None if all(present) else present
 
-    def zero(self) -> None:
-        """``zero_grad``: zero the buffer, put back any ``.grad`` replaced since."""
-        self.flat.zero_()
-        if self.foreign_hint != -1:  # some .grad replaced (or no C check): repair
-            for p, view in zip(self.params, self.views):
-                if p.grad is not view:
-                    p.grad = view
-        self.mark_zeroed()
+    def _launched(self, i: int) -> bool:
+        return self.buckets is not None and self.buckets[self.bucket_of[i]].launched
 
-    def mark_zeroed(self) -> None:
-        """No parameter has a gradient until backward reaches it."""
-        self.reached[:] = bytes(len(self.reached))
-        self.version = self.flat._version
+    def zero(self, set_to_none: bool = True) -> None:
+        """``zero_grad``: every ``.grad`` None (``set_to_none``), or each gradient
+        tensor zeroed in place, as torch.optim.Optimizer.zero_grad does."""
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+            self.foreign_hint = None
+            return
+        views = self.views
+        everywhere = self.foreign_hint == -1 or all(p.grad is v for p, v in zip(self.params, views))
+        if everywhere:
+            self.flat.zero_()
+            self.dirty[:] = bytes(len(self.dirty))
+        else:
+            for i, (p, view) in enumerate(zip(self.params, views)):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+                g.zero_()
+                if g is view:
+                    self.dirty[i] = 0
+        self.seen_version = self.flat._version
         self.foreign_hint = None
 
     def carry_over(self, old: "LocalGrads") -> None:
-        """After a re-home: the new buffer copied every ``.grad`` in (Module.to converts
-        them all, views included); which parameters have a gradient is the old answer."""
-        self.reached[:] = old.reached
-        if old.flat._version == old.version:
-            self.version = self.flat._version
+        """After a re-home: Module.to converted every ``.grad`` (views of the old buffer
+        included) and the constructor copied them in; nothing else carries over."""
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
@@ -170,7 +209,7 @@ class ShardedGrads:
     def first_moved(self, param_views, dtype, device, hint: bool) -> int:
         return _first_moved(self.params, param_views, dtype, device)
 
-    def sync(self, param_views, backward_seen: bool):
+    def sync(self, param_views):
         """A ``.grad`` that no hook took (set by hand, or left from before the optimizer)
         goes into its bucket like one from backward; one written after the hook took it
         (a DistributedDataParallel wrapper writing back its average) is refused: it would
@@ -197,14 +236,23 @@ class ShardedGrads:
             self.reached[i] = 1
         return None if 0 not in self.reached else [r != 0 for r in self.reached]
 
-    def zero(self) -> None:
-        """``zero_grad``: the shard is overwritten by the next step's first average."""
-        self.mark_zeroed()
-
-    def mark_zeroed(self) -> None:
-        self.reached[:] = bytes(len(self.reached))
-        for p in self.params:
-            p.grad = None
+    def zero(self, set_to_none: bool = True) -> None:
+        """``zero_grad``: the shard is overwritten by the next step's first average.
+        ``set_to_none=False`` keeps, as torch does, a zero gradient for every parameter
+        that had one: it is stepped (moments decay, weight decay applies) even if the
+        next backward does not reach it (``reached`` 3)."""
+        reached = self.reached
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if set_to_none:
+                p.grad = None
+                reached[i] = 0
+            elif g is not None:  # set by hand: zeroed in place, handed over at step
+                g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
+                g.zero_()
+                reached[i] = 0
+            elif reached[i]:
+                reached[i] = 3
 
     def carry_over(self, old: "ShardedGrads") -> None:
         self.reached[:] = old.reached
@@ -215,6 +263,6 @@ class ShardedGrads:
 
 def _first_moved(params, param_views, dtype, device) -> int:
     for i, (p, view) in enumerate(zip(params, param_views)):
-        if p.data_ptr() != view.data_ptr() or p.dtype != dtype or p.device != device:
+        if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != device:
             return i
     return -1

@@ -32,7 +32,7 @@ import sys
 from numbers import Integral
 from typing import Dict, List, Optional, Sequence
 
-from zero_triton.units import DECIMAL, parse_count, positive_number
+from zero_triton.units import parse_count, positive_number
 
 __all__ = [
     "STAGES",
@@ -162,7 +162,7 @@ def formula_optimizer_bytes(params: int, world_size: int, master: bool = True) -
 
 def _param_count(text: str) -> int:
     """A parameter count > 0: 7500000000, 7.5e9, 7.5B (K/M/B/G/T = 1e3/1e6/1e9/1e9/1e12)."""
-    return parse_count(text, DECIMAL, "7.5e9 or 7.5B")
+    return parse_count(text, "7.5e9 or 7.5B")
 
 
 def _world_size(text: str) -> int:

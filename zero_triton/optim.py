@@ -1,8 +1,9 @@
 """FusedAdam / FusedAdamW: torch.optim.Adam semantics, one fused kernel per flat buffer.
 
 Parameters of one param group, dtype and device are re-homed into one flat buffer
-(``zero_triton.flat``); their ``.grad`` are views of a twin grad buffer, so autograd
-accumulates straight into it. Each rank owns one shard of every buffer: with world size
+(``zero_triton.flat``); a gradient, once backward makes one, moves into a twin grad buffer
+and ``.grad`` becomes its view there, so further micro-batches accumulate straight into it
+(``zero_triton.grads``; ``.grad`` is None after ``zero_grad`` as in torch). Each rank owns one shard of every buffer: with world size
 1 (this module) the shard is the whole buffer and nothing is communicated; ZeroAdam
 (``zero_triton.zero``) is the same optimizer with a process group.
 """
@@ -14,13 +15,16 @@ import weakref
 
 import torch
 
-from zero_triton import adam_state, backends, buckets, grads, watch
+from zero_triton import adam_state, backends, buckets, differentiable as plain, grads, watch
 from zero_triton.comm import LocalComm, phase
-from zero_triton.flat import flatten_params
+from zero_triton.flat import as_param, flatten_params, real_dtype
 from zero_triton.shard_state import ShardState
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_SUPPORTED = (torch.float32,) + _LOW_PRECISION
+# The dtypes of flat buffers; complex parameters live in their real dtype's buffer as
+# (real, imaginary) pairs (zero_triton.flat.real_dtype), float64 ones step in float64.
+_FLAT_DTYPES = (torch.float32,) + _LOW_PRECISION + (torch.float64,)
+_SUPPORTED = _FLAT_DTYPES + (torch.complex64, torch.complex128)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay, foreach=None, capturable=False):
@@ -69,10 +73,10 @@ def _check_drop_in_flags(foreach, fused, capturable, differentiable):
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together (torch.optim.Adam's "
                            "rule); FusedAdam is always fused: drop both")
-    if differentiable:
-        raise RuntimeError("differentiable=True is not supported: FusedAdam's step runs outside "
-                           "autograd; use torch.optim.Adam(differentiable=True) to differentiate "
-                           "through the optimizer step")
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable` (torch.optim.Adam's rule); "
+                           "drop fused=True: with differentiable=True the step is torch's "
+                           "differentiable one")
 
 
 def _check_no_shared_memory(existing, params) -> None:
@@ -162,7 +166,7 @@ class FlatShard:
     def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
                  bucket_numel=None, key=0, reducer=None, stage=1):
         self.params = params
-        self.dtype, self.device = params[0].dtype, params[0].device
+        self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.bucket_numel, self.key, self.reducer, self.stage = bucket_numel, key, reducer, stage
@@ -203,11 +207,16 @@ class FlatShard:
                                 has_master=self.has_master, amsgrad=amsgrad)
         # The parameters' writes since the master was last taken from them (zero_triton.watch).
         self.versions = watch.ParamVersions(params)
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.lr = torch.zeros(1, **f32)
-        self.backend = backends.resolve(backend, self.device)
+        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
+        if self.dtype == torch.float64 or self.device.type == "meta":
+            # The kernels step float32 state: torch's ops step float64. Parameters on the
+            # meta device are never stepped (step refuses them until they are materialised).
+            self.backend = "torch"
+        else:
+            self.backend = backends.resolve(backend, self.device)
         self.step_fn = backends.step_function(self.backend)
-        self.scratch = torch.empty(n, **f32) if self.backend == "torch" else None
+        self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.device) \
+            if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
         # Host list: which parameters are stepped this step (None: all of them).
         self.stepped = None
@@ -216,15 +225,17 @@ class FlatShard:
     def remove_hooks(self):
         _remove_all(self.hooks)
 
+    def state_views(self) -> dict:
+        """Per-parameter views of each state buffer, shaped as the parameters (complex
+        for a complex parameter, as torch.optim.Adam keeps its moments)."""
+        return {k: [as_param(v, p) for v, p in zip(views, self.params)]
+                for k, views in self.state.views().items()}
+
     # -- the gradients (zero_triton.grads) ------------------------------------------------
     @property
     def flat_grad(self):
         """The local gradients (ZeRO-1 / FusedAdam), None under ZeRO-2."""
         return self.grad_buffer.flat
-
-    @property
-    def reached(self) -> bytearray:
-        return self.grad_buffer.reached
 
     # -- the parameters moved behind our back ------------------------------------------
     def first_moved(self, hint: bool = False) -> int:
@@ -237,7 +248,7 @@ class FlatShard:
         """A new FlatShard over the same parameters at their new dtype and device, with
         this one's state carried over (moved to the new device): training continues as
         with an optimizer built after the move."""
-        kinds = {(p.dtype, p.device) for p in self.params}
+        kinds = {(real_dtype(p.dtype), p.device) for p in self.params}
         if len(kinds) != 1:
             found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
             raise RuntimeError(
@@ -245,9 +256,10 @@ class FlatShard:
                 f"dtypes or devices ({found}) after the optimizer was built; move the whole "
                 "model at once (model.to(device, dtype)) or build the optimizer after moving it")
         dtype, device = kinds.pop()
-        if dtype not in _SUPPORTED:
+        if dtype not in _FLAT_DTYPES:
             raise RuntimeError(f"zero_triton: parameters were cast to {dtype} after the optimizer "
-                               "was built; FusedAdam steps float32, float16 and bfloat16 parameters")
+                               "was built; FusedAdam steps float32, float16, bfloat16, float64 "
+                               "and complex parameters")
         if device.type == "meta":
             raise RuntimeError("zero_triton: parameters were moved to the meta device after the "
                                "optimizer was built; materialise them (model.to_empty + init) "
@@ -259,6 +271,8 @@ class FlatShard:
                         amsgrad=self.state.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
                         bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer,
                         stage=self.stage)
+        if self.device.type == "meta":  # materialised (model.to_empty): nothing to carry over
+            return new
         with torch.no_grad():
             # The new buffer copied every .grad in (Module.to converts them all, views
             # included); which parameters have a gradient is still the old answer.
@@ -292,18 +306,14 @@ class FlatShard:
                         m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
         self.versions.accept(wanted)
 
-    def sync_grads(self, backward_seen: bool = False):
+    def sync_grads(self):
         """Decide which parameters have a gradient at this step (``self.stepped``: None
-        when all do), repairing ``.grad`` as ``zero_triton.grads`` describes."""
-        self.stepped = self.grad_buffer.sync(self.param_views, backward_seen)
+        when all do): torch's rule, ``.grad`` not None (``zero_triton.grads``)."""
+        self.stepped = self.grad_buffer.sync(self.param_views)
 
-    def zero_grads(self):
-        """``zero_grad``: no parameter has a gradient until backward reaches it."""
-        self.grad_buffer.zero()
-        self.stepped = None
-
-    def mark_zeroed(self):
-        self.grad_buffer.mark_zeroed()
+    def zero_grads(self, set_to_none: bool = True):
+        """``zero_grad``, as torch.optim.Optimizer's."""
+        self.grad_buffer.zero(set_to_none)
         self.stepped = None
 
     def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
@@ -375,11 +385,13 @@ class FusedAdam(torch.optim.Optimizer):
             fp32 parameters are their own master.
         backend: "auto" | "triton" | "cuda" | "cpu" | "torch" (see zero_triton.backends).
 
-    The parameters' storage moves into flat buffers at construction: build the
-    optimizer after ``model.to(device, dtype)``. ``zero_grad`` zeroes the buffers and
-    keeps the ``.grad`` views. As in torch.optim.Adam, a parameter without a gradient
-    at ``step`` is not updated (see FlatShard for what "has a gradient" means);
-    parameters with ``requires_grad=False`` at construction are left out.
+    The parameters' storage moves into flat buffers at construction (a later
+    ``model.to(device, dtype)`` is followed at the next step). ``zero_grad`` is torch's:
+    ``.grad`` None, or zeroed in place with ``set_to_none=False``. As in
+    torch.optim.Adam, a parameter whose ``.grad`` is None at ``step`` is not updated;
+    parameters with ``requires_grad=False`` at construction are left out. With
+    ``differentiable=True`` the step is torch's differentiable one
+    (``zero_triton.differentiable``).
     """
 
     _step_supports_amp_scaling = True
@@ -401,9 +413,10 @@ class FusedAdam(torch.optim.Optimizer):
         """The constructor proper, over ``comm`` (``LocalComm`` here; ZeroAdam passes its
         process group's) with gradients averaged in ``reduce_dtype`` (None: their own),
         in buckets of ``bucket_cap_mb`` MiB of gradients (None: one per flat buffer)."""
-        check_params_argument(params, type(self).__name__)
-        _check_drop_in_flags(foreach, fused, capturable, differentiable)
+        # torch.optim.Adam's order: the hyperparameters, then the parameters.
         _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
+        _check_drop_in_flags(foreach, fused, capturable, differentiable)
+        check_params_argument(params, type(self).__name__)
         _check_flag("amsgrad", amsgrad)
         _check_flag("maximize", maximize)
         if master_weights is not None:
@@ -412,7 +425,16 @@ class FusedAdam(torch.optim.Optimizer):
                                           not isinstance(max_grad_norm, (int, float)) or
                                           not max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a float > 0 or None, got {max_grad_norm!r}")
-        betas = tuple(_to_float(b) for b in betas)
+        _check_flag("differentiable", differentiable)
+        if differentiable and not isinstance(comm, LocalComm):
+            raise ValueError(f"{type(self).__name__}(differentiable=True) is not supported: autograd "
+                             "through a sharded step would need every rank's graph; use "
+                             "FusedAdam(differentiable=True) (or torch.optim.Adam) on one process")
+        # differentiable=True: torch's per-parameter state and torch's differentiable
+        # single-tensor step (zero_triton.differentiable); no flat buffers.
+        self._differentiable = bool(differentiable)
+        if not self._differentiable:
+            betas = tuple(_to_float(b) for b in betas)
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_norm = None
         self._frozen = []  # (group index, parameter) left out at construction
@@ -442,7 +464,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._clip_coef = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-                        **adam_state.TORCH_GROUP_KEYS)
+                        **{**adam_state.TORCH_GROUP_KEYS, "differentiable": self._differentiable})
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
         # leaves the parameters as it found them.
@@ -456,6 +478,11 @@ class FusedAdam(torch.optim.Optimizer):
 
     # -- construction -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        if self._differentiable:
+            group = {**self.defaults, **param_group}
+            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            torch.optim.Optimizer.add_param_group(self, param_group)
+            return
         if "_tracked" not in self.__dict__:  # construction: torch.optim.Optimizer's empty state
             self.state = self._tracked = watch.TrackedState()
             self._group_sizes = []
@@ -471,8 +498,9 @@ class FusedAdam(torch.optim.Optimizer):
         if params and all(named):  # (name, tensor) pairs
             params = [p for _, p in params]
         if self.param_groups and ("param_names" in self.param_groups[0]) != (params != [] and all(named)):
-            raise ValueError("all optimizer param groups should be with/without names: this group "
-                             f"{'has' if all(named) else 'lacks'} names and the existing ones do not")
+            raise ValueError("all optimizer param groups should be with/without names. cannot add "
+                             f"param group {'with' if all(named) else 'without'} names to the "
+                             "optimizer: name every group's parameters, or none")
         if len({id(p) for p in params}) != len(params):
             warnings.warn("optimizer contains a parameter group with duplicate parameters; each "
                           "one is kept once (FusedAdam steps a parameter once per step)", stacklevel=3)
@@ -501,31 +529,32 @@ class FusedAdam(torch.optim.Optimizer):
                 raise TypeError(f"parameter {i} of the group is a {type(p).__name__}, not a tensor")
             if id(p) in seen:
                 raise ValueError(
-                    f"parameter {i} of the new group ({tuple(p.shape)}) is already in another "
-                    "param group; give each parameter to exactly one group")
+                    f"some parameters appear in more than one parameter group: parameter {i} of "
+                    f"the new group ({tuple(p.shape)}) is already in another param group; give "
+                    "each parameter to exactly one group")
             if not p.is_leaf:
                 raise ValueError(f"parameter {i} is not a leaf tensor; optimize leaves (nn.Parameter)")
             if p.dtype not in _SUPPORTED:
                 raise ValueError(f"parameter {i} is {p.dtype}; FusedAdam handles float32, "
-                                 "float16 and bfloat16 parameters (complex: view_as_real first)")
+                                 "float16, bfloat16, float64, complex64 and complex128 parameters")
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError(f"parameter {i} has a sparse gradient; use torch.optim.SparseAdam")
-            if p.device.type == "meta":
+            if p.device.type == "meta" and not isinstance(self._comm, LocalComm):
                 raise ValueError(f"parameter {i} ({tuple(p.shape)}) is on the meta device: it has "
-                                 "no data to optimize; materialise the model first (model.to_empty("
-                                 "device=...) and initialise it), then build the optimizer")
+                                 "no data to shard; materialise the model first (model.to_empty("
+                                 "device=...) and initialise it), then build ZeroAdam")
         _check_no_shared_memory([q for g in self.param_groups for q in g["params"]], params)
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
         trainable = [p for p in params if p.requires_grad]
-        if trainable:
+        if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
             backends.resolve(self._backend, trainable[0].device)  # raises with the fix
         flats = []
         key = sum(len(f) for f in self._flats)
         reducer = self._reducer if self._comm.world_size > 1 or self._stage == 2 else None
         try:
-            for dtype in _SUPPORTED:
-                members = [p for p in trainable if p.dtype == dtype]
+            for dtype in _FLAT_DTYPES:
+                members = [p for p in trainable if real_dtype(p.dtype) == dtype]
                 if members:
                     flats.append(FlatShard(members, self._comm, master_weights=self._master_weights,
                                            backend=self._backend, amsgrad=group["amsgrad"],
@@ -553,10 +582,38 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _expose_state(self, flat: FlatShard):
         """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
-        views = flat.state.views()
+        views, table = flat.state_views(), self._tracked
         for i, p in enumerate(flat.params):
-            self._tracked.set_entry(p, {"step": flat.state.step_of(i), **{k: v[i] for k, v in views.items()}})
+            # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.
+            entry = {"step": flat.state.step_of(i).view(()), **{k: v[i] for k, v in views.items()}}
+            old = dict.get(table, p)
+            if old and len(old) > len(entry):  # keys a user or a wrapper added stay
+                entry.update({k: v for k, v in old.items() if k not in adam_state.OWN_KEYS})
+            table.set_entry(p, entry)
         flat.exposed_steps = flat.state.steps
+
+    def _set_extras(self, others: dict, per_param: dict) -> None:
+        """``opt.state`` anew: our entries (world size 1), each parameter's extra keys
+        and the entries that are not parameters (``zero_triton.adam_state.extras``)."""
+        table = self._tracked
+        self.state = table
+        dict.clear(table)
+        flats = [flat for _, flat in self._all_flats()]
+        if self._comm.world_size == 1:
+            for flat in flats:
+                self._expose_state(flat)
+        for flat in flats:
+            for p in flat.params:
+                extra = per_param.get(id(p))
+                if extra:
+                    entry = dict.get(table, p)
+                    if entry is None:
+                        table.set_entry(p, extra)
+                    else:
+                        dict.update(entry, extra)
+        for key, value in others.items():
+            dict.__setitem__(table, key, value)
+        table.edited = table.removed = False
 
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
@@ -606,10 +663,16 @@ class FusedAdam(torch.optim.Optimizer):
     def _check_groups(self) -> None:
         """Refuse parameters added to or removed from ``param_groups`` by hand: the
         optimizer has flat buffers and state for the ones it was given."""
-        sizes = self._group_sizes
-        if len(self.param_groups) == len(sizes) and all(
-                len(g["params"]) == n for g, n in zip(self.param_groups, sizes)):
-            return
+        sizes, groups = self._group_sizes, self.param_groups
+        if len(groups) >= len(sizes) and all(
+                len(g["params"]) == n for g, n in zip(groups, sizes)):
+            if len(groups) == len(sizes):
+                return
+            # Groups repeated (``param_groups.extend(param_groups)``): the state dict
+            # numbers their parameters as torch does; each parameter still steps once.
+            known = {id(p) for g in groups[:len(sizes)] for p in g["params"]}
+            if all(id(p) in known for g in groups[len(sizes):] for p in g["params"]):
+                return
         raise RuntimeError(
             f"{type(self).__name__}: param_groups were edited by hand (now "
             f"{[len(g['params']) for g in self.param_groups]} parameters per group, built with "
@@ -642,19 +705,14 @@ class FusedAdam(torch.optim.Optimizer):
         self._restore_state_table()
 
     def _restore_state_table(self) -> None:
-        tracked = self._tracked
-        self.state = tracked
-        dict.clear(tracked)
-        if self._comm.world_size == 1:
-            for _, flat in self._all_flats():
-                self._expose_state(flat)
-        tracked.edited = False
+        user = self.state if isinstance(self.state, dict) else {}
+        self._set_extras(*adam_state.extras(user, [p for _, f in self._all_flats() for p in f.params]))
 
     @staticmethod
     def _plan_state(flat, user):
         """(copies, new step counts or None, parameters to re-seed) for one flat buffer
         from the user's ``opt.state``; raises on entries it cannot take."""
-        views, counts = flat.state.views(), flat.state.param_steps()
+        views, counts = flat.state_views(), flat.state.param_steps()
         copies, reseed, steps_changed = [], [], False
         for i, p in enumerate(flat.params):
             entry = dict.get(user, p) if isinstance(user, dict) else None
@@ -702,12 +760,15 @@ class FusedAdam(torch.optim.Optimizer):
 
     # -- the step -------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat grad buffers. The ``.grad`` views stay (``set_to_none`` is
-        accepted for compatibility and ignored: the buffers are the gradients); until
-        backward reaches a parameter again, it counts as having no gradient."""
+        """As torch.optim.Optimizer.zero_grad: every ``.grad`` None (``set_to_none``,
+        the default; nothing is written), or each gradient zeroed in place and kept, so
+        that the parameter is stepped with a zero gradient even if the next backward
+        does not reach it."""
+        if self._differentiable:
+            return torch.optim.Optimizer.zero_grad(self, set_to_none)
         self._reducer.reset()  # reductions still reading the gradients finish first
         for _, flat in self._current_flats(hint=True):
-            flat.zero_grads()
+            flat.zero_grads(set_to_none)
         self._grads_reduced = False
         self._clip_coef = None
 
@@ -728,9 +789,8 @@ class FusedAdam(torch.optim.Optimizer):
             self._enter(entry, pairs)
             return
         flats = [flat for _, flat in pairs]
-        backward_seen = any(1 in flat.reached for flat in flats)
         for flat in flats:
-            flat.sync_grads(backward_seen)
+            flat.sync_grads()
         buffers = [f.grad_buffer for f in flats]
         stale = self._reducer.changed_since_launch(buffers)
         if self._reducer.round_agreed:  # finish what every rank started in backward first
@@ -886,17 +946,25 @@ class FusedAdam(torch.optim.Optimizer):
         self.grad_norm = total
         return total
 
-    @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step. With GradScaler (``scaler.step(opt)``), the scale and the
         inf flag it attaches are applied inside the kernel; a step with inf/nan
-        gradients changes nothing. Parameters without a gradient are not updated."""
+        gradients changes nothing. Parameters without a gradient are not updated.
+        With ``differentiable=True``, torch's differentiable step (grad mode on)."""
+        if self._differentiable:
+            return plain.step(self, closure)
+        with torch.no_grad():
+            return self._fused_step(closure)
+
+    def _fused_step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._reducer.wait_gathers()  # the last step's, when the forward did not need them all
         flats = self._current_flats(hint=True)
+        if any(flat.device.type == "meta" for _, flat in flats):
+            flats = self._without_meta(flats)
         self._check_frozen()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
@@ -935,6 +1003,20 @@ class FusedAdam(torch.optim.Optimizer):
         self._stepped()
         return loss
 
+    @staticmethod
+    def _without_meta(flats) -> list:
+        """The flats to step when some are on the meta device: those have no data, so a
+        gradient on one is refused (torch's error); without one they are not stepped."""
+        for _, flat in flats:
+            if flat.device.type == "meta" and any(p.grad is not None for p in flat.params):
+                raise RuntimeError(
+                    "`fused=True` requires all the params to be floating point Tensors of "
+                    "supported devices (torch.optim.Adam's message): these parameters are on "
+                    "the meta device and have no data. Materialise the model (model.to_empty("
+                    "device=...) and initialise it), then build the optimizer over its "
+                    "parameters (to_empty makes new Parameter objects). Nothing was changed")
+        return [(g, f) for g, f in flats if f.device.type != "meta"]
+
     def _stepped(self) -> None:
         """A step() completed (ZeroAdam counts them in its agreement)."""
 
@@ -944,6 +1026,8 @@ class FusedAdam(torch.optim.Optimizer):
         parameters), the options, and the state in torch.optim.Adam's format. A copy
         is rebuilt from them: new flat buffers over the copied parameters, same state,
         as a deep copy of torch.optim.Adam gives an optimizer of the copied tensors."""
+        if self._differentiable:
+            return {"_plain": dict(self.__dict__)}
         if not isinstance(self._comm, LocalComm):
             raise TypeError(
                 f"{type(self).__name__} over a process group cannot be deep-copied or pickled: "
@@ -955,6 +1039,12 @@ class FusedAdam(torch.optim.Optimizer):
                             "max_grad_norm": self._max_grad_norm}}
 
     def __setstate__(self, saved: dict) -> None:
+        if "_plain" in saved:
+            self.__dict__.update(saved["_plain"])
+            return
+        if self.__dict__.get("_differentiable"):  # torch.optim.Optimizer.load_state_dict's call
+            torch.optim.Optimizer.__setstate__(self, saved)
+            return
         d, options = saved["defaults"], saved["options"]
         groups = [{k: v for k, v in g.items() if k != "param_names"} | (
             {"params": list(zip(g["param_names"], g["params"]))} if "param_names" in g else {})
@@ -985,6 +1075,8 @@ class FusedAdam(torch.optim.Optimizer):
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
         parameters. Tensors are views of the live state, as torch's are. State-dict
         hooks registered on the optimizer run as torch runs them."""
+        if self._differentiable:
+            return torch.optim.Optimizer.state_dict(self)
         self.wait_params()
         return adam_state.with_state_dict_hooks(self, self._full_state_dict)
 
@@ -992,6 +1084,8 @@ class FusedAdam(torch.optim.Optimizer):
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current
         parameter upcast. Load-state-dict hooks run as torch runs them."""
+        if self._differentiable:
+            return torch.optim.Optimizer.load_state_dict(self, state_dict)
         self.wait_params()
         adam_state.load_with_hooks(self, state_dict, self._load_full_state_dict)
 

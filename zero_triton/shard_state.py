@@ -6,7 +6,8 @@ lives here, contiguous, on the shard's device:
 
 - ``master``: the fp32 master of fp16/bf16 parameters; fp32 parameters are their own
   master (then ``master`` is the shard itself when it is one segment, else None);
-- ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (float32);
+- ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (float32; float64
+  for float64 parameters);
 - the step count: one device tensor ``step`` while every parameter has the same history,
   one per parameter (``steps``) once some missed a step (no gradient, as torch.optim.Adam
   skips them), with a host label per parameter (``history``) equal for equal counts.
@@ -32,10 +33,14 @@ class ShardState:
             self.master = torch.cat(param_parts).float()
         else:
             self.master = param_parts[0] if len(param_parts) == 1 else None
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.exp_avg = torch.zeros(n, **f32)
-        self.exp_avg_sq = torch.zeros(n, **f32)
-        self.max_exp_avg_sq = torch.zeros(n, **f32) if amsgrad else None
+        # float64 parameters keep float64 state (torch steps them in float64); every
+        # other dtype float32.
+        self.dtype = torch.float64 if param_parts[0].dtype == torch.float64 else torch.float32
+        kind = dict(dtype=self.dtype, device=self.device)
+        self.exp_avg = torch.zeros(n, **kind)
+        self.exp_avg_sq = torch.zeros(n, **kind)
+        self.max_exp_avg_sq = torch.zeros(n, **kind) if amsgrad else None
+        f32 = dict(dtype=torch.float32, device=self.device)  # step counts
         self.step = torch.zeros(1, **f32)
         self.steps = None    # per-parameter counts (float32, on the device) once they differ
         self.history = None  # host labels, equal for parameters with the same history

@@ -1,9 +1,10 @@
 """Numbers on the command line: counts with an optional unit suffix, whole numbers,
 positive numbers; each an argparse ``type=`` whose error names the fix.
 
-``memory --params 7B`` counts parameters, where 7B means 7e9 (``DECIMAL``);
-``bench --sizes 64M`` sizes flat buffers, where 64M means 64 * 2**20 (``BINARY``).
-Both parse with ``parse_count``, exactly (Decimal, not float: 7.5e9 and 2**60 + 1 keep
+One convention for every command: K, M, G (or B, billions), T are powers of ten, as
+parameter counts are quoted (``memory --params 7B`` is 7e9); Ki, Mi, Gi, Ti are powers of
+two (``bench --sizes 64Mi`` is 64 * 2**20 elements). Output labels follow the same rule.
+Counts parse with ``parse_count``, exactly (Decimal, not float: 7.5e9 and 2**60 + 1 keep
 every digit).
 """
 from __future__ import annotations
@@ -13,21 +14,35 @@ import math
 import os
 from decimal import Decimal, InvalidOperation, localcontext
 
-DECIMAL = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-BINARY = {"K": 2**10, "M": 2**20, "B": 2**30, "G": 2**30, "T": 2**40}
+UNITS = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9, "T": 10**12,
+         "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+SUFFIXES = "K/M/G(B)/T = 10**3/10**6/10**9/10**12, Ki/Mi/Gi/Ti = 2**10/2**20/2**30/2**40"
 MAX_COUNT = 2**63 - 1  # torch counts elements in int64
 
 
-def parse_count(text: str, units: dict = DECIMAL, example: str = "7B") -> int:
+def format_count(n: int) -> str:
+    """``n`` with the largest suffix that divides it (binary first: 64Mi, then 7B), else
+    the digits."""
+    for unit in ("Ti", "Gi", "Mi", "Ki", "T", "B", "M", "K"):
+        scale = UNITS[unit.upper()]
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def parse_count(text: str, example: str = "7B") -> int:
     """``text`` as a positive int: digits (``_`` separators allowed), a decimal or an
-    exponent form (``7.5e9``), optionally followed by a suffix of ``units`` (``7B``,
-    ``1.5K``, ``64M``; either case). Raises ``argparse.ArgumentTypeError`` naming the
-    fix, so it serves as an argparse ``type=``."""
+    exponent form (``7.5e9``), optionally followed by a suffix (``7B``, ``1.5K``, ``64Mi``;
+    either case; see the module docstring). Raises ``argparse.ArgumentTypeError`` naming
+    the fix, so it serves as an argparse ``type=``."""
     number = str(text).strip().replace("_", "")
     scale = 1
-    if number[-1:].upper() in units:
-        number, scale = number[:-1], units[number[-1].upper()]
-    suffixes = "/".join(units)
+    for width in (2, 1):
+        suffix = number[-width:].upper() if len(number) > width else ""
+        if suffix in UNITS and (width == 2 or suffix != "I"):
+            number, scale = number[:-width], UNITS[suffix]
+            break
+    suffixes = "K, M, G/B, T or Ki, Mi, Gi, Ti"
     try:
         value = Decimal(number)
     except InvalidOperation:

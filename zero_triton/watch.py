@@ -47,7 +47,7 @@ class ParamVersions:
     def written(self) -> list[int]:
         """Indices of the parameters written through since ``accept`` (a host read of one
         integer per parameter: no device work, no sync; one C loop with the extension)."""
-        if self.first_written is not None:
+        if self.first_written is not None and not torch.compiler.is_compiling():
             if self.first_written(self.params, self.seen) < 0:
                 return []
         now = list(map(_VERSION, self.params))
@@ -99,6 +99,7 @@ class TrackedState(collections.defaultdict):
     def __init__(self):
         super().__init__(dict)
         self.edited = False
+        self.removed = False  # an entry was deleted (clear, del, pop): a reset for ZeroAdam
 
     def _edited(self) -> None:
         self.edited = True
@@ -122,6 +123,18 @@ class TrackedState(collections.defaultdict):
 for _cls in (ParamState, TrackedState):  # every way a dict can change notes an edit
     for _name in _MUTATORS:
         setattr(_cls, _name, _edits(getattr(dict, _name)))
+
+
+def _removes(method):
+    def remove(self, *args, **kwargs):
+        self.removed = True
+        return method(self, *args, **kwargs)
+    remove.__name__ = method.__name__
+    return remove
+
+
+for _name in ("__delitem__", "pop", "popitem", "clear"):
+    setattr(TrackedState, _name, _removes(getattr(TrackedState, _name)))
 
 
 def unaliased(state_dict: dict, ours) -> dict:

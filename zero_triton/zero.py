@@ -147,8 +147,15 @@ class ZeroAdam(FusedAdam):
             refuse, error = 1, exc
         flags = agreement.STALE if stale else 0
         if self._state_edited():
-            # Cleared or replaced by an empty table: a reset. Anything put in it: refused.
-            assigned = not isinstance(self.state, dict) or any(dict.values(self.state))
+            # Cleared or replaced: a reset. Our keys put in a parameter's entry: refused.
+            # Anything else (a key that is not a parameter, a parameter's extra keys) is
+            # kept beside the sharded state, as torch keeps it.
+            table = self.state
+            params = {id(p) for _, f in flats for p in f.params}
+            assigned = not isinstance(table, dict) or any(
+                isinstance(k, torch.Tensor) and id(k) in params and isinstance(v, dict)
+                and not adam_state.OWN_KEYS.isdisjoint(v) for k, v in dict.items(table))
+            reset = table is not self._tracked or self._tracked.removed
             if assigned:
                 refuse = refuse or 3
                 error = error or RuntimeError(
@@ -157,7 +164,7 @@ class ZeroAdam(FusedAdam):
                     "optimizer.state.clear() (or assign a new defaultdict(dict)) on every "
                     "rank; to set it, load a state dict (optimizer.load_state_dict, on every "
                     "rank) or a checkpoint. Nothing was changed")
-            else:
+            elif reset:
                 flags |= agreement.RESET
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
         agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
@@ -172,7 +179,8 @@ class ZeroAdam(FusedAdam):
                     flat.state.max_exp_avg_sq.zero_()
                 flat.state.set_param_steps([0.0] * len(flat.params))
                 flat.reseed(range(len(flat.params)))
-            self._restore_state_table()
+        if self._state_edited():
+            self._restore_state_table()  # kept: whatever is not ours
         self._reseed_written(flats)
         return bool(agreed & agreement.STALE)
 

@@ -230,6 +230,12 @@ def validate(m: dict, source: str) -> None:
         numel = math.prod(shape)
         if numel > _MAX_NUMEL:
             v.fail(f"{field}.shape", f"is {shape}: {numel} elements")
+        if "stride" in p:  # a dense layout other than the contiguous one (channels_last)
+            stride = v.list(p, "stride", f"{field}.stride", max_len=64)
+            for d in range(len(stride)):
+                v.int(stride, d, f"{field}.stride[{d}]", 0, _MAX_NUMEL)
+            if len(stride) != len(shape) or not _dense(shape, stride):
+                v.fail(f"{field}.stride", f"is {stride}: not a dense layout of shape {shape}")
         dtype = v.get(p, "dtype", f"{field}.dtype", str)
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             v.fail(f"{field}.dtype", f"is {dtype!r}, not a torch dtype")
@@ -328,6 +334,16 @@ def validate(m: dict, source: str) -> None:
                        f"of {flat['numel']}")
 
 
+def _dense(shape, stride) -> bool:
+    """``stride`` lays ``shape`` out densely, without overlap (numel elements exactly)."""
+    expected = 1
+    for st, d in sorted((st, d) for st, d in zip(stride, shape) if d != 1):
+        if st != expected:
+            return False
+        expected *= d
+    return True
+
+
 def describe(entry: dict) -> str:
     where = "frozen" if entry["flat"] is None else f"flat buffer {entry['flat']}"
     return (f"'{entry['name']}' {entry['shape']} {entry['dtype']} in param group "
@@ -341,6 +357,12 @@ def check_same_model(manifest: dict, mine: list[dict], flats: list[dict], n_grou
     plain = plain_names(a["name"] for a in theirs if a["named"])
     keys = ("group", "shape", "dtype", "flat", "offset")
     for i, (a, b) in enumerate(zip(theirs, mine)):
+        if a.get("stride") != b.get("stride"):
+            raise ModelMismatchError(
+                f"checkpoint {directory}: parameter {i} {describe(a)} was saved with strides "
+                f"{a.get('stride') or 'contiguous'}, this model's are {b.get('stride') or 'contiguous'} "
+                "(channels_last on one side only); convert the model to the saved memory format "
+                "(model.to(memory_format=...)) before building the optimizer and loading")
         if any(a[k] != b[k] for k in keys) or (
                 a["named"] and b["named"] and plain[a["name"]] != b["name"]):
             raise ModelMismatchError(

@@ -10,6 +10,11 @@ import torch
 from zero_triton.checkpoint.manifest import NOT_HYPER, dtype_name, plain_names
 from zero_triton.flat import unflatten_into
 
+# What torch's LR schedulers write into param groups (OneCycleLR and CyclicLR cycle the
+# momentum, i.e. Adam's betas, too).
+SCHEDULED = frozenset(("lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum",
+                       "betas", "momentum"))
+
 
 def _jsonable(value):
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -51,6 +56,13 @@ class Target:
         optimizer._enter(entry)
         self.flats = [flat for flats in optimizer._flats for flat in flats]
         self.flat_groups = [gi for gi, flats in enumerate(optimizer._flats) for _ in flats]
+        for flat in self.flats:
+            if flat.dtype == torch.float64 or any(p.is_complex() for p in flat.params):
+                raise TypeError(
+                    f"zero_triton.checkpoint ({entry}) stores float32, float16 and bfloat16 "
+                    "parameters; this optimizer has float64 or complex ones. Save "
+                    "optimizer.state_dict() with torch.save (ZeroAdam: consolidated_state_dict()) "
+                    "or use torch.distributed.checkpoint")
 
     # -- reading -------------------------------------------------------------------------
     @staticmethod
@@ -81,10 +93,12 @@ class Target:
             named = list(model.named_parameters())
             plain = plain_names(n for n, _ in named)
             names = {id(p): plain[n] for n, p in named}
-        where = {}
+        where, strides = {}, {}
         for k, flat in enumerate(self.flats):
-            for p, offset in zip(flat.params, flat.layout.canonical_offsets):
+            for p, offset, stride in zip(flat.params, flat.layout.canonical_offsets,
+                                         flat.layout.strides):
                 where[id(p)] = (k, offset)
+                strides[id(p)] = stride
         entries, index = [], 0
         for gi, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
@@ -93,6 +107,9 @@ class Target:
                 entries.append({"name": names[id(p)] if named else f"param_groups[{gi}].params[{j}]",
                                 "named": named, "index": index, "group": gi, "shape": list(p.shape),
                                 "dtype": dtype_name(p.dtype), "flat": k, "offset": offset})
+                stride = strides.get(id(p))
+                if stride is not None:  # stored in this memory order (channels_last)
+                    entries[-1]["stride"] = list(stride)
                 index += 1
         return entries
 
@@ -154,11 +171,15 @@ class Target:
     def _apply_hyperparameters(self, saved_groups) -> None:
         diffs = []
         for gi, (group, saved) in enumerate(zip(self.optimizer.param_groups, saved_groups)):
+            # Every torch LR scheduler puts initial_lr in the groups: the values it moves
+            # differ on every resume (it set them for its first epoch), so they are
+            # restored without a word; any other difference is the user's and is named.
+            scheduled = SCHEDULED if "initial_lr" in group else ()
             for k, v in saved.items():
                 if k in NOT_HYPER:
                     continue
                 mine = group.get(k)
-                if _jsonable(mine) != v:
+                if _jsonable(mine) != v and k not in scheduled:
                     diffs.append(f"group {gi} {k}: {v} (was {mine})")
                 if isinstance(mine, torch.Tensor):
                     mine.fill_(v)  # a tensor lr stays a tensor

@@ -21,6 +21,13 @@ from zero_triton.checkpoint.protocol import read_model_flat, read_state_range
 from zero_triton.checkpoint.target import own_bytes
 
 
+def _shaped(run: torch.Tensor, entry: dict) -> torch.Tensor:
+    """A parameter's run of a flat buffer (its memory order) with its shape and strides."""
+    if "stride" in entry:
+        return run.as_strided(entry["shape"], entry["stride"])
+    return run.view(entry["shape"])
+
+
 def consolidate(path) -> tuple[dict, dict]:
     """The checkpoint at ``path`` as ``(optimizer_state_dict, model_state_dict)``:
     torch.optim.Adam's format (per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq],
@@ -51,9 +58,9 @@ def consolidate(path) -> tuple[dict, dict]:
                     t = torch.empty(numel, dtype=torch.float32)
                     if numel:
                         read_state_range(readers, manifest, k, name, lo, end, t)
-                    s["master_param" if name == "master" else name] = t.view(entry["shape"])
+                    s["master_param" if name == "master" else name] = _shaped(t, entry)
                 state[entry["index"]] = s
-                model_sd[entry["name"]] = flat_params[k][lo:end].clone().view(entry["shape"])
+                model_sd[entry["name"]] = _shaped(flat_params[k][lo:end].clone(), entry)
             if manifest["model_extra"]:
                 blob = readers.get_reader(MODEL_EXTRA_FILE).read_blob()
                 if not isinstance(blob, dict):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from zero_triton import outputs
-from zero_triton.units import BINARY, parse_count, positive_number, rank_count, whole_number
+from zero_triton.units import SUFFIXES, parse_count, positive_number, rank_count, whole_number
 
 # Defaults that profile a step on 2 CPU cores in well under a minute.
 MODEL_DEFAULTS = {"layers": 2, "width": 128, "heads": 4, "vocab": 2048, "seq": 64, "batch": 8}
@@ -28,7 +28,7 @@ def _stage(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    return parse_count(text, BINARY, "64M")
+    return parse_count(text, "64Mi")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="time all-reduce, reduce-scatter and all-gather on a synthetic flat "
                            "buffer of --size elements instead of training")
     coll.add_argument("--size", type=_size, default=None,
-                      help="elements of that buffer, e.g. 64M (K/M/G/T = 2**10/2**20/2**30/2**40; "
-                           "default 16M)")
+                      help=f"elements of that buffer, e.g. 64Mi ({SUFFIXES}; default 16Mi)")
     coll.add_argument("--repeats", type=_positive_int, default=5,
                       help="timed calls of each collective (median; default 5)")
     out = ap.add_argument_group("output")
