@@ -72,10 +72,6 @@ class LocalGrads:
                     p.grad = view
         self.seen_version = self.flat._version  # the version the last bucket hook saw
 
-    @property
-    def reached(self) -> bytearray:
-        return self.dirty
-
     def written_since_hooks(self) -> bool:
         """Something wrote into the gradients after the last bucket hook (another
         micro-batch, GradScaler.unscale_, a DDP wrapper, a hand): every bucket is stale."""
@@ -199,6 +195,8 @@ class ShardedGrads:
         self.layout = layout
         self.reducer = reducer
         self.buckets = bucket_list
+        # Has a gradient this step: 0 no, 1 a .grad found at step, 2 taken by backward's
+        # hook, 3 a zero gradient kept by zero_grad(set_to_none=False).
         self.reached = bytearray(len(params))
         self.bucket_of = [k for k, g in enumerate(layout.buckets) for _ in range(g.first, g.end)]
 
