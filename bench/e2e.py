@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""One training iteration end to end: DDP + AdamW vs torch's ZeRO vs ZeroAdamW.
+"""Training iterations end to end, as users run them: DDP + AdamW vs torch's ZeRO vs
+ZeroAdamW.
 
 The baseline for hiding ZeroAdam's communication: every configuration trains the same
-GPT (``zero_triton.gpt``, same weights, same batches) for one iteration at a time --
-forward, backward, optimizer step, zero_grad -- and we report per world size:
+GPT (``zero_triton.gpt``, same weights, same batches) -- forward, backward, optimizer
+step, zero_grad -- and we report per world size:
 
 * median ms per iteration (min-max) over ``--steps`` rounds after ``--warmup``; each
-  round runs every configuration once, in an order rotated round by round, and an
-  iteration's time is the slowest rank's (every rank starts it after a barrier);
+  round runs every configuration once, in an order rotated round by round. A
+  configuration's window starts after a barrier, runs ``--iters`` iterations back to back
+  (the next forward waits for the last step's all-gathers, as in training) and ends once
+  the last step's parameters are usable (``wait_params()`` for ZeroAdamW); its time per
+  iteration is the window over ``--iters``, the slowest rank's. ``--iters 1`` times
+  single iterations, its gathers still inside the window;
 * the ratio to DDP (configuration median / DDP median: above 1 is slower);
 * exposed communication as a share of the iteration, from three more iterations recorded
   by torch.profiler (per rank the median iteration by that share; mean over ranks) and cut by ``zero_triton.profiling.timeline`` (the same reading as
@@ -153,7 +158,8 @@ def _sync(device):
 # -- what each rank runs -----------------------------------------------------------------------
 
 def timed_rank(args, rank, world, device) -> dict:
-    """Every configuration, interleaved: {"ms": {key: [per timed round]}, "loss", "label"}."""
+    """Every configuration, interleaved: {"ms": {key: [per timed round]}, "loss", "label"};
+    ms per iteration of a window of ``args.iters`` back-to-back iterations."""
     torch.manual_seed(0)
     sync, batches = _sync(device), _batches(args, rank, device)
     runs = [(key, *build(key, args, device)) for key, _ in configurations(args)]
@@ -165,10 +171,12 @@ def timed_rank(args, rank, world, device) -> dict:
             sync()
             dist.barrier()
             t0 = time.perf_counter()
-            out = iteration(net, opt, batches[r % N_BATCHES])
+            for i in range(args.iters):
+                out = iteration(net, opt, batches[(r * args.iters + i) % N_BATCHES])
+            getattr(opt, "wait_params", lambda: None)()  # the last step's parameters are usable
             sync()
             if r >= args.warmup:
-                ms[key].append((time.perf_counter() - t0) * 1e3)
+                ms[key].append((time.perf_counter() - t0) * 1e3 / args.iters)
             loss[key] = float(out.detach().float())
     return {"ms": ms, "loss": loss, "label": {key: label for key, _, _, label in runs}}
 
@@ -356,7 +364,10 @@ def metadata(args) -> dict:
             "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
                       "vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "params": params},
             "argv": args.argv,
-            "time": "slowest rank's wall clock per iteration, after a barrier; median over rounds",
+            "iters": args.iters,
+            "time": f"slowest rank's wall clock over {args.iters} back-to-back iterations after a "
+                    "barrier, up to the last step's parameters usable (wait_params), per "
+                    "iteration; median (min-max) over rounds",
             "exposed_comm": f"{PROFILED} torch.profiler iterations per configuration, "
                             "zero_triton.profiling.timeline's split; per rank the median "
                             "iteration by exposed share, mean over ranks",
@@ -397,6 +408,9 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--seq", type=whole_number(1), default=64, help="tokens per sequence (64)")
     ap.add_argument("--batch", type=whole_number(1), default=4, help="sequences per rank (4)")
     ap.add_argument("--steps", type=whole_number(1), default=10, help="timed rounds (10)")
+    ap.add_argument("--iters", type=whole_number(1), default=5,
+                    help="iterations back to back per configuration and round (5); 1 times "
+                         "single iterations")
     ap.add_argument("--warmup", type=whole_number(0), default=3, help="untimed rounds first (3)")
     ap.add_argument("--bucket-cap-mb", type=positive_number(), default=None,
                     help="DDP's and ZeroAdamW's bucket size in MiB (default: 25, both's own)")

@@ -1,12 +1,14 @@
 """Exit soak: torchrun scripts that use ZeroAdam end with status 0 (or the exception's
 status), never an abort, however they end.
 
-    python bench/exit_soak.py --runs 200            # every variant, 200 runs each... split
+    python bench/exit_soak.py --runs 200            # every variant, 200 runs each
+    python bench/exit_soak.py --runs 200 --variants ddp   # the control, without zero_triton
 
 Each run starts ``torchrun --nproc_per_node 2`` (gloo, CPU) on a small training script
-that ends one of four ways: ``destroy_process_group()`` after the last step, no destroy
+that ends one of five ways: ``destroy_process_group()`` after the last step, no destroy
 at all, right after an overlapped step (all-gathers in flight) with and without destroy,
-and an exception on every rank. Prints, per variant, how many runs ended with the
+and an exception on every rank. The ``ddp`` control ends the first way with DDP and
+torch.optim.Adam instead of ZeroAdamW. Prints, per variant, how many runs ended with the
 expected status and the statuses seen otherwise (a negative status is a signal: -6 is
 SIGABRT); with ``EXIT_SOAK_VERBOSE=1`` the end of each such run's stderr. Exit status 1
 when any run ended otherwise.
@@ -30,7 +32,11 @@ SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=0.01)
+    if variant == "ddp":  # the control: DDP + torch.optim.Adam, no zero_triton at all
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = ZeroAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=0.01)
     if variant.startswith("overlap"):
         zero_triton.overlap(model, opt)
     for _ in range(3):
@@ -39,16 +45,18 @@ SCRIPT = textwrap.dedent("""
         opt.zero_grad()
     if variant == "raise":
         raise RuntimeError("the script fails on every rank")
-    if variant in ("destroy", "overlap+destroy"):
+    if variant in ("destroy", "overlap+destroy", "ddp"):
         dist.destroy_process_group()
 """)
 
 VARIANTS = {"destroy": 0, "no-destroy": 0, "overlap+destroy": 0, "overlap": 0, "raise": 1}
+CONTROL = {"ddp": 0}  # run only when named: the same ending without zero_triton
+EXPECTED = {**VARIANTS, **CONTROL}
 
 
 def run_once(script: str, variant: str, timeout: float) -> int:
     status, stderr = _run_once(script, variant, timeout)
-    if status != VARIANTS[variant] and os.environ.get("EXIT_SOAK_VERBOSE"):
+    if status != EXPECTED[variant] and os.environ.get("EXIT_SOAK_VERBOSE"):
         sys.stderr.write(f"--- {variant}: status {status}\n{stderr[-6000:]}\n")
     return status
 
@@ -72,11 +80,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=200, help="runs per variant (default 200)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma list of {','.join(VARIANTS)}")
+                    help=f"comma list of {','.join(VARIANTS)} (default: all), or ddp: the "
+                         "control, DDP + torch.optim.Adam ending with destroy_process_group()")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in EXPECTED]
     if bad or args.runs < 1:
         ap.error(f"unknown variants {bad}" if bad else "--runs must be >= 1")
     failed = False
@@ -88,9 +97,9 @@ def main(argv=None) -> int:
             start, seen = time.monotonic(), collections.Counter()
             for _ in range(args.runs):
                 seen[run_once(script, variant, args.timeout)] += 1
-            good = seen.pop(VARIANTS[variant], 0)
+            good = seen.pop(EXPECTED[variant], 0)
             failed |= bool(seen)
-            print(f"{variant:16s} {good}/{args.runs} exited {VARIANTS[variant]}"
+            print(f"{variant:16s} {good}/{args.runs} exited {EXPECTED[variant]}"
                   + (f"; otherwise {dict(seen)}" if seen else "")
                   + f"  ({time.monotonic() - start:.0f} s)", flush=True)
     return 1 if failed else 0

@@ -54,3 +54,41 @@ def test_bad_flag_is_one_argparse_error(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--ranks" in errors[0] and "2,4" in errors[0], proc.stderr
     assert not list(tmp_path.iterdir()), "a refused run wrote files"
+
+
+def _window_job(rank, world, out):
+    """timed_rank on ZeroAdamW + overlap alone, rank 1 launching its all-gathers 0.3 s
+    late: rank 0's step returns at once, its gathers land only then."""
+    import importlib.util
+    import time
+
+    import torch
+    spec = importlib.util.spec_from_file_location("e2e_bench", SCRIPT)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    args = e2e.parse_args(["--ranks", "2", "--steps", "2", "--warmup", "0", "--iters", "1",
+                           "--out", out, *TINY])
+    args.variants = [v for v in e2e.zero_variants(None) if v[0] == "zero_s1_overlap"]
+    e2e.configurations = lambda a: [(key, label) for key, _, label, _ in a.variants]
+    build = e2e.build
+
+    def slow_build(key, a, device):
+        net, opt, label = build(key, a, device)
+        if rank == 1:
+            for flats in opt._flats:
+                for f in flats:
+                    def late(k, launch=f.gather_bucket):
+                        time.sleep(0.3)
+                        launch(k)
+                    f.gather_bucket = late
+        return net, opt, label
+    e2e.build = slow_build
+    return e2e.timed_rank(args, rank, world, torch.device("cpu"))["ms"]["zero_s1_overlap"]
+
+
+def test_the_window_ends_after_the_last_steps_gathers(tmp_path):
+    # Steady state as users run it: the next forward would wait for these gathers, so the
+    # window holds them; a window that stopped when step() returned would not.
+    from dist_utils import run_ranks
+    ms = run_ranks(_window_job, 2, str(tmp_path), timeout=240)
+    assert all(t >= 250 for t in ms[0]), f"rank 0's windows {ms[0]} ms miss the 300 ms late gathers"

@@ -1,0 +1,19 @@
+"""Scripts that use ZeroAdam end with their own status, never an abort (README,
+Reliability): torchrun scripts ending with or without ``destroy_process_group()``, with
+all-gathers in flight under ``overlap()``, or with an exception. A few runs of each here;
+``python bench/exit_soak.py --runs 200`` is the long measurement.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SOAK = Path(__file__).resolve().parents[1] / "bench" / "exit_soak.py"
+
+
+def test_every_ending_exits_with_its_own_status():
+    proc = subprocess.run([sys.executable, str(SOAK), "--runs", "2", "--timeout", "240"],
+                          capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "EXIT_SOAK_VERBOSE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.count("2/2 exited") == 5, proc.stdout
