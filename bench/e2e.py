@@ -337,7 +337,8 @@ def write_png(rows, meta, path) -> str | None:
     ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
     ax.set_ylabel("ms per iteration (median, min-max)")
     ax.legend(fontsize=7, loc="upper left")
-    ax.set_title(f"one training iteration, GPT {meta['model']['params']:,} params, "
+    ax.set_title(f"training iterations, {meta.get('iters', 1)} back to back per window, GPT "
+                 f"{meta['model']['params']:,} params, "
                  f"{meta['dtype']}\n{meta['dist_backend']} on {meta['device_name']}", fontsize=8)
     ax.tick_params(labelsize=7)
     fig.tight_layout()
@@ -392,7 +393,7 @@ def _ranks(text):
 def parse_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="bench/e2e.py", usage="%(prog)s [options]   (--help lists them)",
-        description="Time one training iteration of a GPT: DDP + AdamW, ZeroRedundancyOptimizer"
+        description="Time training iterations of a GPT in steady state: DDP + AdamW, ZeroRedundancyOptimizer"
                     " + DDP and ZeroAdamW, interleaved, per world size; exposed communication"
                     " and peak memory per rank. CSV, JSON and PNG in --out.")
     ap.add_argument("--ranks", type=_ranks, default=None,
