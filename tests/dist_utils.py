@@ -84,3 +84,15 @@ def run_ranks(fn, world_size, *args, timeout=120, pg_timeout_s=60, allow_errors=
     if allow_errors:
         return results, errors
     return [results[r] for r in range(world_size)]
+
+
+def delay_gathers(opt, seconds: float) -> None:
+    """This rank starts each all-gather of ``opt`` ``seconds`` late: the other ranks'
+    gathers land that long after their ``step()`` returned."""
+    import time
+    for flats in opt._flats:
+        for f in flats:
+            def late(k, launch=f.gather_bucket):
+                time.sleep(seconds)
+                launch(k)
+            f.gather_bucket = late

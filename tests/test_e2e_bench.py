@@ -60,9 +60,10 @@ def _window_job(rank, world, out):
     """timed_rank on ZeroAdamW + overlap alone, rank 1 launching its all-gathers 0.3 s
     late: rank 0's step returns at once, its gathers land only then."""
     import importlib.util
-    import time
 
     import torch
+
+    from dist_utils import delay_gathers
     spec = importlib.util.spec_from_file_location("e2e_bench", SCRIPT)
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
@@ -75,12 +76,7 @@ def _window_job(rank, world, out):
     def slow_build(key, a, device):
         net, opt, label = build(key, a, device)
         if rank == 1:
-            for flats in opt._flats:
-                for f in flats:
-                    def late(k, launch=f.gather_bucket):
-                        time.sleep(0.3)
-                        launch(k)
-                    f.gather_bucket = late
+            delay_gathers(opt, 0.3)
         return net, opt, label
     e2e.build = slow_build
     return e2e.timed_rank(args, rank, world, torch.device("cpu"))["ms"]["zero_s1_overlap"]

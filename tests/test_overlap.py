@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import RankError, run_ranks  # noqa: E402
+from dist_utils import RankError, delay_gathers, run_ranks  # noqa: E402
 
 import zero_triton  # noqa: E402
 from zero_triton import ZeroAdamW, checkpoint  # noqa: E402
@@ -561,19 +561,13 @@ def test_rank_dependent_parameters_and_launches_that_differ():
 
 
 def _moved_while_gathering(rank, wait_first):
-    import time
     model = Net()
     opt = ZeroAdamW(param_groups(model), lr=1e-2, bucket_cap_mb=TINY, backend="torch")
     zero_triton.overlap(model, opt)
     for step in range(2):
         loss_of(model, *batch(rank, step)).backward()
         if step == 1 and rank == 1:  # rank 1 is slow to send its shards: rank 0's land late
-            for flats in opt._flats:
-                for f in flats:
-                    def slow(k, launch=f.gather_bucket):
-                        time.sleep(0.05)
-                        launch(k)
-                    f.gather_bucket = slow
+            delay_gathers(opt, 0.05)
         opt.step()
         opt.zero_grad()
     if wait_first:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import delay_gathers, run_ranks
 from zero_triton import FusedAdam, FusedAdamW, ZeroAdamW
 
 LOW = [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)]
@@ -311,16 +311,6 @@ class _Stat(torch.nn.Module):
         return self.b(h) + torch.nn.functional.linear(h, tied)
 
 
-def _slow_gathers(opt):
-    """This rank starts its all-gathers late: the other ranks' land after step() returns."""
-    for flats in opt._flats:
-        for f in flats:
-            def slow(k, launch=f.gather_bucket):
-                time.sleep(0.05)
-                launch(k)
-            f.gather_bucket = slow
-
-
 def _overlap_job(rank, world, stage):
     import zero_triton
     out = {}
@@ -333,7 +323,7 @@ def _overlap_job(rank, world, stage):
         losses = []
         for it in range(4):
             if use_overlap and it == 2 and rank == 1:
-                _slow_gathers(opt)
+                delay_gathers(opt, 0.05)
             g = torch.Generator().manual_seed(100 * rank + it)
             loss = model(torch.randn(4, 16, generator=g)).pow(2).mean()
             losses.append(loss.item())
@@ -350,7 +340,7 @@ def _overlap_job(rank, world, stage):
     torch.manual_seed(rank)
     for it in range(2):
         if it == 1 and rank == 1:
-            _slow_gathers(opt)
+            delay_gathers(opt, 0.05)
         model(torch.randn(4, 16)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()

@@ -141,7 +141,7 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` per parameter, shaped (and strided) like it."""
-        return [_shaped(flat[o:o + _numel(s)], s, st)
+        return [shaped(flat[o:o + _numel(s)], s, st)
                 for o, s, st in zip(self.offsets, self.shapes, self.strides)]
 
     def aliases(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -192,9 +192,19 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(out))
 
 
-def _shaped(run: torch.Tensor, shape, stride) -> torch.Tensor:
+def shaped(run: torch.Tensor, shape, stride=None) -> torch.Tensor:
     """A 1-D run of ``numel(shape)`` elements seen with ``shape`` (and ``stride``)."""
     return run.view(shape) if stride is None else run.as_strided(shape, stride)
+
+
+def is_dense(shape, stride) -> bool:
+    """``stride`` lays ``shape`` out densely, without overlap: numel elements exactly."""
+    expected = 1
+    for st, d in sorted((st, d) for st, d in zip(stride, shape) if d != 1):
+        if st != expected:
+            return False
+        expected *= d
+    return True
 
 
 def dense_strides(p: torch.Tensor):
@@ -202,14 +212,8 @@ def dense_strides(p: torch.Tensor):
     contiguous one (channels_last, a transposed weight made contiguous that way): its
     place in a flat buffer keeps them. None otherwise (contiguous, or a view with gaps,
     which is packed contiguously)."""
-    if p.is_complex() or p.dim() < 2 or p.is_contiguous():
+    if p.is_complex() or p.dim() < 2 or p.is_contiguous() or not is_dense(p.shape, p.stride()):
         return None
-    dims = sorted((st, d) for d, (st, d) in enumerate(zip(p.stride(), p.shape)) if d != 1)
-    expected = 1
-    for st, d in dims:
-        if st != expected:
-            return None
-        expected *= d
     return tuple(p.stride())
 
 

@@ -21,6 +21,7 @@ import math
 import torch
 
 from zero_triton.checkpoint.errors import CheckpointError, ModelMismatchError
+from zero_triton.flat import is_dense
 from zero_triton.checkpoint.files import (EXTRA_FILE, HEADER_BYTES, MAX_MANIFEST_BYTES,
                                           MODEL_EXTRA_FILE, MODEL_FILE, file_crc, rank_file)
 
@@ -234,7 +235,7 @@ def validate(m: dict, source: str) -> None:
             stride = v.list(p, "stride", f"{field}.stride", max_len=64)
             for d in range(len(stride)):
                 v.int(stride, d, f"{field}.stride[{d}]", 0, _MAX_NUMEL)
-            if len(stride) != len(shape) or not _dense(shape, stride):
+            if len(stride) != len(shape) or not is_dense(shape, stride):
                 v.fail(f"{field}.stride", f"is {stride}: not a dense layout of shape {shape}")
         dtype = v.get(p, "dtype", f"{field}.dtype", str)
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -332,16 +333,6 @@ def validate(m: dict, source: str) -> None:
             if pos != flat["numel"]:
                 v.fail("files", f"cover {state} of flat buffer {k} only up to element {pos} "
                        f"of {flat['numel']}")
-
-
-def _dense(shape, stride) -> bool:
-    """``stride`` lays ``shape`` out densely, without overlap (numel elements exactly)."""
-    expected = 1
-    for st, d in sorted((st, d) for st, d in zip(stride, shape) if d != 1):
-        if st != expected:
-            return False
-        expected *= d
-    return True
 
 
 def describe(entry: dict) -> str:

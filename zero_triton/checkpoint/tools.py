@@ -18,14 +18,8 @@ from zero_triton.checkpoint.errors import CheckpointError
 from zero_triton.checkpoint.files import (HEADER_BYTES, MODEL_EXTRA_FILE, Readers,
                                           file_crc, header)
 from zero_triton.checkpoint.protocol import read_model_flat, read_state_range
+from zero_triton.flat import shaped
 from zero_triton.checkpoint.target import own_bytes
-
-
-def _shaped(run: torch.Tensor, entry: dict) -> torch.Tensor:
-    """A parameter's run of a flat buffer (its memory order) with its shape and strides."""
-    if "stride" in entry:
-        return run.as_strided(entry["shape"], entry["stride"])
-    return run.view(entry["shape"])
 
 
 def consolidate(path) -> tuple[dict, dict]:
@@ -58,9 +52,11 @@ def consolidate(path) -> tuple[dict, dict]:
                     t = torch.empty(numel, dtype=torch.float32)
                     if numel:
                         read_state_range(readers, manifest, k, name, lo, end, t)
-                    s["master_param" if name == "master" else name] = _shaped(t, entry)
+                    s["master_param" if name == "master" else name] = shaped(
+                        t, entry["shape"], entry.get("stride"))
                 state[entry["index"]] = s
-                model_sd[entry["name"]] = _shaped(flat_params[k][lo:end].clone(), entry)
+                model_sd[entry["name"]] = shaped(flat_params[k][lo:end].clone(), entry["shape"],
+                                                 entry.get("stride"))
             if manifest["model_extra"]:
                 blob = readers.get_reader(MODEL_EXTRA_FILE).read_blob()
                 if not isinstance(blob, dict):
