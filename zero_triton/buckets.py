@@ -532,8 +532,12 @@ def _on_leaf(p: torch.Tensor, register):
         p.requires_grad_(False)
 
 
+# Autograd calls our hooks from inside a compiled training step's backward; they are
+# bookkeeping (which gradient arrived, which bucket to launch), so torch.compile runs
+# them as they are (``torch._disable_dynamo``, ~0.5 us a call) instead of tracing a
+# graph break into each.
 def post_accumulate_hook(p: torch.Tensor, fn):
-    return _on_leaf(p, lambda: p.register_post_accumulate_grad_hook(fn))
+    return _on_leaf(p, lambda: p.register_post_accumulate_grad_hook(torch._disable_dynamo(fn)))
 
 
 def register_sharded_hooks(params, reached, layout, buckets, reducer) -> list:
@@ -562,5 +566,5 @@ def register_hooks(params, reached, grad_views, buckets, reducer) -> list:
             handles.append(post_accumulate_hook(p, functools.partial(
                 grad_ready, reached, i, j, grad_views[i], b, ref)))
             handles.append(_on_leaf(p, lambda p=p, b=b: p.register_hook(
-                functools.partial(before_accumulate, b))))
+                torch._disable_dynamo(functools.partial(before_accumulate, b)))))
     return handles

@@ -97,7 +97,7 @@ class LocalGrads:
         """Index of the first parameter whose storage is no longer ``param_views[i]``, or
         -1. With the extension, one C loop also finds the first ``.grad`` that is not
         its view; ``hint=True`` keeps it for the ``sync`` that follows in the same step."""
-        if self.check_flat is not None and not torch.compiler.is_compiling():
+        if self.check_flat is not None:
             moved, foreign = self.check_flat(self.params, param_views, self.views)
             self.foreign_hint = foreign if hint else None
             return moved
@@ -108,7 +108,7 @@ class LocalGrads:
         into its view, zero the dirty views of parameters without a gradient, and return
         which parameters have one (None when all do)."""
         start, self.foreign_hint = self.foreign_hint, None
-        if start is None and self.check_flat is not None and not torch.compiler.is_compiling():
+        if start is None and self.check_flat is not None:
             start = self.check_flat(self.params, param_views, self.views)[1]
         if start is not None and start < 0:
             return None  # every .grad is its view

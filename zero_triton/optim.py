@@ -477,6 +477,7 @@ class FusedAdam(torch.optim.Optimizer):
             raise
 
     # -- construction -------------------------------------------------------------
+    @torch._disable_dynamo
     def add_param_group(self, param_group: dict) -> None:
         if self._differentiable:
             group = {**self.defaults, **param_group}
@@ -759,6 +760,7 @@ class FusedAdam(torch.optim.Optimizer):
             flat.reseed(flat.versions.written())
 
     # -- the step -------------------------------------------------------------------
+    @torch._disable_dynamo  # eager under torch.compile, as torch.optim.Optimizer's
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim.Optimizer.zero_grad: every ``.grad`` None (``set_to_none``,
         the default; nothing is written), or each gradient zeroed in place and kept, so
@@ -953,9 +955,14 @@ class FusedAdam(torch.optim.Optimizer):
         With ``differentiable=True``, torch's differentiable step (grad mode on)."""
         if self._differentiable:
             return plain.step(self, closure)
-        with torch.no_grad():
-            return self._fused_step(closure)
+        return self._fused_step(closure)
 
+    # torch.compile runs the fused step as it is, one eager island in the traced code,
+    # as torch.optim.Adam(fused=True) runs its kernel: the step is bookkeeping of Python
+    # objects (which gradients arrived, which parameters were written) around kernel
+    # launches, and tracing it would add guards, not speed.
+    @torch._disable_dynamo
+    @torch.no_grad()
     def _fused_step(self, closure):
         loss = None
         if closure is not None:
@@ -1070,6 +1077,7 @@ class FusedAdam(torch.optim.Optimizer):
         return total
 
     # -- state dict (torch.optim.Adam format: zero_triton.adam_state) ------------------
+    @torch._disable_dynamo
     def state_dict(self) -> dict:
         """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
@@ -1080,6 +1088,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.wait_params()
         return adam_state.with_state_dict_hooks(self, self._full_state_dict)
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current

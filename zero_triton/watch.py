@@ -47,7 +47,7 @@ class ParamVersions:
     def written(self) -> list[int]:
         """Indices of the parameters written through since ``accept`` (a host read of one
         integer per parameter: no device work, no sync; one C loop with the extension)."""
-        if self.first_written is not None and not torch.compiler.is_compiling():
+        if self.first_written is not None:
             if self.first_written(self.params, self.seen) < 0:
                 return []
         now = list(map(_VERSION, self.params))

@@ -202,6 +202,7 @@ class ZeroAdam(FusedAdam):
                     f"rank {rank} has {_describe(b)}; every rank must build the same model "
                     "(same parameters, shapes, dtypes and param groups) before the optimizer")
 
+    @torch._disable_dynamo  # as torch.optim.Optimizer's
     def add_param_group(self, param_group: dict) -> None:
         """Collective when called after construction: every rank must add the same group."""
         if getattr(self, "_constructed", False):
@@ -319,6 +320,7 @@ class ZeroAdam(FusedAdam):
     # -- full (torch.optim.Adam-format) state dicts: zero_triton.adam_state -------------
     _GATHER_CHUNK = adam_state.GATHER_CHUNK
 
+    @torch._disable_dynamo  # as torch.optim.Optimizer's
     def state_dict(self) -> dict:
         """The full state in torch.optim.Adam's format on every rank (collective: every
         rank must call it, as accelerate's ``prepare`` and ``save_state`` do; HF
@@ -330,6 +332,7 @@ class ZeroAdam(FusedAdam):
         State-dict hooks run on every rank."""
         return super().state_dict()
 
+    @torch._disable_dynamo  # as torch.optim.Optimizer's
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full state in torch.optim.Adam's format (``consolidated_state_dict()``,
         ``FusedAdam.state_dict()`` or torch.optim.Adam's own), given on every rank; each
