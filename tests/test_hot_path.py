@@ -59,3 +59,27 @@ def test_cuda_step_allocates_nothing_and_never_syncs(backend, dtype):
     torch.cuda.synchronize()
     after = torch.cuda.memory_stats()["allocation.all.allocated"]
     assert after == before, f"the step made {after - before} CUDA allocations"
+
+
+def _first_step_largest_allocation(rank, world_size, stage):
+    """The largest single allocation of ZeroAdamW's first step (the one-time checks
+    run there), and the largest bucket's bytes (buckets hold one parameter each here)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Tanh(), torch.nn.Linear(2048, 1024))
+    opt = zero_triton.ZeroAdamW(model.parameters(), stage=stage, bucket_cap_mb=0.5)
+    model(torch.randn(8, 1024)).square().mean().backward()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    allocations = [e.cpu_memory_usage for e in prof.events()
+                   if e.name.startswith("aten::empty") and e.cpu_memory_usage > 0]
+    return max(allocations), max(p.numel() for p in model.parameters()) * 4
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_first_step_makes_no_full_size_temporary(stage):
+    """The first step's check that DDP did not average the gradients already took a
+    float64 copy of the whole gradient buffer and its square (4x the gradients); it
+    reads them a chunk at a time now: nothing larger than a bucket is allocated."""
+    from dist_utils import run_ranks
+    for largest, bucket in run_ranks(_first_step_largest_allocation, 2, stage, timeout=180):
+        assert largest <= bucket, (largest, bucket)

@@ -27,6 +27,7 @@ from zero_triton import adam_state, agreement, clipping, watch
 from zero_triton.comm import GroupComm
 from zero_triton.optim import FusedAdam, check_params_argument
 
+_FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
 
 def _signature(param_groups) -> list:
     """What every rank must agree on: per group, each parameter's shape and dtype."""
@@ -233,15 +234,18 @@ class ZeroAdam(FusedAdam):
     @staticmethod
     @torch.no_grad()
     def _grad_fingerprint(flats):
-        """(sum, sum of squares) of this rank's local gradients, before any reduction."""
+        """(sum, sum of squares) of this rank's local gradients, before any reduction,
+        in float64 a chunk at a time (a float64 copy of the whole buffer, and its square,
+        were four times the gradients' size at the first step's peak)."""
         if not flats:
             return None
         device = flats[0].device
         mine = torch.zeros(2, dtype=torch.float64, device=device)
         for f in flats:
-            g = f.flat_grad.double()
-            mine[0] += g.sum().to(device)
-            mine[1] += g.square().sum().to(device)
+            for chunk in f.flat_grad.split(_FINGERPRINT_CHUNK):
+                g = chunk.double()
+                mine[0] += g.sum().to(device)
+                mine[1] += g.square_().sum().to(device)
         return mine
 
     @torch.no_grad()
