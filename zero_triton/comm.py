@@ -80,6 +80,22 @@ class Pending:
 DONE = Pending()
 
 
+class AllOf(Pending):
+    """Several collectives in flight, waited in the order they started."""
+
+    __slots__ = ("rest",)
+
+    def __init__(self, works, comm, name):
+        super().__init__(works[0], comm, name)
+        self.rest = works[1:]
+
+    def wait(self) -> None:
+        super().wait()
+        rest, self.rest = self.rest, ()
+        for work in rest:
+            Pending(work, self.comm, self.name).wait()
+
+
 class OrderedSum(Pending):
     """An all-to-all in flight; ``wait()`` then sums the received chunks in rank order
     into ``out`` and divides by the world size (``accumulate``: adds that to ``out``)."""
@@ -185,6 +201,7 @@ class GroupComm:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
+        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
 
     def _failed(self, name: str, exc: BaseException) -> RuntimeError:
         return RuntimeError(
@@ -226,9 +243,25 @@ class GroupComm:
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                    name: str = "all_gather"):
+        """``flat`` (``world_size`` chunks of ``shard``'s size) receives every rank's
+        ``shard`` in rank order. On gloo, one broadcast per rank into its chunk, in
+        place: gloo's all-gather receives into a temporary of ``flat``'s size and copies
+        it out, a bucket-sized allocation per gather held while it is in flight."""
+        if self.backend != "gloo" or not flat.is_contiguous():
+            with self._collective(name):
+                work = _all_gather(flat, shard, group=self.group, async_op=async_op)
+            return Pending(work, self, name) if async_op else None
+        chunks = flat.view(self.world_size, -1)
+        if shard.data_ptr() != chunks[self.rank].data_ptr():
+            chunks[self.rank].copy_(shard)
         with self._collective(name):
-            work = _all_gather(flat, shard, group=self.group, async_op=async_op)
-        return Pending(work, self, name) if async_op else None
+            works = [dist.broadcast(chunk, src=self.global_ranks[r], group=self.group, async_op=True)
+                     for r, chunk in enumerate(chunks)]
+        pending = AllOf(works, self, name)
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         with self._collective("all_reduce"):
