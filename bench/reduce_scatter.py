@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""ZeroAdam's gradient average against torch's reduce_scatter_tensor, side by side.
+"""ZeroAdam's two collectives against torch's, side by side, on gloo.
 
 ZeroAdam averages a bucket with an all-to-all and a sum in rank order
-(``zero_triton.comm.GroupComm.reduce_scatter_avg``): the same bits for any bucket size.
-This times it against ``torch.distributed.reduce_scatter_tensor(..., op=AVG)`` on the
-same buffer, interleaved, on gloo CPU ranks (one thread each), and prints the median ms
-of each and their ratio per world size.
+(``zero_triton.comm.GroupComm.reduce_scatter_avg``): the same bits for any bucket size;
+and on gloo it gathers a bucket's updated parameters with one in-place broadcast per rank
+(``GroupComm.all_gather``), where gloo's all-gather receives into a temporary of the
+bucket's size and copies it out. This times each against torch's
+(``reduce_scatter_tensor(..., op=AVG)``, ``all_gather_into_tensor``) on the same buffer,
+interleaved, on gloo CPU ranks (one thread each), and prints the median ms of each and
+their ratio per world size.
 
     python bench/reduce_scatter.py                 # 2 and 4 ranks, 26 MB of fp32
     python bench/reduce_scatter.py --ranks 2,3 --mb 8 --repeats 9
@@ -20,20 +23,30 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero_triton.comm import GroupComm, _reduce_scatter
+from zero_triton.comm import GroupComm, _all_gather, _reduce_scatter
 from zero_triton.profiling import launch
 from zero_triton.units import positive_number, whole_number
+
+
+PAIRS = [(("torch reduce_scatter_tensor (AVG)", "average"),
+          ("zero_triton all-to-all + ordered sum", "average")),
+         (("torch all_gather_into_tensor", "gather"),
+          ("zero_triton broadcast per rank", "gather"))]
 
 
 def _rank(args, rank, world, device):
     n = int(args.mb * 2**20) // 4 // (16 * world) * 16 * world  # a whole number of shards
     grad = torch.randn(n)
     out, recv = torch.empty(n // world), torch.empty(n)
+    full = torch.randn(n)
+    shard = full.view(world, -1)[rank]
     comm = GroupComm()
-    ops = {"torch reduce_scatter_tensor (AVG)":
-           lambda: _reduce_scatter(out, grad, op=dist.ReduceOp.AVG),
-           "zero_triton all-to-all + ordered sum":
-           lambda: comm.reduce_scatter_avg(out, grad, recv)}
+    ops = {}
+    for (theirs, torch_op), (ours, our_op) in PAIRS:
+        ops[theirs] = {"average": lambda: _reduce_scatter(out, grad, op=dist.ReduceOp.AVG),
+                       "gather": lambda: _all_gather(full, shard)}[torch_op]
+        ops[ours] = {"average": lambda: comm.reduce_scatter_avg(out, grad, recv),
+                     "gather": lambda: comm.all_gather(full, shard)}[our_op]
     ms = {k: [] for k in ops}
     for i in range(args.repeats + 1):  # the first round warms the connections up
         for name, op in ops.items():
@@ -59,12 +72,12 @@ def main(argv=None) -> int:
         per_call = {k: [max(r["ms"][k][i] for r in ranks) for i in range(args.repeats)]
                     for k in ranks[0]["ms"]}
         med = {k: statistics.median(v) for k, v in per_call.items()}
-        torch_ms, ours = med["torch reduce_scatter_tensor (AVG)"], med["zero_triton all-to-all + ordered sum"]
         print(f"world size {world}, gloo, {ranks[0]['numel'] * 4 / 2**20:.1f} MiB fp32, "
               f"median of {args.repeats}:")
-        for k, v in med.items():
-            print(f"  {k:<40} {v:8.2f} ms  (min-max {min(per_call[k]):.2f}-{max(per_call[k]):.2f})")
-        print(f"  torch / zero_triton: {torch_ms / ours:.2f}x")
+        for (theirs, what), (ours, _) in PAIRS:
+            for k in (theirs, ours):
+                print(f"  {k:<40} {med[k]:8.2f} ms  (min-max {min(per_call[k]):.2f}-{max(per_call[k]):.2f})")
+            print(f"  {what}: torch / zero_triton {med[theirs] / med[ours]:.2f}x")
     return 0
 
 
