@@ -32,6 +32,21 @@ they are interleaved. Configurations:
                      the next forward, module by module
 
 and the same three for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap).
+The peers a user would pick instead:
+
+  fsdp2              torch's FSDP2 (fully_shard per block and the root, reshard after
+                     forward) + torch.optim.AdamW on the DTensors
+  fsdp2_keep         the same without resharding after forward (ZeRO-2-like)
+  ds_z1, ds_z2       DeepSpeed ZeRO-1 / ZeRO-2 (its AdamW, no clipping), and with
+  ds_z1_overlap ...  overlap_comm; when deepspeed is installed (pip install -e '.[peers]')
+
+and the limit beside them:
+
+  compute            forward, backward and 1/N of the step (this rank's shard, our kernel)
+                     with no communication: what an iteration would take if communication
+                     were free; "over compute" = 1 - compute / configuration.
+
+``--configs`` picks a subset (ddp always runs: the ratios are to it).
 
     python bench/e2e.py                          # 2 and 4 gloo ranks on CPU, one thread each
     python bench/e2e.py --ranks 2 --steps 20 --dtype bf16
@@ -66,10 +81,11 @@ from zero_triton.profiling.memory_probe import MemoryProbe
 from zero_triton.units import positive_number, whole_number
 
 PROFILED = 3  # profiled iterations per configuration and rank
+DEFAULT_MINUTES = "about 30 minutes"  # python bench/e2e.py, every peer, measured on 2 cores
 N_BATCHES = 4  # distinct batches per rank, cycled; every configuration sees the same
 MAX_CPU_RANKS = 64
 COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "max_ms", "x_ddp",
-           "exposed_comm_pct", "exposed_comm_ms", "hidden_comm_ms", "profiled_ms",
+           "over_compute_pct", "exposed_comm_pct", "exposed_comm_ms", "hidden_comm_ms", "profiled_ms",
            "peak_mb", "start_mb", "loss", "status", "note"]
 
 
@@ -93,14 +109,102 @@ def zero_variants(bucket_cap_mb):
     return variants
 
 
+PEERS = [("fsdp2", "FSDP2 (reshard after forward) + AdamW"),
+         ("fsdp2_keep", "FSDP2 (no reshard after forward) + AdamW")]
+DEEPSPEED = [(f"ds_z{s}{'_overlap' if o else ''}", f"DeepSpeed ZeRO-{s}{', overlap_comm' if o else ''}")
+             for s in (1, 2) for o in (False, True)]
+COMPUTE = ("compute", "compute alone (fwd, bwd, 1/N of the step; no comm)")
+
+
+def deepspeed_missing() -> str | None:
+    """Why the DeepSpeed peers cannot run here, or None."""
+    import importlib.util
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not installed (pip install -e '.[peers]')"
+    return None
+
+
 def configurations(args):
     """[(key, label)] in table order; ``args.variants`` holds ZeroAdamW's kwargs."""
-    return [("ddp", "DDP + AdamW"), ("torch_zero", "ZeroRedundancyOptimizer(AdamW) + DDP")] + \
-        [(key, label) for key, _, label, _ in args.variants]
+    every = [("ddp", "DDP + AdamW"), ("torch_zero", "ZeroRedundancyOptimizer(AdamW) + DDP")] + \
+        [(key, label) for key, _, label, _ in args.variants] + PEERS + \
+        ([] if deepspeed_missing() else DEEPSPEED) + [COMPUTE]
+    wanted = getattr(args, "configs", None)
+    return [(k, label) for k, label in every if wanted is None or k in wanted or k == "ddp"]
+
+
+class _DeepSpeed:
+    """A DeepSpeed engine as the loop drives an optimizer: its own backward and step
+    (which zeroes the gradients)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+    def zero_grad(self):
+        pass
+
+
+class _ComputeAlone:
+    """The step of 1/N of the parameters on a buffer of its own (our fused kernel, as
+    ZeroAdamW steps a rank's shard), and the model's gradients dropped."""
+
+    def __init__(self, model, world, device):
+        import zero_triton
+        self.model = model
+        n = -(-sum(p.numel() for p in model.parameters()) // world)
+        dtype = next(model.parameters()).dtype
+        self.shard = torch.nn.Parameter(torch.zeros(n, dtype=dtype, device=device))
+        self.shard.grad = torch.zeros_like(self.shard)
+        self.opt = zero_triton.FusedAdamW([self.shard], lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+    def step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+
+def _fsdp2(model, reshard):
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+
+
+def _deepspeed(key, model, args):
+    import logging
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+    os.environ.setdefault("LOCAL_SIZE", str(dist.get_world_size()))
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    bucket = int((args.bucket_cap_mb or 25) * 2**20) // DTYPES[args.dtype].itemsize
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
+              "steps_per_print": 2**62, "bf16": {"enabled": args.dtype == "bf16"},
+              "zero_optimization": {"stage": int(key[4]), "overlap_comm": key.endswith("overlap"),
+                                    "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                    "contiguous_gradients": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS),
+                                                        "weight_decay": WEIGHT_DECAY,
+                                                        "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    return engine, _DeepSpeed(engine)
 
 
 def build(key, args, device):
-    """(model to call, optimizer, label with the optimizer's flags)."""
+    """(model to call, optimizer, label with the optimizer's flags). The optimizer may
+    carry its own ``backward(loss)`` (DeepSpeed's engine)."""
     model = build_gpt(model_config(args), device=device, dtype=DTYPES[args.dtype], seed=0)
     zero = {k: (kw, label, o) for k, kw, label, o in args.variants}
     if key in zero:
@@ -111,6 +215,16 @@ def build(key, args, device):
         if overlap:
             zero_triton.overlap(model, opt)
         return model, opt, f"{label}, backend {opt._flats[0][0].backend}"
+    labels = dict(PEERS + DEEPSPEED + [COMPUTE])
+    if key.startswith("fsdp2"):
+        _fsdp2(model, reshard=key == "fsdp2")
+        opt, how = torch_adamw(model.parameters())
+        return model, opt, labels[key].replace("AdamW", f"AdamW({how.split(' ')[0]})")
+    if key.startswith("ds_"):
+        engine, opt = _deepspeed(key, model, args)
+        return engine, opt, labels[key]
+    if key == "compute":
+        return model, _ComputeAlone(model, dist.get_world_size(), device), labels[key]
     ddp_kwargs = {"bucket_cap_mb": args.bucket_cap_mb} if args.bucket_cap_mb else {}
     net = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
@@ -136,7 +250,7 @@ def iteration(net, opt, batch, sync_ranges=None):
             _, loss = net(idx, targets)
             end()
         with record(timeline.BACKWARD):
-            loss.backward()
+            getattr(opt, "backward", torch.Tensor.backward)(loss)
             end()
         with record(timeline.OPTIMIZER):
             opt.step()
@@ -165,7 +279,11 @@ def timed_rank(args, rank, world, device) -> dict:
     runs = [(key, *build(key, args, device)) for key, _ in configurations(args)]
     ms = {key: [] for key, *_ in runs}
     loss = {}
+    started = time.perf_counter()
     for r in range(args.warmup + args.steps):
+        if rank == 0 and r:
+            print(f"e2e: world size {world}: round {r}/{args.warmup + args.steps} done, "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         k = r % len(runs)
         for key, net, opt, _ in runs[k:] + runs[:k]:  # rotated: no configuration always first
             sync()
@@ -261,6 +379,8 @@ def measure(world, args, say) -> list:
                    max_ms=max(per_round), loss=statistics.fmean(r["loss"][key] for r in every))
     for key, row in rows.items():
         row["x_ddp"] = row["median_ms"] / rows["ddp"]["median_ms"]
+        if "compute" in rows and key != "compute":
+            row["over_compute_pct"] = 100 * (1 - rows["compute"]["median_ms"] / row["median_ms"])
         say(f"world size {world}: profiled iteration and peak memory of {key}, on its own ranks")
         try:
             ranks = launch.spawn(detail_rank, argparse.Namespace(**vars(args), config=key),
@@ -286,7 +406,7 @@ def _f(x, spec, empty="-"):
 def format_table(rows, world, args) -> str:
     cuda = args.device == "cuda"
     head = (f"{'configuration':<52} {'median ms':>10} {'min-max ms':>17} {'x DDP':>6} "
-            f"{'exposed comm':>19} {'peak MB/rank':>14}")
+            f"{'over compute':>12} {'exposed comm':>19} {'peak MB/rank':>14}")
     lines = [f"world size {world} ({'NCCL' if cuda else 'gloo, 1 thread per rank'})", head,
              "-" * len(head)]
     if all(r["median_ms"] is None for r in rows):
@@ -300,9 +420,10 @@ def format_table(rows, world, args) -> str:
         peak = _f(r["peak_mb"], ".0f")
         if r["peak_mb"] is not None and r["start_mb"] is not None and not cuda:
             peak += f" (+{r['peak_mb'] - r['start_mb']:.0f})"
+        over = _f(r["over_compute_pct"], ".1f") + ("%" if r["over_compute_pct"] is not None else "")
         lines.append(f"{r['label'][:52]:<52} {r['median_ms']:>10.1f} "
                      f"{_f(r['min_ms'], '.1f') + '-' + _f(r['max_ms'], '.1f'):>17} "
-                     f"{r['x_ddp']:>5.2f}x {exposed:>19} {peak:>14}")
+                     f"{r['x_ddp']:>5.2f}x {over:>12} {exposed:>19} {peak:>14}")
     return "\n".join(lines)
 
 
@@ -347,6 +468,13 @@ def write_png(rows, meta, path) -> str | None:
     return None
 
 
+def _deepspeed_version():
+    if deepspeed_missing():
+        return None
+    from importlib.metadata import version
+    return version("deepspeed")
+
+
 def metadata(args) -> dict:
     from zero_triton import __version__
     from zero_triton.bench import _cpu_model, _git_commit
@@ -365,6 +493,8 @@ def metadata(args) -> dict:
             "model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
                       "vocab_size": cfg.vocab_size, "block_size": cfg.block_size, "params": params},
             "argv": args.argv,
+            "configs": [k for k, _ in configurations(args)],
+            "deepspeed": _deepspeed_version(), "deepspeed_skipped": deepspeed_missing(),
             "iters": args.iters,
             "time": f"slowest rank's wall clock over {args.iters} back-to-back iterations after a "
                     "barrier, up to the last step's parameters usable (wait_params), per "
@@ -388,6 +518,19 @@ def _ranks(text):
     if not ranks or min(ranks) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of world sizes; pass e.g. 2,4")
     return list(dict.fromkeys(ranks))
+
+
+ALL_KEYS = ["ddp", "torch_zero"] + [k for k, *_ in zero_variants(None)] + \
+    [k for k, _ in PEERS + DEEPSPEED] + [COMPUTE[0]]
+
+
+def _configs(text):
+    keys = [t.strip() for t in str(text).split(",") if t.strip()]
+    unknown = [k for k in keys if k not in ALL_KEYS]
+    if not keys or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or repr(text)}: not a configuration; pick from {', '.join(ALL_KEYS)}")
+    return keys
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -415,6 +558,9 @@ def parse_args(argv) -> argparse.Namespace:
     ap.add_argument("--warmup", type=whole_number(0), default=3, help="untimed rounds first (3)")
     ap.add_argument("--bucket-cap-mb", type=positive_number(), default=None,
                     help="DDP's and ZeroAdamW's bucket size in MiB (default: 25, both's own)")
+    ap.add_argument("--configs", type=_configs, default=None,
+                    help="comma list of configurations to run (default: all; ddp always runs): "
+                         + ", ".join(ALL_KEYS))
     ap.add_argument("--timeout", type=positive_number(), default=300.0,
                     help="seconds a rank may wait in a collective, and one world size's run "
                          "may take beyond starting up (300)")
@@ -435,6 +581,8 @@ def parse_args(argv) -> argparse.Namespace:
         args.ranks = args.ranks or [2, 4]
         if max(args.ranks) > MAX_CPU_RANKS:
             ap.error(f"--ranks {max(args.ranks)}: at most {MAX_CPU_RANKS} CPU ranks")
+    if args.configs and any(k.startswith("ds_") for k in args.configs) and deepspeed_missing():
+        ap.error(f"--configs {','.join(args.configs)}: {deepspeed_missing()}")
     check_out_dir(ap, args)
     return args
 
@@ -454,6 +602,13 @@ def main(argv=None) -> int:
     print(f"GPT {m['n_layer']} x {m['n_embd']}, {m['params']:,} parameters, {args.dtype}, batch "
           f"{args.batch} x {args.seq} tokens per rank; {args.steps} timed rounds after {args.warmup}, "
           f"on {meta['device_name']}", flush=True)
+    configs = configurations(args)
+    say(f"{len(configs)} configurations ({', '.join(k for k, _ in configs)}) at world sizes "
+        f"{', '.join(map(str, args.ranks))}: {args.warmup + args.steps} rounds of {args.iters} "
+        f"iterations each, then one profiled run per configuration (the defaults took "
+        f"{DEFAULT_MINUTES} on 2 cores)")
+    if not args.configs and deepspeed_missing():
+        say(f"DeepSpeed peers skipped: {deepspeed_missing()}")
     rows = []
     try:
         for world in args.ranks:
@@ -463,7 +618,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # launch.spawn stopped the ranks on the way out
         print("error: interrupted", file=sys.stderr)
         return 130
-    print(f"\nx DDP: median / DDP's median. Exposed comm: share of a profiled iteration (run on "
+    print(f"\nx DDP: median / DDP's median. Over compute: 1 - compute alone / median, the "
+          f"share of the iteration that communication (and waiting for it) costs. Exposed comm: share of a profiled iteration (run on "
           f"the configuration's own ranks, under torch.profiler) the training thread waited for "
           f"collectives: per rank the median of {PROFILED} iterations by that share, mean of "
           f"ranks. Peak: "

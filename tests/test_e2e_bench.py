@@ -1,12 +1,15 @@
 """bench/e2e.py, the end-to-end iteration benchmark: a smoke run on 2 gloo ranks with a
-tiny GPT (every configuration timed, profiled and measured, outputs written), and a bad
-option refused with argparse's status 2."""
+tiny GPT (ours, torch's ZeRO and compute alone, timed, profiled and measured, outputs
+written), the peers (FSDP2, DeepSpeed when installed) training to DDP's loss, the
+steady-state window, and a bad option refused with argparse's status 2."""
 import csv
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "e2e.py"
@@ -15,21 +18,38 @@ TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "256", "--s
         "--batch", "2"]
 
 
-def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
+OURS = ["ddp", "torch_zero", "zero_s1", "zero_s1_buckets", "zero_s1_overlap", "zero_s2",
+        "zero_s2_buckets", "zero_s2_overlap", "compute"]
+
+
+def _run(tmp_path, configs):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--ranks", "2", "--steps", "2",
-                           "--warmup", "1", "--timeout", "60", "--out", str(tmp_path), *TINY],
-                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=240)
+                           "--warmup", "1", "--timeout", "120", "--out", str(tmp_path),
+                           "--configs", ",".join(configs), *TINY],
+                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "world size 2" in proc.stdout, proc.stdout
     with open(tmp_path / "e2e_cpu.csv") as fh:
         rows = list(csv.DictReader(fh))
     data = json.loads((tmp_path / "e2e_cpu.json").read_text())
-    configs = [r["config"] for r in rows]
-    # DDP, torch's ZeRO, and ZeroAdamW in every variant its signature takes (one today)
-    assert configs[:2] == ["ddp", "torch_zero"] and len(configs) >= 3, configs
-    assert all(c.startswith("zero") for c in configs[2:]), configs
-    assert len(set(configs)) == len(configs), configs
-    assert [r["config"] for r in data["rows"]] == configs
+    assert [r["config"] for r in rows] == [r["config"] for r in data["rows"]]
+    return data, proc
+
+
+def _same_training(data):
+    # every configuration took the same AdamW steps on the same model and batches: a
+    # benchmark comparing different work would show here as a different last loss
+    ddp = data["rows"][0]
+    assert ddp["config"] == "ddp" and ddp["x_ddp"] == 1.0
+    for r in data["rows"]:
+        if r["config"] != "compute":  # steps a shard of its own: its model does not train
+            assert abs(r["loss"] - ddp["loss"]) <= 1e-4 * ddp["loss"], (r["config"], r["loss"], ddp["loss"])
+
+
+def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
+    data, _ = _run(tmp_path, OURS)
+    configs = [r["config"] for r in data["rows"]]
+    assert configs == OURS, configs
     for r in data["rows"]:
         where = f"{r['config']} at world size {r['world_size']}"
         assert r["world_size"] == 2 and r["status"] == "ok", (where, r["note"])
@@ -38,13 +58,34 @@ def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
         assert 0 <= r["exposed_comm_pct"] <= 100, (where, r["exposed_comm_pct"])
         assert r["profiled_ms"] > 0 and r["peak_mb"] > 0, (where, r)
         assert len(r["ranks"]) == 2, where
-    ddp = data["rows"][0]
-    assert ddp["x_ddp"] == 1.0
-    # every configuration took the same AdamW steps on the same model and batches: a
-    # benchmark comparing different work would show here as a different last loss
-    for r in data["rows"]:
-        assert abs(r["loss"] - ddp["loss"]) <= 1e-4 * ddp["loss"], (r["config"], r["loss"], ddp["loss"])
+        if r["config"] != "compute":  # the share communication costs beside compute alone
+            compute = data["rows"][-1]["median_ms"]
+            assert r["over_compute_pct"] == 100 * (1 - compute / r["median_ms"]), where
+    _same_training(data)
     assert data["meta"]["model"]["params"] > 0 and data["meta"]["ranks"] == [2]
+    assert data["meta"]["configs"] == OURS
+
+
+def test_fsdp2_peers_train_to_ddps_loss(tmp_path):
+    data, proc = _run(tmp_path, ["ddp", "fsdp2", "fsdp2_keep"])
+    assert [r["config"] for r in data["rows"]] == ["ddp", "fsdp2", "fsdp2_keep"]
+    assert all(r["status"] == "ok" for r in data["rows"]), [r["note"] for r in data["rows"]]
+    assert "FSDP2 (reshard after forward)" in proc.stdout
+    _same_training(data)
+
+
+def test_deepspeed_peers_train_to_ddps_loss(tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install -e '.[peers]'); bench/e2e.py skips "
+                    "its rows with that line")
+    configs = ["ddp", "ds_z1", "ds_z1_overlap", "ds_z2", "ds_z2_overlap"]
+    data, proc = _run(tmp_path, configs)
+    assert [r["config"] for r in data["rows"]] == configs
+    assert all(r["status"] == "ok" for r in data["rows"]), [r["note"] for r in data["rows"]]
+    assert "DeepSpeed ZeRO-2, overlap_comm" in proc.stdout
+    assert data["meta"]["deepspeed"]
+    _same_training(data)
 
 
 def test_bad_flag_is_one_argparse_error(tmp_path):
@@ -54,6 +95,14 @@ def test_bad_flag_is_one_argparse_error(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--ranks" in errors[0] and "2,4" in errors[0], proc.stderr
     assert not list(tmp_path.iterdir()), "a refused run wrote files"
+
+
+def test_an_unknown_configuration_is_one_argparse_error(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--configs", "ddp,fsdp3", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "fsdp3" in errors[0] and "fsdp2_keep" in errors[0], proc.stderr
 
 
 def _window_job(rank, world, out):
