@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=NAMES, default="auto", help="ZeroAdam's kernel backend")
     run.add_argument("--stage", type=_stage, default=1,
                      help="ZeRO stage: 1 (optimizer state sharded, default) or 2 (gradients too)")
-    run.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
-                     help="zero_triton.overlap(model, opt): parameter all-gathers waited by the "
-                          "next forward (the reduce-scatters overlap backward in any case)")
+    run.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                     help="zero_triton.overlap(model, opt), as users train: parameter "
+                          "all-gathers waited by the next forward (default; --no-overlap waits "
+                          "in step(); the reduce-scatters overlap backward in any case)")
     run.add_argument("--no-ddp", dest="ddp", action="store_false",
                      help="skip the DDP + torch.optim.AdamW baseline")
     run.add_argument("--timeout", type=_seconds, default=300.0,
