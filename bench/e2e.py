@@ -346,8 +346,9 @@ def detail_rank(args, rank, world, device) -> dict:
         raise RuntimeError(f"the trace holds {len(splits)} iterations, {PROFILED} were profiled")
     share = [sum(s.rows[k] for k in timeline.KINDS) / s.iteration_ms for s in splits]
     s = splits[sorted(range(PROFILED), key=share.__getitem__)[PROFILED // 2]]
+    states = opt.memory_report() if hasattr(opt, "memory_report") else None
     return {"start": start, "peak": probe.phases["iteration"]["peak"], "memory_how": probe.how,
-            "iteration_ms": s.iteration_ms, "rows": s.rows, "hidden": s.hidden,
+            "states": states, "iteration_ms": s.iteration_ms, "rows": s.rows, "hidden": s.hidden,
             "exposed_ms": sum(s.rows[k] for k in timeline.KINDS),
             "hidden_ms": sum(s.hidden.values())}
 
@@ -424,6 +425,39 @@ def format_table(rows, world, args) -> str:
         lines.append(f"{r['label'][:52]:<52} {r['median_ms']:>10.1f} "
                      f"{_f(r['min_ms'], '.1f') + '-' + _f(r['max_ms'], '.1f'):>17} "
                      f"{r['x_ddp']:>5.2f}x {over:>12} {exposed:>19} {peak:>14}")
+    return "\n".join(lines)
+
+
+def format_states(rows, world, args) -> str:
+    """ZeroAdamW's own bytes per rank (its ``memory_report()``, largest rank) beside
+    ``python -m zero_triton memory``'s formula for the same parameters, world size and
+    stage: what it holds for the model states, and what it holds besides (the buckets'
+    receive and staging buffers)."""
+    from zero_triton.memory import memory_table
+    zero = [r for r in rows if r["config"].startswith("zero") and r.get("ranks")
+            and r["ranks"][0].get("states")]
+    if not zero:
+        return ""
+    with torch.device("meta"):
+        params = GPT(model_config(args)).num_params()
+    table = memory_table(params, world, "none" if args.dtype == "fp32" else "fp32")
+    formula = {row["stage"]: row for row in table["stages"]}
+    mib = 2**20
+    lines = [f"ZeroAdamW's bytes per rank (memory_report(), MiB) against `python -m zero_triton "
+             f"memory --params {params} --world-size {world}"
+             + ("" if args.dtype != "fp32" else " --master-dtype none") + "`"]
+    for r in zero:
+        states = max((x["states"] for x in r["ranks"]), key=lambda st: sum(
+            v for k, v in st.items() if k != "optimizer_state"))
+        f = formula[f"zero{2 if '_s2' in r['config'] else 1}"]
+        held = states["params"] + states["grads"] + states["master"] + states["moments"]
+        lines.append(
+            f"  {r['config']:<16} params {states['params'] / mib:6.1f}  grads {states['grads'] / mib:6.1f}"
+            f"  master+moments {(states['master'] + states['moments']) / mib:6.1f}"
+            f"  = {held / mib:6.1f} (formula {f['bytes_per_rank'] / mib:6.1f}: params "
+            f"{f['params_bytes'] / mib:.1f}, grads {f['grads_bytes'] / mib:.1f}, state "
+            f"{f['optimizer_bytes'] / mib:.1f}); buckets {states['buckets'] / mib:.1f}, "
+            f"padding {states['padding'] / mib:.1f}")
     return "\n".join(lines)
 
 
@@ -615,6 +649,9 @@ def main(argv=None) -> int:
             got = measure(world, args, say)
             rows += got
             print("\n" + format_table(got, world, args), flush=True)
+            breakdown = format_states(got, world, args)
+            if breakdown:
+                print(breakdown, flush=True)
     except KeyboardInterrupt:  # launch.spawn stopped the ranks on the way out
         print("error: interrupted", file=sys.stderr)
         return 130

@@ -47,7 +47,9 @@ def _same_training(data):
 
 
 def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
-    data, _ = _run(tmp_path, OURS)
+    data, proc = _run(tmp_path, OURS)
+    # ZeroAdamW's own bytes beside the memory model's formula, one line per variant
+    assert "ZeroAdamW's bytes per rank" in proc.stdout and proc.stdout.count("(formula ") == 6, proc.stdout
     configs = [r["config"] for r in data["rows"]]
     assert configs == OURS, configs
     for r in data["rows"]:
