@@ -278,6 +278,12 @@ class Reducer:
                 if done is None or done.query():
                     del pool[i]
                     return buf
+            if self.in_flight and (self.in_flight[0].reduce is None or self.in_flight[0].reduce.landed()):
+                # CPU: an average that already arrived gives its buffers back (its sum in
+                # rank order runs now) before another buffer is made: a model whose
+                # buckets' averages do not overlap each other holds one of each kind.
+                self.in_flight.popleft().wait_reduce()
+                continue
             if self.made.get(key, 0) < limit:
                 break
             if pool:  # GPU: every staging buffer is still being sent: the oldest one

@@ -76,6 +76,11 @@ class Pending:
         except RuntimeError as exc:  # DistBackendError and gloo's errors derive from it
             raise self.comm._failed(self.name, exc) from exc
 
+    def landed(self) -> bool:
+        """The collective has finished (a host query that never blocks; ``wait`` still
+        has to run: it raises a failure and does any work left after the transfer)."""
+        return self.work is None or self.work.is_completed()
+
 
 DONE = Pending()
 
@@ -94,6 +99,9 @@ class AllOf(Pending):
         rest, self.rest = self.rest, ()
         for work in rest:
             Pending(work, self.comm, self.name).wait()
+
+    def landed(self) -> bool:
+        return super().landed() and all(w.is_completed() for w in self.rest)
 
 
 class OrderedSum(Pending):
