@@ -61,6 +61,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -85,6 +86,7 @@ DEFAULT_MINUTES = "about 30 minutes"  # python bench/e2e.py, every peer, measure
 N_BATCHES = 4  # distinct batches per rank, cycled; every configuration sees the same
 MAX_CPU_RANKS = 64
 COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "max_ms", "x_ddp",
+           "x_ddp_paired", "x_ddp_low", "x_ddp_high",
            "over_compute_pct", "exposed_comm_pct", "exposed_comm_ms", "hidden_comm_ms", "profiled_ms",
            "peak_mb", "start_mb", "loss", "status", "note"]
 
@@ -359,6 +361,21 @@ def _mb(x):
     return None if x is None else round(x / 2**20, 1)
 
 
+def median_interval(values, confidence: float = 0.95) -> tuple:
+    """A distribution-free interval for the median of ``values``: the order statistics
+    x(k) and x(n+1-k) with the largest k whose coverage, P(k <= B <= n-k) for B ~
+    Binomial(n, 1/2), is at least ``confidence`` (min and max when n is too small)."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        return None, None
+    pmf = [math.comb(n, i) / 2**n for i in range(n + 1)]
+    k = 1
+    while k + 1 <= n // 2 and sum(pmf[k + 1:n - k]) >= confidence:
+        k += 1
+    return xs[k - 1], xs[n - k]
+
+
 def measure(world, args, say) -> list:
     """The rows of one world size (an error row per configuration when its ranks failed)."""
     configs = configurations(args)
@@ -373,13 +390,20 @@ def measure(world, args, say) -> list:
         for row in rows.values():
             row.update(status="error", note=str(exc)[:300])
         return list(rows.values())
+    per_round = {key: [max(r["ms"][key][i] for r in every) for i in range(args.steps)]
+                 for key in rows}
     for key, row in rows.items():
-        per_round = [max(r["ms"][key][i] for r in every) for i in range(args.steps)]
+        ms = per_round[key]
         row.update(label=every[0]["label"][key], rounds=args.steps,
-                   median_ms=statistics.median(per_round), min_ms=min(per_round),
-                   max_ms=max(per_round), loss=statistics.fmean(r["loss"][key] for r in every))
+                   median_ms=statistics.median(ms), min_ms=min(ms),
+                   max_ms=max(ms), loss=statistics.fmean(r["loss"][key] for r in every))
     for key, row in rows.items():
         row["x_ddp"] = row["median_ms"] / rows["ddp"]["median_ms"]
+        # Paired by round (the same minutes of the machine): DDP's time in a round against
+        # this configuration's, and an interval for their median over the rounds.
+        ratios = [a / b for a, b in zip(per_round[key], per_round["ddp"])]
+        row["x_ddp_paired"] = statistics.median(ratios)
+        row["x_ddp_low"], row["x_ddp_high"] = median_interval(ratios)
         if "compute" in rows and key != "compute":
             row["over_compute_pct"] = 100 * (1 - rows["compute"]["median_ms"] / row["median_ms"])
         say(f"world size {world}: profiled iteration and peak memory of {key}, on its own ranks")
@@ -404,9 +428,15 @@ def _f(x, spec, empty="-"):
     return empty if x is None else format(x, spec)
 
 
+def _ratio(r) -> str:
+    if r.get("x_ddp_paired") is None:
+        return _f(r["x_ddp"], ".2f") + "x"
+    return f"{r['x_ddp_paired']:.2f}x ({r['x_ddp_low']:.2f}-{r['x_ddp_high']:.2f})"
+
+
 def format_table(rows, world, args) -> str:
     cuda = args.device == "cuda"
-    head = (f"{'configuration':<52} {'median ms':>10} {'min-max ms':>17} {'x DDP':>6} "
+    head = (f"{'configuration':<52} {'median ms':>10} {'min-max ms':>17} {'x DDP (95% CI)':>18} "
             f"{'over compute':>12} {'exposed comm':>19} {'peak MB/rank':>14}")
     lines = [f"world size {world} ({'NCCL' if cuda else 'gloo, 1 thread per rank'})", head,
              "-" * len(head)]
@@ -424,7 +454,7 @@ def format_table(rows, world, args) -> str:
         over = _f(r["over_compute_pct"], ".1f") + ("%" if r["over_compute_pct"] is not None else "")
         lines.append(f"{r['label'][:52]:<52} {r['median_ms']:>10.1f} "
                      f"{_f(r['min_ms'], '.1f') + '-' + _f(r['max_ms'], '.1f'):>17} "
-                     f"{r['x_ddp']:>5.2f}x {over:>12} {exposed:>19} {peak:>14}")
+                     f"{_ratio(r):>18} {over:>12} {exposed:>19} {peak:>14}")
     return "\n".join(lines)
 
 
@@ -655,7 +685,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # launch.spawn stopped the ranks on the way out
         print("error: interrupted", file=sys.stderr)
         return 130
-    print(f"\nx DDP: median / DDP's median. Over compute: 1 - compute alone / median, the "
+    print(f"\nx DDP: the median over rounds of this configuration's time / DDP's in the same "
+          f"round, with a 95% distribution-free interval for that median (order statistics); "
+          f"a difference stands out of the noise where the interval leaves 1.00. Over compute: 1 - compute alone / median, the "
           f"share of the iteration that communication (and waiting for it) costs. Exposed comm: share of a profiled iteration (run on "
           f"the configuration's own ranks, under torch.profiler) the training thread waited for "
           f"collectives: per rank the median of {PROFILED} iterations by that share, mean of "

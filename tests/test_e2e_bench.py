@@ -60,6 +60,7 @@ def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
         assert 0 <= r["exposed_comm_pct"] <= 100, (where, r["exposed_comm_pct"])
         assert r["profiled_ms"] > 0 and r["peak_mb"] > 0, (where, r)
         assert len(r["ranks"]) == 2, where
+        assert r["x_ddp_low"] <= r["x_ddp_paired"] <= r["x_ddp_high"], where
         if r["config"] != "compute":  # the share communication costs beside compute alone
             compute = data["rows"][-1]["median_ms"]
             assert r["over_compute_pct"] == 100 * (1 - compute / r["median_ms"]), where
@@ -90,6 +91,27 @@ def test_deepspeed_peers_train_to_ddps_loss(tmp_path):
     _same_training(data)
 
 
+def _e2e():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("e2e_bench", SCRIPT)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    return e2e
+
+
+def test_the_median_interval_covers_95_percent():
+    e2e = _e2e()
+    assert e2e.median_interval(range(1, 11)) == (2, 9)    # P(2 <= B <= 8), n=10: 97.9%
+    assert e2e.median_interval(range(1, 21)) == (6, 15)   # n=20: 95.9%
+    assert e2e.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few: min and max
+    # coverage checked by simulation: the true median (0) lies inside ~95%+ of the time
+    import random
+    rng = random.Random(0)
+    inside = sum(lo <= 0 <= hi for lo, hi in (e2e.median_interval([rng.gauss(0, 1) for _ in range(10)])
+                                               for _ in range(4000)))
+    assert 0.96 <= inside / 4000 <= 0.99, inside
+
+
 def test_bad_flag_is_one_argparse_error(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--ranks", "two", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
@@ -110,14 +132,10 @@ def test_an_unknown_configuration_is_one_argparse_error(tmp_path):
 def _window_job(rank, world, out):
     """timed_rank on ZeroAdamW + overlap alone, rank 1 launching its all-gathers 0.3 s
     late: rank 0's step returns at once, its gathers land only then."""
-    import importlib.util
-
     import torch
 
     from dist_utils import delay_gathers
-    spec = importlib.util.spec_from_file_location("e2e_bench", SCRIPT)
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = _e2e()
     args = e2e.parse_args(["--ranks", "2", "--steps", "2", "--warmup", "0", "--iters", "1",
                            "--out", out, *TINY])
     args.variants = [v for v in e2e.zero_variants(None) if v[0] == "zero_s1_overlap"]
