@@ -645,3 +645,46 @@ def test_zero_adam_without_a_process_group_says_how_to_start_one():
         ZeroAdam([torch.nn.Parameter(torch.zeros(3))])
     msg = str(info.value)
     assert "torchrun" in msg and "init_process_group" in msg, msg
+
+
+def _rank_reduce_scatter(rank, world_size):
+    from zero_triton.comm import GroupComm
+    comm = GroupComm()
+    n = 5 * world_size
+    seen = {}
+    for name, dtype, out_dtype in (("fp32", torch.float32, torch.float32),
+                                   ("bf16 into fp32", torch.bfloat16, torch.float32)):
+        inp = torch.randn(n, generator=torch.Generator().manual_seed(rank), dtype=torch.float32).to(dtype)
+        before = inp.clone()
+        recv = torch.full((comm.recv_numel(n),), float("nan"), dtype=dtype)
+        out = torch.zeros(n // world_size, dtype=out_dtype)
+        comm.reduce_scatter_avg(out, inp, recv, async_op=True).wait()
+        total = torch.ones(n // world_size, dtype=out_dtype)
+        comm.reduce_scatter_avg(total, inp, recv.clone(), async_op=True, accumulate=True).wait()
+        seen[name] = (out, total, torch.equal(inp, before), recv.numel())
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(world_size):
+    """reduce_scatter_avg gives every rank ((g0 + g1) + g2) / W of its chunk bitwise
+    (and adds it to ``out`` with accumulate), leaves the input as it was, and on gloo
+    the first and the last rank receive (W - 1) / W of the input, not all of it."""
+    per_rank = run_ranks(_rank_reduce_scatter, world_size, timeout=RANK_TIMEOUT_S)
+    n = 5 * world_size
+    for name, dtype, out_dtype in (("fp32", torch.float32, torch.float32),
+                                   ("bf16 into fp32", torch.bfloat16, torch.float32)):
+        grads = [torch.randn(n, generator=torch.Generator().manual_seed(r),
+                             dtype=torch.float32).to(dtype) for r in range(world_size)]
+        for rank in range(world_size):
+            out, total, untouched, recv_numel = per_rank[rank][name]
+            chunks = [g.view(world_size, -1)[rank].to(out_dtype) for g in grads]
+            want = chunks[0] + chunks[1]
+            for c in chunks[2:]:
+                want = want + c
+            want = want / world_size
+            assert torch.equal(out, want), f"{name}, rank {rank}: not the sum in rank order"
+            assert torch.equal(total, 1 + want), f"{name}, rank {rank}: accumulate"
+            assert untouched, f"{name}, rank {rank}: the input changed"
+            end = rank in (0, world_size - 1)
+            assert recv_numel == (n - n // world_size if end else n), (name, rank, recv_numel)

@@ -297,7 +297,10 @@ class Reducer:
                 break
             raise AssertionError("zero_triton: a gradient bucket buffer was lost")
         self.made[key] = self.made.get(key, 0) + 1
-        return torch.empty(self.buffer_numel[kind], dtype=kind[0], device=kind[1])
+        numel = self.buffer_numel[kind]
+        if role == "recv":
+            numel = self.comm.recv_numel(numel)
+        return torch.empty(numel, dtype=kind[0], device=kind[1])
 
     def _side(self, bucket: Bucket):
         return self._side_of(bucket.param_full.device)
@@ -402,7 +405,7 @@ class Reducer:
 
         def start():
             return self.comm.reduce_scatter_avg(
-                bucket.grad_out, bucket.grad_in, None if recv is None else recv[:bucket.grad_in.numel()],
+                bucket.grad_out, bucket.grad_in, recv,
                 async_op=True, name=bucket.name("reduce_scatter"), accumulate=accumulate)
 
         if side is not None:

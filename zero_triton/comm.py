@@ -11,8 +11,11 @@ every element is ``(((g_0 + g_1) + g_2) + ...) / W`` whatever bucket it travels 
 the result does not depend on the bucket size (a ring reduce-scatter's summation order
 depends on where an element sits in the buffer). It moves the bytes a reduce-scatter
 moves, in the gradient's own dtype, and sums in the output's dtype (``reduce_dtype``);
-gloo's reduce-scatter all-reduces a copy, so on CPUs it is also 2-3x faster. With two
-ranks on NCCL, whose reduce-scatter then adds two numbers (order-free), NCCL's own is used.
+gloo's reduce-scatter all-reduces a copy, so on CPUs it is also 2-3x faster. On gloo the
+first and the last rank keep their own chunk out of the all-to-all (the rest of the
+input is contiguous there) and read it in place at the sum, so their receive buffer holds
+(W - 1) / W of the input: half at two ranks. With two ranks on NCCL, whose
+reduce-scatter then adds two numbers (order-free), NCCL's own is used.
 """
 from __future__ import annotations
 
@@ -108,11 +111,12 @@ class OrderedSum(Pending):
     """An all-to-all in flight; ``wait()`` then sums the received chunks in rank order
     into ``out`` and divides by the world size (``accumulate``: adds that to ``out``)."""
 
-    __slots__ = ("recv", "out", "accumulate")
+    __slots__ = ("recv", "out", "accumulate", "own")
 
-    def __init__(self, work, comm, name, recv, out, accumulate=False):
+    def __init__(self, work, comm, name, recv, out, accumulate=False, own=None):
         super().__init__(work, comm, name)
         self.recv, self.out, self.accumulate = recv, out, accumulate
+        self.own = own  # this rank's chunk of the input when it did not travel
 
     def wait(self) -> None:
         if self.work is None:
@@ -125,13 +129,14 @@ class OrderedSum(Pending):
         self._sum()
         if self.accumulate:
             total.add_(self.out)
-        self.recv = self.out = None
+        self.recv = self.out = self.own = None
 
     def _sum(self) -> None:
-        chunks, out = self.recv.view(self.comm.world_size, -1), self.out
-        if out.data_ptr() == chunks[0].data_ptr():
-            out.add_(chunks[1])
-        elif out.dtype == chunks.dtype:
+        out = self.out
+        chunks = list(self.recv.view(-1, out.numel()).unbind())
+        if self.own is not None:
+            chunks.insert(self.comm.rank, self.own)
+        if out.dtype == chunks[0].dtype:  # out may be chunk 0 or 1 itself: elementwise
             torch.add(chunks[0], chunks[1], out=out)
         else:
             out.copy_(chunks[0])
@@ -162,6 +167,9 @@ class LocalComm:
     world_size = 1
     rank = 0
     group = None
+
+    def recv_numel(self, numel: int) -> int:
+        return 0
 
     def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
                            async_op: bool = False, name: str = "reduce_scatter",
@@ -231,8 +239,8 @@ class GroupComm:
                            accumulate: bool = False):
         """``out`` (``inp.numel() // world_size`` elements, of ``inp``'s dtype or wider)
         becomes (``accumulate``: is added) this rank's chunk of the group's average of
-        ``inp``, summed in rank order. ``recv`` is scratch of ``inp``'s size and dtype,
-        busy until the wait."""
+        ``inp``, summed in rank order. ``recv`` is scratch of ``inp``'s dtype and at least
+        ``recv_numel(inp.numel())`` elements, busy until the wait, as is ``inp``."""
         if self.world_size == 1:
             return LocalComm.reduce_scatter_avg(self, out, inp, recv, async_op, name, accumulate)
         with self._collective(name):
@@ -241,13 +249,34 @@ class GroupComm:
                 work = _reduce_scatter(tmp, inp, op=dist.ReduceOp.AVG, group=self.group,
                                        async_op=True)
                 pending = _Added(work, self, name, tmp, out) if accumulate else Pending(work, self, name)
+            elif self._keeps_own_chunk:
+                n, r = inp.numel() // self.world_size, self.rank
+                splits = [0 if k == r else n for k in range(self.world_size)]
+                recv = recv.view(-1)[:inp.numel() - n]
+                work = dist.all_to_all_single(recv, inp[n:] if r == 0 else inp[:-n], splits, splits,
+                                              group=self.group, async_op=True)
+                pending = OrderedSum(work, self, name, recv, out, accumulate, own=inp[r * n:(r + 1) * n])
             else:
+                recv = recv.view(-1)[:inp.numel()]
                 work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
                 pending = OrderedSum(work, self, name, recv, out, accumulate)
         if not async_op:
             pending.wait()
             return None
         return pending
+
+    @property
+    def _keeps_own_chunk(self) -> bool:
+        # gloo's all-to-all takes one contiguous input: without this rank's chunk it is
+        # contiguous only at the first and the last rank. (NCCL's all-to-all runs on a side
+        # stream whose input buffer is reused once it is queued: it sends every chunk.)
+        return self.backend == "gloo" and self.rank in (0, self.world_size - 1)
+
+    def recv_numel(self, numel: int) -> int:
+        """The receive scratch ``reduce_scatter_avg`` needs for an input of ``numel``."""
+        if self.world_size == 1:
+            return 0
+        return numel - numel // self.world_size if self._keeps_own_chunk else numel
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                    name: str = "all_gather"):
