@@ -384,7 +384,10 @@ def measure(world, args, say) -> list:
     say(f"world size {world}: {args.warmup} warm-up + {args.steps} timed rounds of "
         f"{len(configs)} configurations")
     try:
-        every = launch.spawn(timed_rank, args, world, args.device, args.timeout)
+        # Every round may take --timeout: 15 configurations at 4 ranks take ~45 s a round
+        # on 2 cores, 13 rounds ~10 minutes.
+        every = launch.spawn(timed_rank, args, world, args.device, args.timeout,
+                             run_timeout_s=args.timeout * (args.warmup + args.steps))
     except launch.RankFailure as exc:
         say(f"error: world size {world}, timed rounds: {exc}")
         for row in rows.values():
@@ -626,8 +629,8 @@ def parse_args(argv) -> argparse.Namespace:
                     help="comma list of configurations to run (default: all; ddp always runs): "
                          + ", ".join(ALL_KEYS))
     ap.add_argument("--timeout", type=positive_number(), default=300.0,
-                    help="seconds a rank may wait in a collective, and one world size's run "
-                         "may take beyond starting up (300)")
+                    help="seconds a rank may wait in a collective, one round of the timed "
+                         "configurations may take, and one configuration's profiled run (300)")
     ap.add_argument("--out", default=os.path.join("bench", "results", "e2e"),
                     help="folder for e2e_<device>.csv/.json/.png (bench/results/e2e)")
     args = ap.parse_args([str(a) for a in argv])

@@ -126,23 +126,27 @@ def _exit_text(code) -> str:
     return f"exit code {code}"
 
 
-def spawn(fn, args, world_size: int, device_type: str, timeout_s: float):
+def spawn(fn, args, world_size: int, device_type: str, timeout_s: float,
+          run_timeout_s: float | None = None):
     """``fn`` on ``world_size`` spawned ranks; rank 0's gathered list of results.
+    ``timeout_s`` bounds each collective's wait, ``run_timeout_s`` (default: the same)
+    the whole run beyond starting up.
 
     A rank that dies of SIGABRT (seen once in five full test runs on 2 loaded cores, DDP
     under torch.profiler on gloo, with no Python error) is run again once, saying so on
     stderr; a second abort, any other death and any Python error are reported."""
     try:
-        return _spawn_once(fn, args, world_size, device_type, timeout_s)
+        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s)
     except _RankAborted as exc:
         print(f"zero_triton: {exc}; running the ranks again once", file=sys.stderr, flush=True)
     try:
-        return _spawn_once(fn, args, world_size, device_type, timeout_s)
+        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s)
     except _RankAborted as exc:
         raise RankFailure(f"{exc} (twice)") from None
 
 
-def _spawn_once(fn, args, world_size: int, device_type: str, timeout_s: float):
+def _spawn_once(fn, args, world_size: int, device_type: str, timeout_s: float,
+                run_timeout_s: float | None):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -154,7 +158,8 @@ def _spawn_once(fn, args, world_size: int, device_type: str, timeout_s: float):
         p.start()
     reported, errors, gathered = set(), {}, None
     # Starting (imports, a first-use build of the CPU kernels) counts against the limit too.
-    deadline = time.monotonic() + timeout_s + 60
+    run_s = timeout_s if run_timeout_s is None else run_timeout_s
+    deadline = time.monotonic() + run_s + 60
     try:
         while len(reported) < world_size:
             left = deadline - time.monotonic()
@@ -162,7 +167,7 @@ def _spawn_once(fn, args, world_size: int, device_type: str, timeout_s: float):
                 break
             if left <= 0:
                 missing = sorted(set(range(world_size)) - reported)
-                raise RankFailure(f"rank(s) {missing} did not finish within {timeout_s:.0f} s; "
+                raise RankFailure(f"rank(s) {missing} did not finish within {run_s:.0f} s; "
                                   "raise --timeout for a larger run")
             try:
                 rank, status, payload = results.get(timeout=min(left, 0.5))
