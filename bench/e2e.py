@@ -82,7 +82,7 @@ from zero_triton.profiling.memory_probe import MemoryProbe
 from zero_triton.units import positive_number, whole_number
 
 PROFILED = 3  # profiled iterations per configuration and rank
-DEFAULT_MINUTES = "about 30 minutes"  # python bench/e2e.py, every peer, measured on 2 cores
+DEFAULT_MINUTES = "about 20 minutes"  # python bench/e2e.py, every peer (DeepSpeed installed), 2 quiet cores
 N_BATCHES = 4  # distinct batches per rank, cycled; every configuration sees the same
 MAX_CPU_RANKS = 64
 COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "max_ms", "x_ddp",
@@ -508,7 +508,8 @@ def write_png(rows, meta, path) -> str | None:
     worlds = sorted({r["world_size"] for r in rows})
     keys = list(dict.fromkeys(r["config"] for r in rows))
     width = 0.8 / len(keys)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + 0.6 * len(worlds) * len(keys)), 4.0))
+    colors = plt.get_cmap("tab20").colors  # one colour per configuration, up to 20
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 3.0 + 0.35 * len(worlds) * len(keys))), 4.5))
     top = 0.0
     for j, key in enumerate(keys):
         ok = [(i, r) for i, w in enumerate(worlds) for r in rows
@@ -517,14 +518,14 @@ def write_png(rows, meta, path) -> str | None:
             continue
         med = [r["median_ms"] for _, r in ok]
         ax.bar([i + (j - (len(keys) - 1) / 2) * width for i, _ in ok], med, width,
-               label=ok[0][1]["label"], capsize=3,
+               label=ok[0][1]["label"], capsize=3, color=colors[j % len(colors)],
                yerr=[[m - r["min_ms"] for m, (_, r) in zip(med, ok)],
                      [r["max_ms"] - m for m, (_, r) in zip(med, ok)]])
         top = max([top] + [r["max_ms"] for _, r in ok])
-    ax.set_ylim(0, 1.45 * top or 1)  # room for the legend above the whiskers
+    ax.set_ylim(0, 1.1 * top or 1)
     ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
     ax.set_ylabel("ms per iteration (median, min-max)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
     ax.set_title(f"training iterations, {meta.get('iters', 1)} back to back per window, GPT "
                  f"{meta['model']['params']:,} params, "
                  f"{meta['dtype']}\n{meta['dist_backend']} on {meta['device_name']}", fontsize=8)

@@ -395,7 +395,10 @@ def test_a_rank_that_dies_in_backward_fails_the_others_naming_the_bucket(tmp_pat
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died without reporting"):
         run_ranks(_job_dies_in_backward, 2, report, stage, timeout=120, pg_timeout_s=10)
     msg = open(report).read()
-    assert "of bucket" in msg and "failed on rank 0" in msg and "peer rank" in msg, msg
+    # Rank 0 fails where it first waits on rank 1: a bucket's average it needs a buffer
+    # back from, or (no receive scratch at two ranks, ZeRO-1) the step's agreement.
+    assert "failed on rank 0" in msg and "peer rank" in msg, msg
+    assert "of bucket" in msg or "step failed" in msg, msg
 
 
 class FunctionalHead(nn.Module):

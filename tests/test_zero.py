@@ -661,7 +661,12 @@ def _rank_reduce_scatter(rank, world_size):
         comm.reduce_scatter_avg(out, inp, recv, async_op=True).wait()
         total = torch.ones(n // world_size, dtype=out_dtype)
         comm.reduce_scatter_avg(total, inp, recv.clone(), async_op=True, accumulate=True).wait()
-        seen[name] = (out, total, torch.equal(inp, before), recv.numel())
+        needs = comm.needs_recv(out, inp)
+        into_out = torch.full_like(out, float("nan"))
+        if not needs:  # two ranks: the other rank's chunk lands in the output itself
+            comm.reduce_scatter_avg(into_out, inp, None, async_op=True).wait()
+        seen[name] = (out, total, torch.equal(inp, before), recv.numel(), needs,
+                      comm.needs_recv(out, inp, accumulate=True), into_out)
     return seen
 
 
@@ -669,7 +674,8 @@ def _rank_reduce_scatter(rank, world_size):
 def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(world_size):
     """reduce_scatter_avg gives every rank ((g0 + g1) + g2) / W of its chunk bitwise
     (and adds it to ``out`` with accumulate), leaves the input as it was, and on gloo
-    the first and the last rank receive (W - 1) / W of the input, not all of it."""
+    the first and the last rank receive (W - 1) / W of the input, not all of it; at two
+    ranks, into an output of the input's dtype, no scratch at all."""
     per_rank = run_ranks(_rank_reduce_scatter, world_size, timeout=RANK_TIMEOUT_S)
     n = 5 * world_size
     for name, dtype, out_dtype in (("fp32", torch.float32, torch.float32),
@@ -677,7 +683,7 @@ def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(worl
         grads = [torch.randn(n, generator=torch.Generator().manual_seed(r),
                              dtype=torch.float32).to(dtype) for r in range(world_size)]
         for rank in range(world_size):
-            out, total, untouched, recv_numel = per_rank[rank][name]
+            out, total, untouched, recv_numel, needs, needs_to_add, into_out = per_rank[rank][name]
             chunks = [g.view(world_size, -1)[rank].to(out_dtype) for g in grads]
             want = chunks[0] + chunks[1]
             for c in chunks[2:]:
@@ -688,3 +694,8 @@ def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(worl
             assert untouched, f"{name}, rank {rank}: the input changed"
             end = rank in (0, world_size - 1)
             assert recv_numel == (n - n // world_size if end else n), (name, rank, recv_numel)
+            # No scratch only at two ranks, into an output of the input's dtype, not added to.
+            assert needs == (world_size > 2 or dtype != out_dtype), (name, rank, needs)
+            assert needs_to_add, (name, rank)
+            if not needs:
+                assert torch.equal(into_out, want), f"{name}, rank {rank}: received into the output"

@@ -395,13 +395,13 @@ class Reducer:
                 bucket.wait_reduce()  # it holds buffers (ZeRO-2: the staging it sends)
         if bucket.sharded and bucket.grad_in is None:  # nothing arrived: this rank adds zeros
             self._stage(bucket)
+        accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
         recv = None
-        if bucket.pool is not None:
+        if bucket.pool is not None and self.comm.needs_recv(bucket.grad_out, bucket.grad_in, accumulate):
             recv = self._take(bucket.pool, bucket, "recv", grow=grow)
         bucket.ready = bucket.stale = False
         bucket.launched = True
         self.signature = (self.signature * 1009 + bucket.key[0] * 4099 + bucket.key[1] + 1) % SIGNATURE_MOD
-        accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
 
         def start():
             return self.comm.reduce_scatter_avg(
@@ -420,7 +420,7 @@ class Reducer:
         bucket.reduce = start()
         if bucket.sharded:  # the next micro-batch stages into another buffer
             bucket.sending, bucket.staging, bucket.grad_in = bucket.staging, None, None
-        if recv is not None:
+        if self.comm.world_size > 1:
             self.in_flight.append(bucket)
         else:
             bucket.wait_reduce()  # world size 1: a copy, done

@@ -14,7 +14,8 @@ moves, in the gradient's own dtype, and sums in the output's dtype (``reduce_dty
 gloo's reduce-scatter all-reduces a copy, so on CPUs it is also 2-3x faster. On gloo the
 first and the last rank keep their own chunk out of the all-to-all (the rest of the
 input is contiguous there) and read it in place at the sum, so their receive buffer holds
-(W - 1) / W of the input: half at two ranks. With two ranks on NCCL, whose
+(W - 1) / W of the input; at two ranks the one chunk received lands in the output itself
+(no scratch) unless the average is added to what the output holds. With two ranks on NCCL, whose
 reduce-scatter then adds two numbers (order-free), NCCL's own is used.
 """
 from __future__ import annotations
@@ -171,6 +172,9 @@ class LocalComm:
     def recv_numel(self, numel: int) -> int:
         return 0
 
+    def needs_recv(self, out, inp, accumulate: bool = False) -> bool:
+        return False
+
     def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
                            async_op: bool = False, name: str = "reduce_scatter",
                            accumulate: bool = False):
@@ -240,7 +244,8 @@ class GroupComm:
         """``out`` (``inp.numel() // world_size`` elements, of ``inp``'s dtype or wider)
         becomes (``accumulate``: is added) this rank's chunk of the group's average of
         ``inp``, summed in rank order. ``recv`` is scratch of ``inp``'s dtype and at least
-        ``recv_numel(inp.numel())`` elements, busy until the wait, as is ``inp``."""
+        ``recv_numel(inp.numel())`` elements, busy until the wait, as is ``inp``; None
+        where ``needs_recv`` says so."""
         if self.world_size == 1:
             return LocalComm.reduce_scatter_avg(self, out, inp, recv, async_op, name, accumulate)
         with self._collective(name):
@@ -252,7 +257,13 @@ class GroupComm:
             elif self._keeps_own_chunk:
                 n, r = inp.numel() // self.world_size, self.rank
                 splits = [0 if k == r else n for k in range(self.world_size)]
-                recv = recv.view(-1)[:inp.numel() - n]
+                if recv is None:  # two ranks: the other rank's chunk lands in out itself
+                    if self.needs_recv(out, inp, accumulate):
+                        raise ValueError("zero_triton: reduce_scatter_avg needs receive scratch "
+                                         "here (see needs_recv)")
+                    recv = out
+                else:
+                    recv = recv.view(-1)[:inp.numel() - n]
                 work = dist.all_to_all_single(recv, inp[n:] if r == 0 else inp[:-n], splits, splits,
                                               group=self.group, async_op=True)
                 pending = OrderedSum(work, self, name, recv, out, accumulate, own=inp[r * n:(r + 1) * n])
@@ -273,10 +284,22 @@ class GroupComm:
         return self.backend == "gloo" and self.rank in (0, self.world_size - 1)
 
     def recv_numel(self, numel: int) -> int:
-        """The receive scratch ``reduce_scatter_avg`` needs for an input of ``numel``."""
+        """The receive scratch ``reduce_scatter_avg`` needs for an input of ``numel``
+        (where ``needs_recv``)."""
         if self.world_size == 1:
             return 0
         return numel - numel // self.world_size if self._keeps_own_chunk else numel
+
+    def needs_recv(self, out: torch.Tensor, inp: torch.Tensor, accumulate: bool = False) -> bool:
+        """Whether ``reduce_scatter_avg(out, inp, ...)`` needs receive scratch. On gloo
+        with two ranks it does not when ``out`` is of ``inp``'s dtype, apart from it, and
+        not accumulated into: the other rank's chunk is received into ``out`` and this
+        rank's is added to it there (ZeRO-1's averages at two ranks hold no scratch)."""
+        if self.world_size == 1:
+            return False
+        return not (self._keeps_own_chunk and self.world_size == 2 and not accumulate
+                    and out.dtype == inp.dtype
+                    and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                    name: str = "all_gather"):
