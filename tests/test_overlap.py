@@ -390,7 +390,7 @@ def _job_dies_in_backward(rank, world_size, report, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_rank_that_dies_in_backward_fails_the_others_naming_the_bucket(tmp_path, stage):
+def test_a_rank_that_dies_in_backward_fails_the_others_naming_where_they_waited(tmp_path, stage):
     report = str(tmp_path / "report")
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died without reporting"):
         run_ranks(_job_dies_in_backward, 2, report, stage, timeout=120, pg_timeout_s=10)

@@ -665,8 +665,13 @@ def _rank_reduce_scatter(rank, world_size):
         into_out = torch.full_like(out, float("nan"))
         if not needs:  # two ranks: the other rank's chunk lands in the output itself
             comm.reduce_scatter_avg(into_out, inp, None, async_op=True).wait()
-        seen[name] = (out, total, torch.equal(inp, before), recv.numel(), needs,
-                      comm.needs_recv(out, inp, accumulate=True), into_out)
+        else:  # scratch left out where it is needed: refused before any collective
+            with pytest.raises(ValueError, match="needs receive scratch"):
+                comm.reduce_scatter_avg(into_out, inp, None, async_op=True)
+        # Lists, not tensors: a tensor sent back shares its storage through a socket of
+        # the rank's process, which may have exited by the time it is read.
+        seen[name] = (out.tolist(), total.tolist(), torch.equal(inp, before), recv.numel(), needs,
+                      comm.needs_recv(out, inp, accumulate=True), into_out.tolist())
     return seen
 
 
@@ -683,7 +688,9 @@ def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(worl
         grads = [torch.randn(n, generator=torch.Generator().manual_seed(r),
                              dtype=torch.float32).to(dtype) for r in range(world_size)]
         for rank in range(world_size):
-            out, total, untouched, recv_numel, needs, needs_to_add, into_out = per_rank[rank][name]
+            out, total, untouched, recv_numel, needs, needs_to_add, into_out = (
+                torch.tensor(x, dtype=out_dtype) if isinstance(x, list) else x
+                for x in per_rank[rank][name])
             chunks = [g.view(world_size, -1)[rank].to(out_dtype) for g in grads]
             want = chunks[0] + chunks[1]
             for c in chunks[2:]:

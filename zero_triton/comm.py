@@ -248,6 +248,9 @@ class GroupComm:
         where ``needs_recv`` says so."""
         if self.world_size == 1:
             return LocalComm.reduce_scatter_avg(self, out, inp, recv, async_op, name, accumulate)
+        if recv is None and self.needs_recv(out, inp, accumulate):
+            raise ValueError("zero_triton: reduce_scatter_avg needs receive scratch here: "
+                             "pass recv of recv_numel(inp.numel()) elements (see needs_recv)")
         with self._collective(name):
             if self.backend == "nccl" and self.world_size == 2 and out.dtype == inp.dtype:
                 tmp = torch.empty_like(out) if accumulate else out
@@ -257,13 +260,8 @@ class GroupComm:
             elif self._keeps_own_chunk:
                 n, r = inp.numel() // self.world_size, self.rank
                 splits = [0 if k == r else n for k in range(self.world_size)]
-                if recv is None:  # two ranks: the other rank's chunk lands in out itself
-                    if self.needs_recv(out, inp, accumulate):
-                        raise ValueError("zero_triton: reduce_scatter_avg needs receive scratch "
-                                         "here (see needs_recv)")
-                    recv = out
-                else:
-                    recv = recv.view(-1)[:inp.numel() - n]
+                # Two ranks without scratch: the other rank's chunk lands in out itself.
+                recv = out if recv is None else recv.view(-1)[:inp.numel() - n]
                 work = dist.all_to_all_single(recv, inp[n:] if r == 0 else inp[:-n], splits, splits,
                                               group=self.group, async_op=True)
                 pending = OrderedSum(work, self, name, recv, out, accumulate, own=inp[r * n:(r + 1) * n])
