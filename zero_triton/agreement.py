@@ -143,7 +143,8 @@ class Agreement:
             raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
                                "nothing was changed")
         try:
-            with without_python_tls():
+            # A profiler range: the side group's all-gather is no training collective.
+            with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
                 self.group._allgather_base(self.rows, row).wait()
         except RuntimeError as exc:
             what = f"{entry} ({detail})" if detail else entry

@@ -229,11 +229,15 @@ class GroupComm:
             "or stopped calling the collective; the process group's timeout bounds the wait)")
 
     @contextlib.contextmanager
-    def _collective(self, name: str):
+    def _collective(self, name: str, kind: str | None = None):
         """Re-raise a failed collective as a RuntimeError that names the phase, so a rank
-        that died mid-step fails the others with a message, never a bare gloo error."""
+        that died mid-step fails the others with a message, never a bare gloo error.
+        ``kind`` ("reduce_scatter", "all_gather"): the launch is a ``zero_triton.<kind>``
+        profiler range, so a trace tells this collective's calls (an all-to-all, one
+        broadcast per rank on gloo) from other collectives of the same name."""
         try:
-            with without_python_tls():
+            with (torch.profiler.record_function(f"zero_triton.{kind}") if kind
+                  else contextlib.nullcontext()), without_python_tls():
                 yield
         except RuntimeError as exc:  # DistBackendError and gloo's errors derive from it
             raise self._failed(name, exc) from exc
@@ -251,7 +255,7 @@ class GroupComm:
         if recv is None and self.needs_recv(out, inp, accumulate):
             raise ValueError("zero_triton: reduce_scatter_avg needs receive scratch here: "
                              "pass recv of recv_numel(inp.numel()) elements (see needs_recv)")
-        with self._collective(name):
+        with self._collective(name, "reduce_scatter"):
             if self.backend == "nccl" and self.world_size == 2 and out.dtype == inp.dtype:
                 tmp = torch.empty_like(out) if accumulate else out
                 work = _reduce_scatter(tmp, inp, op=dist.ReduceOp.AVG, group=self.group,
@@ -306,13 +310,13 @@ class GroupComm:
         place: gloo's all-gather receives into a temporary of ``flat``'s size and copies
         it out, a bucket-sized allocation per gather held while it is in flight."""
         if self.backend != "gloo" or not flat.is_contiguous():
-            with self._collective(name):
+            with self._collective(name, "all_gather"):
                 work = _all_gather(flat, shard, group=self.group, async_op=async_op)
             return Pending(work, self, name) if async_op else None
         chunks = flat.view(self.world_size, -1)
         if shard.data_ptr() != chunks[self.rank].data_ptr():
             chunks[self.rank].copy_(shard)
-        with self._collective(name):
+        with self._collective(name, "all_gather"):
             works = [dist.broadcast(chunk, src=self.global_ranks[r], group=self.group, async_op=True)
                      for r, chunk in enumerate(chunks)]
         pending = AllOf(works, self, name)

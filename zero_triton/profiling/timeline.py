@@ -26,8 +26,13 @@ ZeroAdam's once its communication overlaps). On CPU the training thread computes
 while it runs an operator; a hole between operators shorter than ``GLUE_US`` is the
 autograd engine or Python between two of them, a longer one with a collective in
 flight is a wait.
-Nothing here knows which optimizer ran: the same reading serves ZeroAdam today
-(synchronous, every collective exposed), ZeroAdam with overlapped buckets and DDP.
+A gloo range is of the kind of the call that queued it: the last call of the same
+collective before it started (ZeroAdam launches its all-gathers, a broadcast per rank
+on gloo, and its reduce-scatters, an all-to-all, inside ``zero_triton.all_gather`` /
+``zero_triton.reduce_scatter`` ranges; its agreement's all-gather on a side group
+inside ``zero_triton.agreement``, an other collective).
+Nothing here knows which optimizer ran: the same reading serves ZeroAdam with or
+without ``overlap()`` and DDP.
 """
 from __future__ import annotations
 
@@ -40,7 +45,11 @@ BACKWARD = "zero_triton.backward"
 OPTIMIZER = "zero_triton.optimizer"
 ADAM_STEP = "zero_triton.adam_step"
 COMM_RANGES = {"zero_triton.reduce_scatter": "reduce_scatter",
-               "zero_triton.all_gather": "all_gather"}
+               "zero_triton.all_gather": "all_gather",
+               "zero_triton.agreement": "other_collective"}
+# ZeroAdam's agreement (zero_triton.agreement) exchanges one row per rank with an
+# all-gather on a side group; that call records no collective event of its own.
+_RANGE_OPS = {"zero_triton.agreement": "allgather"}
 
 KINDS = ("reduce_scatter", "all_reduce", "all_gather", "other_collective")
 # Table order: what the training thread does, in the order of an iteration.
@@ -124,6 +133,18 @@ def comm_kind(name: str) -> str:
     return "other_collective"
 
 
+_OPS = ("reducescatter", "alltoall", "allgather", "allreduce", "broadcast")
+# gloo runs reduce_scatter_tensor as an all-reduce.
+_QUEUED_BY = {"allreduce": ("allreduce", "reducescatter")}
+
+
+def _op(name: str) -> str:
+    """The collective a call or a gloo range runs (``c10d::alltoall_base_`` and
+    ``gloo:all_to_all`` -> "alltoall"), whatever it is used for."""
+    n = name.lower().replace("_", "")
+    return next((op for op in _OPS if op in n), n)
+
+
 def _span(e) -> tuple:
     return (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
 
@@ -174,7 +195,7 @@ def split_iterations(events: list) -> list:
     calls = sorted((_span(e), _host_comm_kind(e, comm_ranges)) for e in on_main if _is_host_comm(e))
     device = [e for e in xs if e.get("cat") in _DEVICE_CATS]
     flight, compute = (_on_device(device) if device else
-                       _on_cpu(xs, pid, main, on_main, calls))
+                       _on_cpu(xs, pid, main, on_main, calls, comm_ranges))
     launches = _launch_times(xs) if device else {}
 
     out = []
@@ -233,16 +254,35 @@ def _on_device(device: list):
     return flight, merge(_span(e) for e in device if not _is_nccl(e))
 
 
-def _on_cpu(xs, pid, main, on_main, calls):
+def _on_cpu(xs, pid, main, on_main, calls, comm_ranges):
     """(in-flight collectives, compute) on CPU: gloo's ranges on its own threads, and the
     training thread's operators (holes under GLUE_US filled) outside collective calls."""
+    # The calls that queue gloo's work, by the collective they run: ZeroAdam's all-gather
+    # is a broadcast per rank on gloo, its reduce-scatter an all-to-all, its agreement an
+    # all-gather that records no call (its range stands in for it).
+    queued = {}
+    for e in on_main:
+        if e["name"] in _RANGE_OPS:
+            queued.setdefault(_RANGE_OPS[e["name"]], []).append((_span(e)[0], COMM_RANGES[e["name"]]))
+        elif _is_host_comm(e):
+            queued.setdefault(_op(e["name"]), []).append((_span(e)[0], _host_comm_kind(e, comm_ranges)))
+    by_op = {}
     starts = [s for (s, _), _ in calls]
     flight = []
     for e in xs:
         if e.get("pid") == pid and e.get("tid") != main and e["name"].startswith("gloo:"):
             span = _span(e)
-            # Of the kind of the last collective call made before it started (the call
-            # that queued it), else as its own name says.
+            # Of the kind of the last call of the same collective made before it started
+            # (the call that queued it), else of the last call of any, else as its own
+            # name says.
+            o = _op(e["name"])
+            if o not in by_op:
+                by_op[o] = sorted(c for q in _QUEUED_BY.get(o, (o,)) for c in queued.get(q, ()))
+            same = by_op[o]
+            i = bisect.bisect_right(same, (span[0], "~")) - 1
+            if i >= 0:
+                flight.append((span, same[i][1]))
+                continue
             i = bisect.bisect_right(starts, span[0]) - 1
             flight.append((span, calls[i][1] if i >= 0 else comm_kind(e["name"])))
     ops = merge(_span(e) for e in on_main if e.get("cat") == "cpu_op" and not _is_host_comm(e))
