@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """ZeroAdam's two collectives against torch's, side by side, on gloo.
 
-ZeroAdam averages a bucket with an all-to-all and a sum in rank order
+ZeroAdam averages a bucket by moving each chunk to its owner (on gloo a send and a
+receive per peer) and summing in rank order
 (``zero_triton.comm.GroupComm.reduce_scatter_avg``): the same bits for any bucket size;
 and on gloo it gathers a bucket's updated parameters with one in-place broadcast per rank
 (``GroupComm.all_gather``), where gloo's all-gather receives into a temporary of the
@@ -29,7 +30,7 @@ from zero_triton.units import positive_number, whole_number
 
 
 PAIRS = [(("torch reduce_scatter_tensor (AVG)", "average"),
-          ("zero_triton all-to-all + ordered sum", "average")),
+          ("zero_triton pairwise + ordered sum", "average")),
          (("torch all_gather_into_tensor", "gather"),
           ("zero_triton broadcast per rank", "gather"))]
 
@@ -37,10 +38,10 @@ PAIRS = [(("torch reduce_scatter_tensor (AVG)", "average"),
 def _rank(args, rank, world, device):
     n = int(args.mb * 2**20) // 4 // (16 * world) * 16 * world  # a whole number of shards
     grad = torch.randn(n)
-    out, recv = torch.empty(n // world), torch.empty(n)
+    comm = GroupComm()
+    out, recv = torch.empty(n // world), torch.empty(comm.recv_numel(n))
     full = torch.randn(n)
     shard = full.view(world, -1)[rank]
-    comm = GroupComm()
     ops = {}
     for (theirs, torch_op), (ours, our_op) in PAIRS:
         ops[theirs] = {"average": lambda: _reduce_scatter(out, grad, op=dist.ReduceOp.AVG),

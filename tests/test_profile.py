@@ -115,15 +115,18 @@ def test_gloo_ranges_take_the_kind_of_the_call_that_queued_them():
     """ZeroAdam with overlap() on gloo: the all-gathers are broadcasts launched inside the
     Adam step (in zero_triton.all_gather launch ranges) that run after a later call of
     another collective; the agreement's all-gather on a side group records no call, only
-    its range. Each gloo range is of the kind of the last call of its own collective."""
+    its range; the reduce-scatter's sends and receives are recorded on the training
+    thread from their post to their end. Each gloo range is of the kind of the last
+    call of its own collective."""
     events = [
         X(timeline.ITERATION, 0, 10_000),
         X(timeline.FORWARD, 0, 3000), op("aten::addmm", 0, 3000),
         X(timeline.BACKWARD, 3000, 4000), op("AddmmBackward0", 3000, 3900),
         X("zero_triton.agreement", 3100, 200),
         X("gloo:all_gather", 3150, 100, tid=GLOO + 1),          # the side group's thread
-        X("zero_triton.reduce_scatter", 3400, 60), op("c10d::alltoall_base_", 3410, 40),
-        X("gloo:all_to_all", 3460, 500, tid=GLOO),
+        X("zero_triton.reduce_scatter", 3400, 60), op("c10d::send", 3410, 20),
+        op("c10d::recv_", 3430, 20),
+        op("gloo:send", 3415, 300), op("gloo:recv", 3435, 500),  # posted here, run under backward
         X(timeline.OPTIMIZER, 7000, 2500),
         op("c10d::allreduce_", 7050, 50),                       # the launch-signature flags
         X("gloo:all_reduce", 7100, 100, tid=GLOO),
@@ -134,11 +137,13 @@ def test_gloo_ranges_take_the_kind_of_the_call_that_queued_them():
         op("aten::zero_", 9600, 100),
     ]
     s, = timeline.split_iterations(events)
-    assert s.in_flight == pytest.approx({"reduce_scatter": 0.5, "all_reduce": 0.1, "all_gather": 0.6,
+    assert s.in_flight == pytest.approx({"reduce_scatter": 0.52, "all_reduce": 0.1, "all_gather": 0.6,
                                          "other_collective": 0.1}), s.in_flight
     assert s.hidden["all_gather"] == pytest.approx(0.6), "the broadcast ran under the Adam kernel"
     assert s.rows["other_collective"] == pytest.approx(0.2), "the agreement's range is exposed"
     assert s.rows["all_gather"] == pytest.approx(0.05), "the launch range"
+    assert s.rows["reduce_scatter"] == pytest.approx(0.06), "the launch range only"
+    assert s.hidden["reduce_scatter"] == pytest.approx(3.935 - 3.46), "the transfers ran under backward"
     assert sum(s.rows.values()) == pytest.approx(10.0)
 
 

@@ -662,25 +662,30 @@ def _rank_reduce_scatter(rank, world_size):
         total = torch.ones(n // world_size, dtype=out_dtype)
         comm.reduce_scatter_avg(total, inp, recv.clone(), async_op=True, accumulate=True).wait()
         needs = comm.needs_recv(out, inp)
+        # Scratch sized for an average into the output, then one added to the output on
+        # that scratch (it takes one chunk more) and one on no scratch at all.
+        small = torch.full((comm.recv_numel(n, into_out=dtype == out_dtype),), float("nan"), dtype=dtype)
         into_out = torch.full_like(out, float("nan"))
-        if not needs:  # two ranks: the other rank's chunk lands in the output itself
-            comm.reduce_scatter_avg(into_out, inp, None, async_op=True).wait()
-        else:  # scratch left out where it is needed: refused before any collective
-            with pytest.raises(ValueError, match="needs receive scratch"):
-                comm.reduce_scatter_avg(into_out, inp, None, async_op=True)
+        comm.reduce_scatter_avg(into_out, inp, small, async_op=True).wait()
+        added = torch.ones(n // world_size, dtype=out_dtype)
+        comm.reduce_scatter_avg(added, inp, small, async_op=True, accumulate=True).wait()
+        bare = torch.ones(n // world_size, dtype=out_dtype)
+        comm.reduce_scatter_avg(bare, inp, None, async_op=True, accumulate=True).wait()
         # Lists, not tensors: a tensor sent back shares its storage through a socket of
         # the rank's process, which may have exited by the time it is read.
-        seen[name] = (out.tolist(), total.tolist(), torch.equal(inp, before), recv.numel(), needs,
-                      comm.needs_recv(out, inp, accumulate=True), into_out.tolist())
+        seen[name] = (out.tolist(), total.tolist(), torch.equal(inp, before), small.numel(), needs,
+                      comm.needs_recv(out, inp, accumulate=True), into_out.tolist(), added.tolist(),
+                      bare.tolist())
     return seen
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(world_size):
     """reduce_scatter_avg gives every rank ((g0 + g1) + g2) / W of its chunk bitwise
     (and adds it to ``out`` with accumulate), leaves the input as it was, and on gloo
-    the first and the last rank receive (W - 1) / W of the input, not all of it; at two
-    ranks, into an output of the input's dtype, no scratch at all."""
+    asks for (W - 2) / W of the input as scratch into an output of the input's dtype
+    (none at two ranks), (W - 1) / W into a wider one; an average added to the output on
+    the smaller scratch, or on none, is still right (it takes what it lacks)."""
     per_rank = run_ranks(_rank_reduce_scatter, world_size, timeout=RANK_TIMEOUT_S)
     n = 5 * world_size
     for name, dtype, out_dtype in (("fp32", torch.float32, torch.float32),
@@ -688,7 +693,7 @@ def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(worl
         grads = [torch.randn(n, generator=torch.Generator().manual_seed(r),
                              dtype=torch.float32).to(dtype) for r in range(world_size)]
         for rank in range(world_size):
-            out, total, untouched, recv_numel, needs, needs_to_add, into_out = (
+            out, total, untouched, recv_numel, needs, needs_to_add, into_out, added, bare = (
                 torch.tensor(x, dtype=out_dtype) if isinstance(x, list) else x
                 for x in per_rank[rank][name])
             chunks = [g.view(world_size, -1)[rank].to(out_dtype) for g in grads]
@@ -699,10 +704,10 @@ def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(worl
             assert torch.equal(out, want), f"{name}, rank {rank}: not the sum in rank order"
             assert torch.equal(total, 1 + want), f"{name}, rank {rank}: accumulate"
             assert untouched, f"{name}, rank {rank}: the input changed"
-            end = rank in (0, world_size - 1)
-            assert recv_numel == (n - n // world_size if end else n), (name, rank, recv_numel)
+            assert torch.equal(into_out, want), f"{name}, rank {rank}: on the scratch it asks for"
+            assert torch.equal(added, 1 + want) and torch.equal(bare, 1 + want), f"{name}, rank {rank}"
+            wide = dtype != out_dtype
+            assert recv_numel == n // world_size * (world_size - 1 - (not wide)), (name, rank, recv_numel)
             # No scratch only at two ranks, into an output of the input's dtype, not added to.
-            assert needs == (world_size > 2 or dtype != out_dtype), (name, rank, needs)
+            assert needs == (world_size > 2 or wide), (name, rank, needs)
             assert needs_to_add, (name, rank)
-            if not needs:
-                assert torch.equal(into_out, want), f"{name}, rank {rank}: received into the output"

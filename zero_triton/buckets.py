@@ -207,6 +207,7 @@ class Reducer:
         self.overlapped = False           # zero_triton.overlap: they outlive step()
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
         self.buffer_numel: dict = {}
+        self.recv_numel: dict = {}        # receive scratch per (dtype, device)
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).
@@ -236,15 +237,20 @@ class Reducer:
             self.order = [by_key[b.key] for b in self.order]
             self.in_backward = min(self.in_backward, len(self.order))
         sizes: dict = {}
+        into_out: dict = {}  # every bucket of the kind averages into a shard of its dtype
         for b in self.buckets:
             kind = self._kind(b)
             sizes[kind] = max(sizes.get(kind, 0), b.geometry.numel)
+            into_out[kind] = into_out.get(kind, True) and b.grad_out.dtype == b.grad_dtype
         # Receive and staging buffers are made when first needed (a model of two buckets
-        # never needs more than two), up to max_in_flight of each kind.
+        # never needs more than two), up to max_in_flight of each kind. Receive scratch is
+        # sized for an average into the shard (ZeRO-2's later averages of a step, added
+        # to the shard, take one chunk more for the launch: zero_triton.comm).
         self.pools, self.staging_pools, self.buffer_numel = {}, {}, dict(sizes)
+        self.recv_numel = {kind: self.comm.recv_numel(sizes[kind], into_out[kind]) for kind in sizes}
         self.made = {}
         for kind in sizes:
-            if self.comm.world_size > 1:
+            if self.recv_numel[kind] > 0:
                 self.pools[kind] = []
             if any(b.sharded for b in self.buckets if self._kind(b) == kind):
                 self.staging_pools[kind] = []
@@ -297,9 +303,7 @@ class Reducer:
                 break
             raise AssertionError("zero_triton: a gradient bucket buffer was lost")
         self.made[key] = self.made.get(key, 0) + 1
-        numel = self.buffer_numel[kind]
-        if role == "recv":
-            numel = self.comm.recv_numel(numel)
+        numel = self.recv_numel[kind] if role == "recv" else self.buffer_numel[kind]
         return torch.empty(numel, dtype=kind[0], device=kind[1])
 
     def _side(self, bucket: Bucket):

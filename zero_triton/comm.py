@@ -6,17 +6,20 @@ With ``async_op=True`` the gradient and parameter collectives return a ``Pending
 handle: ``wait()`` ends it (on CUDA: the current stream waits for it, the host does not)
 and turns a failure into an error that names the phase.
 
-The gradient average is an all-to-all followed by a sum in rank order (``OrderedSum``):
-every element is ``(((g_0 + g_1) + g_2) + ...) / W`` whatever bucket it travels in, so
-the result does not depend on the bucket size (a ring reduce-scatter's summation order
-depends on where an element sits in the buffer). It moves the bytes a reduce-scatter
-moves, in the gradient's own dtype, and sums in the output's dtype (``reduce_dtype``);
-gloo's reduce-scatter all-reduces a copy, so on CPUs it is also 2-3x faster. On gloo the
-first and the last rank keep their own chunk out of the all-to-all (the rest of the
-input is contiguous there) and read it in place at the sum, so their receive buffer holds
-(W - 1) / W of the input; at two ranks the one chunk received lands in the output itself
-(no scratch) unless the average is added to what the output holds. With two ranks on NCCL, whose
-reduce-scatter then adds two numbers (order-free), NCCL's own is used.
+The gradient average moves each chunk of the input to the rank that owns it and sums
+the chunks in rank order (``OrderedSum``): every element is
+``(((g_0 + g_1) + g_2) + ...) / W`` whatever bucket it travels in, so the result does
+not depend on the bucket size (a ring reduce-scatter's summation order depends on where
+an element sits in the buffer). It moves the bytes a reduce-scatter moves, in the
+gradient's own dtype, and sums in the output's dtype (``reduce_dtype``). On gloo the
+chunks go pairwise (a send and a receive per peer, tagged per launch): a rank's own
+chunk never travels (it is read in place at the sum), the first peer's lands in the
+output itself when the output is of the input's dtype and is not added to, the others
+in receive scratch, so the scratch is (W - 2) / W of the input (none at two ranks);
+gloo's reduce-scatter all-reduces a copy and its all-to-all receives every chunk, own
+included, into one buffer. On NCCL the average is an all-to-all into scratch of the
+input's size, except with two ranks, where NCCL's own reduce-scatter (two numbers
+added: order-free) is used.
 """
 from __future__ import annotations
 
@@ -109,34 +112,45 @@ class AllOf(Pending):
 
 
 class OrderedSum(Pending):
-    """An all-to-all in flight; ``wait()`` then sums the received chunks in rank order
-    into ``out`` and divides by the world size (``accumulate``: adds that to ``out``)."""
+    """Chunks in flight; ``wait()`` then sums them in rank order into ``out`` and divides
+    by the world size (``accumulate``: adds that to ``out``). ``chunks``: where each
+    rank's chunk is (or lands), in rank order; None: the all-to-all's ``recv`` holds them
+    all, in rank order."""
 
-    __slots__ = ("recv", "out", "accumulate", "own")
+    __slots__ = ("rest", "recv", "out", "accumulate", "chunks")
 
-    def __init__(self, work, comm, name, recv, out, accumulate=False, own=None):
-        super().__init__(work, comm, name)
-        self.recv, self.out, self.accumulate = recv, out, accumulate
-        self.own = own  # this rank's chunk of the input when it did not travel
+    def __init__(self, works, comm, name, recv, out, accumulate=False, chunks=None):
+        super().__init__(works[0], comm, name)
+        self.rest = works[1:]
+        self.recv, self.out, self.accumulate, self.chunks = recv, out, accumulate, chunks
 
     def wait(self) -> None:
         if self.work is None:
             return
         super().wait()
+        rest, self.rest = self.rest, ()
+        for work in rest:
+            Pending(work, self.comm, self.name).wait()
         total = self.out
-        if self.accumulate:  # the sum goes into the received chunk 0 when it can
-            chunk0 = self.recv[:total.numel()]
-            self.out = chunk0 if chunk0.dtype == total.dtype else torch.empty_like(total)
-        self._sum()
+        chunks = self.chunks
+        if chunks is None:
+            chunks = list(self.recv.view(-1, total.numel()).unbind())
+        if self.accumulate:  # the sum goes into a received chunk when it can
+            own = self.chunks[self.comm.rank] if self.chunks is not None else None
+            self.out = next((c for c in chunks if c is not own and c.dtype == total.dtype),
+                            None)
+            if self.out is None:
+                self.out = torch.empty_like(total)
+        self._sum(chunks)
         if self.accumulate:
             total.add_(self.out)
-        self.recv = self.out = self.own = None
+        self.recv = self.out = self.chunks = None
 
-    def _sum(self) -> None:
+    def landed(self) -> bool:
+        return super().landed() and all(w.is_completed() for w in self.rest)
+
+    def _sum(self, chunks) -> None:
         out = self.out
-        chunks = list(self.recv.view(-1, out.numel()).unbind())
-        if self.own is not None:
-            chunks.insert(self.comm.rank, self.own)
         if out.dtype == chunks[0].dtype:  # out may be chunk 0 or 1 itself: elementwise
             torch.add(chunks[0], chunks[1], out=out)
         else:
@@ -169,7 +183,7 @@ class LocalComm:
     rank = 0
     group = None
 
-    def recv_numel(self, numel: int) -> int:
+    def recv_numel(self, numel: int, into_out: bool = True) -> int:
         return 0
 
     def needs_recv(self, out, inp, accumulate: bool = False) -> bool:
@@ -203,6 +217,12 @@ class LocalComm:
 # torch 2.13 renamed the tensor collectives; older torch (>= 2.4) has only the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# Point-to-point tags of the gradient averages, counted per process group (gloo's
+# collectives tag their own slots apart from these).
+_TAGS = 1 << 24
+_tags: dict = {}
 
 
 class GroupComm:
@@ -247,61 +267,88 @@ class GroupComm:
                            accumulate: bool = False):
         """``out`` (``inp.numel() // world_size`` elements, of ``inp``'s dtype or wider)
         becomes (``accumulate``: is added) this rank's chunk of the group's average of
-        ``inp``, summed in rank order. ``recv`` is scratch of ``inp``'s dtype and at least
-        ``recv_numel(inp.numel())`` elements, busy until the wait, as is ``inp``; None
-        where ``needs_recv`` says so."""
+        ``inp``, summed in rank order. ``recv`` is scratch of ``inp``'s dtype (or None),
+        busy until the wait, as is ``inp``: ``recv_numel`` says how much a launch needs
+        and ``needs_recv`` whether it needs any. What a launch needs beyond ``recv`` (an
+        average added to ``out`` on scratch sized for one into ``out``) is allocated for
+        it and freed at the wait."""
         if self.world_size == 1:
             return LocalComm.reduce_scatter_avg(self, out, inp, recv, async_op, name, accumulate)
-        if recv is None and self.needs_recv(out, inp, accumulate):
-            raise ValueError("zero_triton: reduce_scatter_avg needs receive scratch here: "
-                             "pass recv of recv_numel(inp.numel()) elements (see needs_recv)")
         with self._collective(name, "reduce_scatter"):
-            if self.backend == "nccl" and self.world_size == 2 and out.dtype == inp.dtype:
+            if self.backend == "gloo" and inp.device.type == "cpu":
+                pending = self._pairwise(out, inp, recv, name, accumulate)
+            elif self.backend == "nccl" and self.world_size == 2 and out.dtype == inp.dtype:
                 tmp = torch.empty_like(out) if accumulate else out
                 work = _reduce_scatter(tmp, inp, op=dist.ReduceOp.AVG, group=self.group,
                                        async_op=True)
                 pending = _Added(work, self, name, tmp, out) if accumulate else Pending(work, self, name)
-            elif self._keeps_own_chunk:
-                n, r = inp.numel() // self.world_size, self.rank
-                splits = [0 if k == r else n for k in range(self.world_size)]
-                # Two ranks without scratch: the other rank's chunk lands in out itself.
-                recv = out if recv is None else recv.view(-1)[:inp.numel() - n]
-                work = dist.all_to_all_single(recv, inp[n:] if r == 0 else inp[:-n], splits, splits,
-                                              group=self.group, async_op=True)
-                pending = OrderedSum(work, self, name, recv, out, accumulate, own=inp[r * n:(r + 1) * n])
-            else:
-                recv = recv.view(-1)[:inp.numel()]
+            else:  # (gloo on GPU tensors too: scratch sized for pairs is too small, so made)
+                recv = (recv.view(-1)[:inp.numel()] if recv is not None and recv.numel() >= inp.numel()
+                        else torch.empty_like(inp))
                 work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
-                pending = OrderedSum(work, self, name, recv, out, accumulate)
+                pending = OrderedSum([work], self, name, recv, out, accumulate)
         if not async_op:
             pending.wait()
             return None
         return pending
 
-    @property
-    def _keeps_own_chunk(self) -> bool:
-        # gloo's all-to-all takes one contiguous input: without this rank's chunk it is
-        # contiguous only at the first and the last rank. (NCCL's all-to-all runs on a side
-        # stream whose input buffer is reused once it is queued: it sends every chunk.)
-        return self.backend == "gloo" and self.rank in (0, self.world_size - 1)
+    def _pairwise(self, out, inp, recv, name, accumulate) -> OrderedSum:
+        """gloo: each peer's chunk sent from ``inp`` in place, and this rank's chunk
+        received from each peer: the first peer's into ``out`` where it can land there,
+        the others into ``recv`` (what does not fit: allocated)."""
+        w, r = self.world_size, self.rank
+        n = inp.numel() // w
+        sent = inp.view(w, n)
+        scratch = recv.view(-1) if recv is not None else None
+        slots = scratch.numel() // n if scratch is not None else 0
+        into_out = self._into_out(out, inp, accumulate)
+        chunks, used = [], 0
+        for k in range(w):
+            if k == r:
+                chunks.append(sent[k])
+            elif into_out:
+                chunks.append(out)
+                into_out = False
+            elif used < slots:
+                chunks.append(scratch[used * n:(used + 1) * n])
+                used += 1
+            else:
+                chunks.append(inp.new_empty(n))
+        # One tag per launch on the group, counted alike on every rank (they launch in the
+        # same order, which the step's agreement checks): the sends and receives of
+        # buckets (of any optimizer) in flight together never pair across buckets.
+        tag = _tags[self.group] = _tags.get(self.group, 0) % _TAGS + 1
+        peers = [k for k in range(w) if k != r]
+        works = [dist.isend(sent[k], dst=self.global_ranks[k], group=self.group, tag=tag) for k in peers]
+        works += [dist.irecv(chunks[k], src=self.global_ranks[k], group=self.group, tag=tag) for k in peers]
+        return OrderedSum(works, self, name, None, out, accumulate, chunks)
 
-    def recv_numel(self, numel: int) -> int:
+    @staticmethod
+    def _into_out(out, inp, accumulate) -> bool:
+        """A received chunk can land in ``out``: of ``inp``'s dtype, apart from it, and
+        not added to."""
+        return (not accumulate and out.dtype == inp.dtype
+                and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
+
+    def recv_numel(self, numel: int, into_out: bool = True) -> int:
         """The receive scratch ``reduce_scatter_avg`` needs for an input of ``numel``
-        (where ``needs_recv``)."""
+        into an output it can receive into (``_into_out``: of the input's dtype, not
+        added to) or otherwise."""
         if self.world_size == 1:
             return 0
-        return numel - numel // self.world_size if self._keeps_own_chunk else numel
+        if self.backend != "gloo":
+            return numel
+        return numel // self.world_size * (self.world_size - 1 - int(into_out))
 
     def needs_recv(self, out: torch.Tensor, inp: torch.Tensor, accumulate: bool = False) -> bool:
-        """Whether ``reduce_scatter_avg(out, inp, ...)`` needs receive scratch. On gloo
-        with two ranks it does not when ``out`` is of ``inp``'s dtype, apart from it, and
-        not accumulated into: the other rank's chunk is received into ``out`` and this
-        rank's is added to it there (ZeRO-1's averages at two ranks hold no scratch)."""
+        """Whether ``reduce_scatter_avg(out, inp, ...)`` needs receive scratch: on gloo
+        not at two ranks into an ``out`` it can receive into (ZeRO-1's averages at two
+        ranks hold no scratch); on NCCL not at two ranks with ``out`` of ``inp``'s dtype."""
         if self.world_size == 1:
             return False
-        return not (self._keeps_own_chunk and self.world_size == 2 and not accumulate
-                    and out.dtype == inp.dtype
-                    and out.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr())
+        if self.backend != "gloo":
+            return not (self.world_size == 2 and out.dtype == inp.dtype)
+        return self.recv_numel(inp.numel(), self._into_out(out, inp, accumulate)) > 0
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                    name: str = "all_gather"):

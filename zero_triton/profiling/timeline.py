@@ -19,7 +19,9 @@ other
     the rest of the iteration (zero_grad, the profiler's own bookkeeping).
 
 A collective is *in flight* while its backend works on it: the ``gloo:*`` events on
-gloo's worker threads on CPU, the NCCL kernels on a GPU; it counts in the iteration
+gloo's worker threads on CPU (and its point-to-point ``gloo:send``/``gloo:recv``,
+recorded from the post to the end of the transfer on the posting thread), the NCCL
+kernels on a GPU; it counts in the iteration
 that started it. Hidden communication is in-flight time that is not exposed: the
 training thread computed meanwhile (backward while DDP's buckets are all-reduced, or
 ZeroAdam's once its communication overlaps). On CPU the training thread computes
@@ -28,7 +30,7 @@ autograd engine or Python between two of them, a longer one with a collective in
 flight is a wait.
 A gloo range is of the kind of the call that queued it: the last call of the same
 collective before it started (ZeroAdam launches its all-gathers, a broadcast per rank
-on gloo, and its reduce-scatters, an all-to-all, inside ``zero_triton.all_gather`` /
+on gloo, and its reduce-scatters, a send and a receive per peer, inside ``zero_triton.all_gather`` /
 ``zero_triton.reduce_scatter`` ranges; its agreement's all-gather on a side group
 inside ``zero_triton.agreement``, an other collective).
 Nothing here knows which optimizer ran: the same reading serves ZeroAdam with or
@@ -65,6 +67,7 @@ LABELS = {"forward": "forward", "backward": "backward", "reduce_scatter": "reduc
 GLUE_US = 50.0
 
 _HOST_COMM_PREFIXES = ("c10d::", "record_param_comms", "nccl:", "gloo:")
+_P2P = ("gloo:send", "gloo:recv")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
@@ -133,7 +136,7 @@ def comm_kind(name: str) -> str:
     return "other_collective"
 
 
-_OPS = ("reducescatter", "alltoall", "allgather", "allreduce", "broadcast")
+_OPS = ("reducescatter", "alltoall", "allgather", "allreduce", "broadcast", "send", "recv")
 # gloo runs reduce_scatter_tensor as an all-reduce.
 _QUEUED_BY = {"allreduce": ("allreduce", "reducescatter")}
 
@@ -150,7 +153,14 @@ def _span(e) -> tuple:
 
 
 def _is_host_comm(e) -> bool:
-    return e["name"].startswith(_HOST_COMM_PREFIXES)
+    return e["name"].startswith(_HOST_COMM_PREFIXES) and not _is_p2p(e)
+
+
+def _is_p2p(e) -> bool:
+    """gloo's point-to-point transfers (ZeroAdam's gradient averages): recorded on the
+    thread that posts them, from the post until the transfer ends: in flight, not a
+    call (the thread goes on)."""
+    return e["name"] in _P2P
 
 
 def _host_comm_kind(e, comm_ranges) -> str:
@@ -258,8 +268,8 @@ def _on_cpu(xs, pid, main, on_main, calls, comm_ranges):
     """(in-flight collectives, compute) on CPU: gloo's ranges on its own threads, and the
     training thread's operators (holes under GLUE_US filled) outside collective calls."""
     # The calls that queue gloo's work, by the collective they run: ZeroAdam's all-gather
-    # is a broadcast per rank on gloo, its reduce-scatter an all-to-all, its agreement an
-    # all-gather that records no call (its range stands in for it).
+    # is a broadcast per rank on gloo, its reduce-scatter a send and a receive per peer,
+    # its agreement an all-gather that records no call (its range stands in for it).
     queued = {}
     for e in on_main:
         if e["name"] in _RANGE_OPS:
@@ -270,7 +280,7 @@ def _on_cpu(xs, pid, main, on_main, calls, comm_ranges):
     starts = [s for (s, _), _ in calls]
     flight = []
     for e in xs:
-        if e.get("pid") == pid and e.get("tid") != main and e["name"].startswith("gloo:"):
+        if e.get("pid") == pid and (e.get("tid") != main and e["name"].startswith("gloo:") or _is_p2p(e)):
             span = _span(e)
             # Of the kind of the last call of the same collective made before it started
             # (the call that queued it), else of the last call of any, else as its own
@@ -285,7 +295,8 @@ def _on_cpu(xs, pid, main, on_main, calls, comm_ranges):
                 continue
             i = bisect.bisect_right(starts, span[0]) - 1
             flight.append((span, calls[i][1] if i >= 0 else comm_kind(e["name"])))
-    ops = merge(_span(e) for e in on_main if e.get("cat") == "cpu_op" and not _is_host_comm(e))
+    ops = merge(_span(e) for e in on_main
+                if e.get("cat") == "cpu_op" and not _is_host_comm(e) and not _is_p2p(e))
     return flight, subtract(_close_gaps(ops, GLUE_US), merge(s for s, _ in calls))
 
 
