@@ -461,6 +461,32 @@ def format_table(rows, world, args) -> str:
     return "\n".join(lines)
 
 
+_SHORT = {"reduce_scatter": "red-scat", "all_reduce": "all-red", "adam_step": "Adam",
+          "all_gather": "all-gath", "other_collective": "oth.coll"}
+
+
+def format_phases(rows, world) -> str:
+    """Where each configuration's profiled iteration goes: the timeline's rows (ms, mean
+    of ranks; each rank's median iteration by its exposed share), communication exposed
+    per kind and, after them, how much of it ran hidden under compute."""
+    ran = [r for r in rows if r.get("ranks")]
+    if not ran:
+        return ""
+    names = list(timeline.ROWS)
+    width = 10
+    head = f"{'configuration':<40}" + "".join(f"{_SHORT.get(k, k):>{width}}" for k in names) \
+        + f"{'hidden':>{width}}"
+    lines = [f"world size {world}: where the profiled iteration goes (ms, mean of ranks; "
+             "communication exposed by kind, then what ran hidden under compute)", head,
+             "-" * len(head)]
+    for r in ran:
+        cells = [statistics.fmean(rank["rows"][k] for rank in r["ranks"]) for k in names]
+        hidden = statistics.fmean(sum(rank["hidden"].values()) for rank in r["ranks"])
+        lines.append(f"{r['label'][:39]:<40}" + "".join(f"{c:>{width}.1f}" for c in cells)
+                     + f"{hidden:>{width}.1f}")
+    return "\n".join(lines)
+
+
 def format_states(rows, world, args) -> str:
     """ZeroAdamW's own bytes per rank (its ``memory_report()``, largest rank) beside
     ``python -m zero_triton memory``'s formula for the same parameters, world size and
@@ -683,6 +709,9 @@ def main(argv=None) -> int:
             got = measure(world, args, say)
             rows += got
             print("\n" + format_table(got, world, args), flush=True)
+            phases = format_phases(got, world)
+            if phases:
+                print("\n" + phases, flush=True)
             breakdown = format_states(got, world, args)
             if breakdown:
                 print(breakdown, flush=True)

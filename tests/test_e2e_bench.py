@@ -67,6 +67,13 @@ def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
     _same_training(data)
     assert data["meta"]["model"]["params"] > 0 and data["meta"]["ranks"] == [2]
     assert data["meta"]["configs"] == OURS
+    # Where each configuration's profiled iteration goes: one line each, its phases
+    # adding up to the profiled iteration (mean of ranks), as printed.
+    table = proc.stdout.split("where the profiled iteration goes")[1].split("\n\n")[0].splitlines()[3:]
+    assert len(table) == len(OURS), table
+    for line, r in zip(table, data["rows"]):
+        cells = [float(c) for c in line[40:].split()]
+        assert len(cells) == 9 and abs(sum(cells[:8]) - r["profiled_ms"]) <= 0.05 * 9, (line, r["profiled_ms"])
 
 
 def test_fsdp2_peers_train_to_ddps_loss(tmp_path):
