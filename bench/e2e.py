@@ -709,12 +709,12 @@ def main(argv=None) -> int:
             got = measure(world, args, say)
             rows += got
             print("\n" + format_table(got, world, args), flush=True)
-            phases = format_phases(got, world)
-            if phases:
-                print("\n" + phases, flush=True)
             breakdown = format_states(got, world, args)
             if breakdown:
                 print(breakdown, flush=True)
+            phases = format_phases(got, world)
+            if phases:
+                print("\n" + phases, flush=True)
     except KeyboardInterrupt:  # launch.spawn stopped the ranks on the way out
         print("error: interrupted", file=sys.stderr)
         return 130
