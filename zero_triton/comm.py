@@ -111,43 +111,32 @@ class AllOf(Pending):
         return super().landed() and all(w.is_completed() for w in self.rest)
 
 
-class OrderedSum(Pending):
+class OrderedSum(AllOf):
     """Chunks in flight; ``wait()`` then sums them in rank order into ``out`` and divides
     by the world size (``accumulate``: adds that to ``out``). ``chunks``: where each
-    rank's chunk is (or lands), in rank order; None: the all-to-all's ``recv`` holds them
-    all, in rank order."""
+    rank's chunk is, or lands, in rank order (``own``: this rank's, read in place, or
+    None when it travelled too)."""
 
-    __slots__ = ("rest", "recv", "out", "accumulate", "chunks")
+    __slots__ = ("out", "accumulate", "chunks", "own")
 
-    def __init__(self, works, comm, name, recv, out, accumulate=False, chunks=None):
-        super().__init__(works[0], comm, name)
-        self.rest = works[1:]
-        self.recv, self.out, self.accumulate, self.chunks = recv, out, accumulate, chunks
+    def __init__(self, works, comm, name, chunks, out, accumulate=False, own=None):
+        super().__init__(works, comm, name)
+        self.chunks, self.out, self.accumulate, self.own = chunks, out, accumulate, own
 
     def wait(self) -> None:
         if self.work is None:
             return
         super().wait()
-        rest, self.rest = self.rest, ()
-        for work in rest:
-            Pending(work, self.comm, self.name).wait()
-        total = self.out
-        chunks = self.chunks
-        if chunks is None:
-            chunks = list(self.recv.view(-1, total.numel()).unbind())
+        total, chunks = self.out, self.chunks
         if self.accumulate:  # the sum goes into a received chunk when it can
-            own = self.chunks[self.comm.rank] if self.chunks is not None else None
-            self.out = next((c for c in chunks if c is not own and c.dtype == total.dtype),
+            self.out = next((c for c in chunks if c is not self.own and c.dtype == total.dtype),
                             None)
             if self.out is None:
                 self.out = torch.empty_like(total)
         self._sum(chunks)
         if self.accumulate:
             total.add_(self.out)
-        self.recv = self.out = self.chunks = None
-
-    def landed(self) -> bool:
-        return super().landed() and all(w.is_completed() for w in self.rest)
+        self.out = self.chunks = self.own = None
 
     def _sum(self, chunks) -> None:
         out = self.out
@@ -286,7 +275,8 @@ class GroupComm:
                 recv = (recv.view(-1)[:inp.numel()] if recv is not None and recv.numel() >= inp.numel()
                         else torch.empty_like(inp))
                 work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
-                pending = OrderedSum([work], self, name, recv, out, accumulate)
+                pending = OrderedSum([work], self, name, list(recv.view(self.world_size, -1).unbind()),
+                                     out, accumulate)
         if not async_op:
             pending.wait()
             return None
@@ -299,21 +289,17 @@ class GroupComm:
         w, r = self.world_size, self.rank
         n = inp.numel() // w
         sent = inp.view(w, n)
-        scratch = recv.view(-1) if recv is not None else None
-        slots = scratch.numel() // n if scratch is not None else 0
+        slots = [] if recv is None else list(recv.view(-1)[:recv.numel() // n * n].view(-1, n).unbind())
         into_out = self._into_out(out, inp, accumulate)
-        chunks, used = [], 0
+        chunks = []
         for k in range(w):
             if k == r:
                 chunks.append(sent[k])
             elif into_out:
                 chunks.append(out)
                 into_out = False
-            elif used < slots:
-                chunks.append(scratch[used * n:(used + 1) * n])
-                used += 1
             else:
-                chunks.append(inp.new_empty(n))
+                chunks.append(slots.pop(0) if slots else inp.new_empty(n))
         # One tag per launch on the group, counted alike on every rank (they launch in the
         # same order, which the step's agreement checks): the sends and receives of
         # buckets (of any optimizer) in flight together never pair across buckets.
@@ -321,7 +307,7 @@ class GroupComm:
         peers = [k for k in range(w) if k != r]
         works = [dist.isend(sent[k], dst=self.global_ranks[k], group=self.group, tag=tag) for k in peers]
         works += [dist.irecv(chunks[k], src=self.global_ranks[k], group=self.group, tag=tag) for k in peers]
-        return OrderedSum(works, self, name, None, out, accumulate, chunks)
+        return OrderedSum(works, self, name, chunks, out, accumulate, own=chunks[r])
 
     @staticmethod
     def _into_out(out, inp, accumulate) -> bool:
