@@ -46,7 +46,7 @@ class BuildPyWithCsrc(build_py):
     def run(self):
         super().run()
         if getattr(self, "editable_mode", False):
-            return  # editable: zero_triton._ext finds the repository's csrc/ directly
+            return  # editable: zero_triton.native.ext finds the repository's csrc/ directly
         target = Path(self.build_lib) / "zero_triton" / "csrc"
         if target.exists():
             shutil.rmtree(target)
@@ -101,7 +101,9 @@ def native_extensions():
 
 EXT_MODULES, EXT_CMDCLASS = native_extensions()
 
-PACKAGES = ["zero_triton", "zero_triton.checkpoint", "zero_triton.profiling", "zero_triton.kernels"]
+PACKAGES = ["zero_triton", "zero_triton.native", "zero_triton.state", "zero_triton.comm", "zero_triton.optim",
+            "zero_triton.integrations", "zero_triton.checkpoint", "zero_triton.memory",
+            "zero_triton.tools", "zero_triton.tools.profiling", "zero_triton.kernels"]
 PACKAGE_DIR = {"zero_triton": "zero_triton", "zero_triton.kernels": "kernels"}
 
 install_requires = ["torch>=2.4", "numpy", "triton; platform_system == 'Linux'"]
@@ -121,5 +123,5 @@ setup(
                     "bench": ["matplotlib"], "peers": ["deepspeed"]},
     ext_modules=EXT_MODULES,
     cmdclass={"build_py": BuildPyWithCsrc, **EXT_CMDCLASS},
-    entry_points={"console_scripts": ["zero-triton=zero_triton.cli:main"]},
+    entry_points={"console_scripts": ["zero-triton=zero_triton.tools.cli:main"]},
 )

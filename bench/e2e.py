@@ -3,7 +3,7 @@
 ZeroAdamW.
 
 The baseline for hiding ZeroAdam's communication: every configuration trains the same
-GPT (``zero_triton.gpt``, same weights, same batches) -- forward, backward, optimizer
+GPT (``zero_triton.tools.gpt``, same weights, same batches) -- forward, backward, optimizer
 step, zero_grad -- and we report per world size:
 
 * median ms per iteration (min-max) over ``--steps`` rounds after ``--warmup``; each
@@ -15,7 +15,7 @@ step, zero_grad -- and we report per world size:
   single iterations, its gathers still inside the window;
 * the ratio to DDP (configuration median / DDP median: above 1 is slower);
 * exposed communication as a share of the iteration, from three more iterations recorded
-  by torch.profiler (per rank the median iteration by that share; mean over ranks) and cut by ``zero_triton.profiling.timeline`` (the same reading as
+  by torch.profiler (per rank the median iteration by that share; mean over ranks) and cut by ``zero_triton.tools.profiling.timeline`` (the same reading as
   ``python -m zero_triton profile``: time the training thread waits for a collective);
 * peak memory per rank over one iteration (on CPU the process's resident set size,
   VmHWM after a reset through /proc/self/clear_refs; on a GPU max_memory_allocated).
@@ -73,13 +73,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zero_triton.gpt import GPT, build_gpt, synthetic_batch
-from zero_triton.profiling import launch, timeline
-from zero_triton.profiling.harness import (BETAS, DTYPES, LR, WEIGHT_DECAY, model_config,
+from zero_triton.tools.gpt import GPT, build_gpt, synthetic_batch
+from zero_triton.tools.profiling import launch, timeline
+from zero_triton.tools.profiling.harness import (BETAS, DTYPES, LR, WEIGHT_DECAY, model_config,
                                            torch_adamw)
-from zero_triton.profiling.cli import check_out_dir
-from zero_triton.profiling.memory_probe import MemoryProbe
-from zero_triton.units import positive_number, whole_number
+from zero_triton.tools.profiling.cli import check_out_dir
+from zero_triton.memory.probe import MemoryProbe
+from zero_triton.tools.units import positive_number, whole_number
 
 PROFILED = 3  # profiled iterations per configuration and rank
 DEFAULT_MINUTES = "about 20 minutes"  # python bench/e2e.py, every peer (DeepSpeed installed), 2 quiet cores
@@ -305,7 +305,7 @@ def detail_rank(args, rank, world, device) -> dict:
     """``args.config`` alone: peak memory over one iteration, then PROFILED profiled
     iterations cut into exposed and hidden communication; returns the median one by its
     exposed share (one iteration on a shared machine is one sample of noise)."""
-    from zero_triton.profiling.harness import _quiet_kineto  # drops kineto's start/stop lines
+    from zero_triton.tools.profiling.harness import _quiet_kineto  # drops kineto's start/stop lines
     torch.manual_seed(0)
     start = MemoryProbe(device).snapshot()["current"]
     sync, batches = _sync(device), _batches(args, rank, device)
@@ -492,7 +492,7 @@ def format_states(rows, world, args) -> str:
     ``python -m zero_triton memory``'s formula for the same parameters, world size and
     stage: what it holds for the model states, and what it holds besides (the buckets'
     receive and staging buffers)."""
-    from zero_triton.memory import memory_table
+    from zero_triton.memory.model import memory_table
     zero = [r for r in rows if r["config"].startswith("zero") and r.get("ranks")
             and r["ranks"][0].get("states")]
     if not zero:
@@ -571,7 +571,7 @@ def _deepspeed_version():
 
 def metadata(args) -> dict:
     from zero_triton import __version__
-    from zero_triton.bench import _cpu_model, _git_commit
+    from zero_triton.tools.bench import _cpu_model, _git_commit
     cfg = model_config(args)
     with torch.device("meta"):
         params = GPT(cfg).num_params()
@@ -594,7 +594,7 @@ def metadata(args) -> dict:
                     "barrier, up to the last step's parameters usable (wait_params), per "
                     "iteration; median (min-max) over rounds",
             "exposed_comm": f"{PROFILED} torch.profiler iterations per configuration, "
-                            "zero_triton.profiling.timeline's split; per rank the median "
+                            "zero_triton.tools.profiling.timeline's split; per rank the median "
                             "iteration by exposed share, mean over ranks",
             "peak_mb": "max over ranks; " + ("torch.cuda.max_memory_allocated over one iteration"
                                              if args.device == "cuda" else
@@ -747,5 +747,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from zero_triton.cli import run
+    from zero_triton.tools.cli import run
     sys.exit(run(main, sys.argv[1:]))

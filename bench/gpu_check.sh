@@ -63,7 +63,7 @@ run_stage() {
 if [ $DRY -eq 1 ]; then
     run_stage info 30 "$PY" -m zero_triton info
     run_stage build 120 "$PY" -c "
-from zero_triton import _ext
+from zero_triton.native import ext as _ext
 mod = _ext.load()
 print('zero_triton._C:', mod, '| reason:', _ext.unavailable_reason(), '| cuda kernels:', _ext.cuda_available())
 raise SystemExit(0 if mod is not None else 1)"

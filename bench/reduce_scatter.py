@@ -3,7 +3,7 @@
 
 ZeroAdam averages a bucket by moving each chunk to its owner (on gloo a send and a
 receive per peer) and summing in rank order
-(``zero_triton.comm.GroupComm.reduce_scatter_avg``): the same bits for any bucket size;
+(``zero_triton.comm.group.GroupComm.reduce_scatter_avg``): the same bits for any bucket size;
 and on gloo it gathers a bucket's updated parameters with one in-place broadcast per rank
 (``GroupComm.all_gather``), where gloo's all-gather receives into a temporary of the
 bucket's size and copies it out. This times each against torch's
@@ -24,9 +24,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero_triton.comm import GroupComm, _all_gather, _reduce_scatter
-from zero_triton.profiling import launch
-from zero_triton.units import positive_number, whole_number
+from zero_triton.comm.group import GroupComm, _all_gather, _reduce_scatter
+from zero_triton.tools.profiling import launch
+from zero_triton.tools.units import positive_number, whole_number
 
 
 PAIRS = [(("torch reduce_scatter_tensor (AVG)", "average"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time one optimizer step: zero_triton vs torch.optim.Adam vs a memory-kernel limit.
 
-A thin script over ``zero_triton.bench.main`` (the same as ``python -m zero_triton
+A thin script over ``zero_triton.tools.bench.main`` (the same as ``python -m zero_triton
 bench``), kept in the package so that an installed zero_triton can run it. Examples::
 
     python bench/step.py --device cpu                 # CSV/JSON/PNG under bench/results
@@ -10,8 +10,8 @@ bench``), kept in the package so that an installed zero_triton can run it. Examp
 """
 import sys
 
-from zero_triton.bench import main
-from zero_triton.cli import run
+from zero_triton.tools.bench import main
+from zero_triton.tools.cli import run
 
 if __name__ == "__main__":
     sys.exit(run(main, sys.argv[1:]))

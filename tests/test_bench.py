@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_triton import bench
+from zero_triton.tools import bench
 
 REPO = Path(__file__).resolve().parent.parent
 

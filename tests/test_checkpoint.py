@@ -634,7 +634,7 @@ def test_rank_killed_during_save_then_mid_step(tmp_path):
     assert_state_equal(torch.load(report2 + ".params", weights_only=True), saved_params,
                        "params loaded after the killed save")
     msg = open(report2).read()
-    # The step's agreement (zero_triton.agreement) is its first exchange: it fails first.
+    # The step's agreement (zero_triton.comm.agreement) is its first exchange: it fails first.
     assert msg.startswith("zero_triton: step failed on rank 0: a peer rank did not join") and \
         "died" in msg, msg
 

@@ -8,8 +8,10 @@ import sys
 import pytest
 import torch
 
-from zero_triton import FusedAdam, bench, checkpoint, cli
-from zero_triton.units import format_count, parse_count
+from zero_triton import FusedAdam, checkpoint
+from zero_triton.tools import bench
+from zero_triton.tools import cli
+from zero_triton.tools.units import format_count, parse_count
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CMD = [sys.executable, "-m", "zero_triton"]

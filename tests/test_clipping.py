@@ -1,4 +1,4 @@
-"""torch.nn.utils.clip_grad_norm_ under ZeroAdam (zero_triton.clipping), on gloo ranks.
+"""torch.nn.utils.clip_grad_norm_ under ZeroAdam (zero_triton.integrations.clip_grad), on gloo ranks.
 
 - over model.parameters() it clips by the global norm of the averaged gradients: the
   same bits as max_grad_norm at stage 1 and 2, with tiny buckets and overlap, with

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from zero_triton import FusedAdamW, ZeroAdamW, backends
+from zero_triton import FusedAdamW, ZeroAdamW
+from zero_triton.native import backends
 
 CPU_BACKEND = "cpu" if backends.why_not("cpu", torch.device("cpu")) is None else "torch"
 
@@ -311,7 +312,7 @@ def test_the_step_operator_traces_fullgraph_and_matches_torchs_adamw(amsgrad, lp
     """torch.ops.zero_triton.adam_step_: torch's operator checks (schema, fake tensor,
     AOT dispatch), one step equal to torch.optim.AdamW's, and a fullgraph-compiled
     function around it giving eager's bits."""
-    import zero_triton.ops  # noqa: F401  registers the operator
+    import zero_triton.native.ops  # noqa: F401  registers the operator
     op = torch.ops.zero_triton.adam_step_
     hyper = (0.9, 0.999, 1e-8, 0.1, True, amsgrad, False)
     for backend in {CPU_BACKEND, "torch"}:

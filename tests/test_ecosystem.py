@@ -31,7 +31,7 @@ torch.distributed):
         (DistributedDataParallelKwargs has none); the model stays registered for
         save_state/load_state. Clip with the optimizer's ``max_grad_norm`` (global norm
         inside step) or ``acc.clip_grad_norm_``: torch's function, which it calls, is
-        handed to the optimizer's global norm under ZeroAdam (``zero_triton.clipping``;
+        handed to the optimizer's global norm under ZeroAdam (``zero_triton.integrations.clip_grad``;
         on its own it would clip each rank's local gradients; checked below: it matches).
     (c) where the DDP wrap stays: ``acc.prepare(model, opt, dl, sched)``, then
         ``model.register_comm_hook(None, zero_triton.ddp_local_grads_hook)`` (DDP

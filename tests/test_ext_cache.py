@@ -1,4 +1,4 @@
-"""The first-use build of the CPU extension and its cache (zero_triton._ext), in fresh
+"""The first-use build of the CPU extension and its cache (zero_triton.native.ext), in fresh
 processes: a build killed part-way, a truncated cached .so, a cache that cannot be
 written, no compiler, and a lock held past the bound. Every child runs under a hard
 timeout, so a hang fails the test instead of hanging the suite.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_triton import _ext
+from zero_triton.native import ext as _ext
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_TIMEOUT = 300  # one real build in a child process, on a slow shared CI machine

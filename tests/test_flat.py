@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from zero_triton.flat import ALIGN, FlatLayout, flatten_params, unflatten_into
+from zero_triton.state.flat import ALIGN, FlatLayout, flatten_params, unflatten_into
 
 # One element, below the alignment, a prime, exactly one alignment unit, multi-dim,
 # a zero-size parameter between others.

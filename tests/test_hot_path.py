@@ -5,7 +5,7 @@ from conftest import requires_cuda
 from torch.profiler import ProfilerActivity, profile
 
 import zero_triton
-from zero_triton import backends
+from zero_triton.native import backends
 
 
 def _optimizer(device, dtype, backend):

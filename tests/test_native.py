@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from zero_triton import _ext
+from zero_triton.native import ext as _ext
 
 BETAS = (0.9, 0.999)
 EPS = 1e-8

@@ -1,4 +1,4 @@
-"""Buckets and overlap (zero_triton.buckets, zero_triton.prefetch) on 2-4 gloo ranks.
+"""Buckets and overlap (zero_triton.comm.buckets, zero_triton.comm.prefetch) on 2-4 gloo ranks.
 
 What is checked, each against a run that differs in one knob only:
 - the parameters, the losses and the optimizer state after several steps are bitwise

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
-from zero_triton import cli
-from zero_triton.flat import FlatLayout
-from zero_triton.gpt import GPT, GPTConfig, build_gpt, synthetic_batch
-from zero_triton.profiling import launch, report, timeline, wire
-from zero_triton.profiling.memory_probe import MemoryProbe
+from zero_triton.tools import cli
+from zero_triton.state.flat import FlatLayout
+from zero_triton.tools.gpt import GPT, GPTConfig, build_gpt, synthetic_batch
+from zero_triton.tools.profiling import launch, report, timeline, wire
+from zero_triton.memory.probe import MemoryProbe
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CMD = [sys.executable, "-m", "zero_triton", "profile"]
@@ -434,7 +434,7 @@ def test_world_size_disagreeing_with_torchrun_is_refused(monkeypatch, capsys):
 def test_stage_2_with_overlap_is_profiled(tmp_path):
     """--stage 2 --overlap: ZeroAdam(stage=2) with zero_triton.overlap, profiled on 2 ranks;
     the memory model's row is ZeRO-2's and the optimizer holds only the gradient shard."""
-    from zero_triton.profiling.harness import zero_options
+    from zero_triton.tools.profiling.harness import zero_options
     assert zero_options(argparse.Namespace(stage=2, overlap=True)) == {"stage": 2}
     proc = _run(["--stage", "2", "--overlap", "--steps", "2", "--warmup", "1", "--no-ddp", *TINY,
                  "--out", str(tmp_path), "--json"])

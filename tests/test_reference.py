@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zero_triton.reference import (
+from zero_triton.tools.reference import (
     adam_update,
     init_states,
     rne_cast,

@@ -417,7 +417,7 @@ def test_bench_out_replaces_planted_links_never_follows_them(tmp_path):
 
 
 def test_output_writer_replaces_a_link_and_leaves_nothing_on_error(tmp_path):
-    from zero_triton import outputs
+    from zero_triton.tools import outputs
     target = tmp_path / "victim"
     target.write_text("keep\n")
     link = tmp_path / "report.json"

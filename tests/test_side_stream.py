@@ -1,4 +1,4 @@
-"""The reducer's GPU mode (zero_triton.streams), its host logic run on gloo ranks.
+"""The reducer's GPU mode (zero_triton.comm.streams), its host logic run on gloo ranks.
 
 On a GPU each bucket's average runs on a side stream and returns an event; the
 compute stream waits for an event only where it touches what that average touches.
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from conftest import requires_cuda  # noqa: E402
 from test_overlap import TINY, assert_bitwise, packed, ranks, train  # noqa: E402
 
-import zero_triton.streams  # noqa: E402
+import zero_triton.comm.streams  # noqa: E402
 
 
 class HostDone:
@@ -67,7 +67,7 @@ RUNS = {
 
 @packed
 def _job_side(rank, world_size):
-    original = zero_triton.streams.side_stream
+    original = zero_triton.comm.streams.side_stream
     out = {}
     for name, kwargs in RUNS.items():
         for lag in (None, 2, 10**9):  # None: the CPU mode
@@ -75,11 +75,11 @@ def _job_side(rank, world_size):
                 continue
             log = {"backward_waits": 0, "runs": 0}
             if lag is not None:
-                zero_triton.streams.side_stream = lambda device, lag=lag, log=log: HostSide(log, lag)
+                zero_triton.comm.streams.side_stream = lambda device, lag=lag, log=log: HostSide(log, lag)
             try:
                 out[name, lag] = {**train(rank, world_size, **kwargs), "log": log}
             finally:
-                zero_triton.streams.side_stream = original
+                zero_triton.comm.streams.side_stream = original
     return out
 
 
@@ -112,16 +112,16 @@ CUDA_RUNS = ("stage 1", "stage 2, micro-batches")  # short: bench/gpu_check.sh g
 @packed
 def _job_cuda(rank, world_size):
     torch.cuda.set_device(0)  # one GPU: both gloo ranks on it
-    original = zero_triton.streams.side_stream
+    original = zero_triton.comm.streams.side_stream
     out = {}
     for name in CUDA_RUNS:
         for side in (True, False):
             if not side:  # the CPU mode on CUDA tensors: gloo's waits block the host
-                zero_triton.streams.side_stream = lambda device: None
+                zero_triton.comm.streams.side_stream = lambda device: None
             try:
                 result = train(rank, world_size, device="cuda", **RUNS[name])
             finally:
-                zero_triton.streams.side_stream = original
+                zero_triton.comm.streams.side_stream = original
             torch.cuda.synchronize()
             out[name, side] = {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                                for k, v in result.items() if k != "state"}

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_triton import FusedAdam, FusedAdamW, backends
+from zero_triton import FusedAdam, FusedAdamW
+from zero_triton.native import backends
 
 from dist_utils import run_ranks
 

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
-from zero_triton import FusedAdam, FusedAdamW, ZeroAdam, ZeroAdamW, ZeroGradScaler, backends
-from zero_triton.flat import ALIGN, FlatLayout
-from zero_triton.reference import rne_cast
+from zero_triton import FusedAdam, FusedAdamW, ZeroAdam, ZeroAdamW, ZeroGradScaler
+from zero_triton.native import backends
+from zero_triton.state.flat import ALIGN, FlatLayout
+from zero_triton.tools.reference import rne_cast
 
 LR = 1e-2
 STEPS = 10
@@ -648,7 +649,7 @@ def test_zero_adam_without_a_process_group_says_how_to_start_one():
 
 
 def _rank_reduce_scatter(rank, world_size):
-    from zero_triton.comm import GroupComm
+    from zero_triton.comm.group import GroupComm
     comm = GroupComm()
     n = 5 * world_size
     seen = {}

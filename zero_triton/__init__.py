@@ -5,10 +5,10 @@ buffer. ZeroAdam / ZeroAdamW: the same step with optimizer state sharded over a
 torch.distributed process group (ZeRO-1), averaged bucket by bucket during backward;
 ``overlap(model, optimizer)`` overlaps its parameter all-gathers with the next forward.
 """
-from zero_triton.flat import FlatLayout, flatten_params, unflatten_into
-from zero_triton.optim import FusedAdam, FusedAdamW
-from zero_triton.prefetch import overlap
-from zero_triton.zero import ZeroAdam, ZeroAdamW, ZeroGradScaler, ddp_local_grads_hook
+from zero_triton.state.flat import FlatLayout, flatten_params, unflatten_into
+from zero_triton.optim.fused import FusedAdam, FusedAdamW
+from zero_triton.comm.prefetch import overlap
+from zero_triton.optim.zero import ZeroAdam, ZeroAdamW, ZeroGradScaler, ddp_local_grads_hook
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 import sys
 
-from zero_triton.cli import main
+from zero_triton.tools.cli import main
 
 sys.exit(main())

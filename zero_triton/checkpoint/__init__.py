@@ -15,7 +15,7 @@ A checkpoint is a directory::
     extra.pt         ``extra=`` (rank 0's), if given
 
 Every data file starts with a 64-byte header naming its save id and its own name.
-Because flat offsets do not depend on the world size (``zero_triton.flat``), a loader at
+Because flat offsets do not depend on the world size (``zero_triton.state.flat``), a loader at
 any world size reads exactly the byte ranges of its new shard, verified chunk by chunk.
 
 One job per module: ``files`` (checksummed I/O inside one directory), ``manifest``
@@ -52,5 +52,5 @@ def resolve(path) -> tuple[str, dict]:
 
 
 if __name__ == "__main__":
-    from zero_triton.cli import run
+    from zero_triton.tools.cli import run
     sys.exit(run(main))

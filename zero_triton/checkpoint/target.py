@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from zero_triton.checkpoint.manifest import NOT_HYPER, dtype_name, plain_names
-from zero_triton.flat import unflatten_into
+from zero_triton.state.flat import unflatten_into
 
 # What torch's LR schedulers write into param groups (OneCycleLR and CyclicLR cycle the
 # momentum, i.e. Adam's betas, too).

@@ -1,0 +1,210 @@
+"""Every rank at the same call before any collective: ZeroAdam's entry-point agreement.
+
+Collectives pair up by their order on each rank. When one rank does what the others do
+not — ``if rank == 0: torch.save(opt.state_dict())``, a skipped ``step()``, a
+``.grad`` edited after backward averaged it, an error caught on one rank — its next
+collective pairs with a different one elsewhere, and every rank waits for the
+process-group timeout (30 minutes), or worse, adds up unrelated buffers.
+
+So each entry point of ZeroAdam that starts collectives (backward's first bucket of a
+round, ``step``, ``clip_grad_norm_``, GradScaler's inf agreement, the state dicts, the
+checkpoints) first exchanges one row of nine integers with every rank over a side gloo
+group of its own (host memory only: no device work, no sync on a GPU, and never paired
+with a data collective): which optimizer, which call, how many steps it has taken, what
+it found locally (gradients edited after their bucket was averaged, parameters written,
+``opt.state`` reset) and whether it refuses the call. Every rank then reads the same
+rows and takes the same decision: go on, do an agreed extra (average again, re-seed,
+reset), or raise — on every rank, naming the ranks, the calls and the fix. A rank that
+exits instead of joining closes its side connections, which fails the others at once.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from zero_triton.comm.group import without_python_tls
+
+ENTRIES = ("backward", "step", "clip_grad_norm_", "GradScaler", "state_dict",
+           "load_state_dict", "consolidated_state_dict", "checkpoint.save", "checkpoint.load")
+_CODE = {name: i + 1 for i, name in enumerate(ENTRIES)}
+
+# Row layout (int64).
+_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR = range(9)
+WORDS = 9
+MAGIC = 0x7A7401
+
+# Flags: what a rank found locally, OR-ed over the ranks by the caller.
+STALE = 1     # gradients changed after their bucket was averaged (or were never averaged)
+RESET = 2     # opt.state was replaced or cleared: start the state over
+
+# Refusals a rank can send (with its own message raised locally).
+REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited"}
+
+_FIXES = {
+    "state_dict": "ZeroAdam.state_dict() is collective (it gathers every rank's shard): call "
+                  "it on every rank and save on one, `sd = opt.state_dict(); if rank == 0: "
+                  "torch.save(sd, path)`, or save a sharded checkpoint on every rank with "
+                  "zero_triton.checkpoint.save(dir, opt, model)",
+    "consolidated_state_dict": "consolidated_state_dict(to_rank=0) is collective: call it on "
+                               "every rank; only to_rank receives the state",
+    "load_state_dict": "load_state_dict is collective: call it on every rank with the same "
+                       "state dict",
+    "checkpoint.save": "zero_triton.checkpoint.save is collective: call it on every rank",
+    "checkpoint.load": "zero_triton.checkpoint.load is collective: call it on every rank",
+    "clip_grad_norm_": "clipping under ZeroAdam all-reduces the norm: clip on every rank or on "
+                       "none",
+    "GradScaler": "GradScaler.unscale_/step agree on inf over the ranks: call them on every "
+                  "rank",
+    "step": "every rank must call step() once per iteration (a rank that skips a step, e.g. "
+            "on a NaN loss, must skip it everywhere: decide with an all-reduce, or let "
+            "GradScaler skip it)",
+    "backward": "every rank must run the same backward passes between steps, reaching the "
+                "same parameters (a parameter that some ranks' backward never reaches: pass "
+                "bucket_cap_mb=None)",
+}
+
+_side_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ordinals: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_agreements: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _release() -> None:
+    """At exit, while Python still runs: shut the side groups down and drop them (and the
+    store they hold), instead of leaving their threads and sockets to static destructors,
+    which abort the process when they run in the wrong order."""
+    sides = list(_side_groups.values())
+    _side_groups.clear()
+    for agreement in list(_agreements):
+        agreement.group = None
+    for side in sides:
+        with contextlib.suppress(Exception):
+            side.shutdown()
+    del sides  # the last references: each group joins its idle worker threads now
+
+
+atexit.register(_release)
+
+
+def next_ordinal(group) -> int:
+    """How many agreements this process made on ``group`` before (ranks build their
+    optimizers in the same order, so the same number on every rank)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    n = _ordinals.get(pg, 0)
+    _ordinals[pg] = n + 1
+    return n
+
+
+def _side_group(group):
+    """A gloo group over ``group``'s ranks, made once per process group: agreements never
+    share a sequence with data collectives, and run on the host whatever the backend.
+    Built on the default store under the group's name (the same on its ranks), outside
+    torch.distributed's registry: only the group's ranks take part, in any order with the
+    creation of other groups."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    side = _side_groups.get(pg)
+    if side is None:
+        store = dist.PrefixStore(f"zero_triton/agreement/{pg.group_name}/",
+                                 dist.distributed_c10d._get_default_store())
+        side = dist.ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg),
+                                     dist.default_pg_timeout)
+        _side_groups[pg] = side
+    return side
+
+
+class Agreement:
+    """The agreement of one optimizer (``ordinal``: its place among the optimizers built
+    on this process group, the same on every rank) over ``comm``'s ranks."""
+
+    def __init__(self, comm, ordinal: int):
+        self.comm = comm
+        self.ordinal = ordinal
+        self.group = _side_group(comm.group)
+        self.mine = torch.zeros(WORDS, dtype=torch.int64)
+        self.rows = torch.zeros(comm.world_size * WORDS, dtype=torch.int64)
+        self.steps = 0  # step() calls completed, counted alike on every rank
+        _agreements.add(self)
+
+    def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
+              refuse: int = 0, detail: str = "") -> int:
+        """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
+        ranks; raise on every rank if they are at different calls, have taken different
+        numbers of steps, wrote different parameters (``written``: ints), reset the state
+        on some ranks only, or one refuses (``refuse``: a code of ``REFUSALS``; that rank
+        raises its own error afterwards). ``detail`` names what it was about to start."""
+        row = self.mine
+        row[_MAGIC], row[_ORDINAL], row[_ENTRY], row[_STEPS] = MAGIC, self.ordinal, _CODE[entry], self.steps
+        row[_BACKWARDS] = backwards
+        row[_FLAGS], row[_COUNT], row[_HASH], row[_ERROR] = flags, len(written), _digest(written), refuse
+        if self.group is None:
+            raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
+                               "nothing was changed")
+        try:
+            # A profiler range: the side group's all-gather is no training collective.
+            with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
+                self.group._allgather_base(self.rows, row).wait()
+        except RuntimeError as exc:
+            what = f"{entry} ({detail})" if detail else entry
+            raise RuntimeError(
+                f"zero_triton: {what} failed on rank {self.comm.rank}: a peer rank did not join "
+                f"it ({exc}); it probably died or exited. If it is alive: {_FIXES[entry]}") from exc
+        rows = self.rows.view(self.comm.world_size, WORDS).tolist()
+        where = [(r[_ORDINAL], r[_ENTRY], r[_STEPS], r[_BACKWARDS]) for r in rows]
+        if any(w != where[0] for w in where) or any(r[_MAGIC] != MAGIC for r in rows):
+            raise RuntimeError(self._describe_mismatch(rows))
+        refusing = [(i, r[_ERROR]) for i, r in enumerate(rows) if r[_ERROR]]
+        if refusing and not refuse:
+            who = ", ".join(f"rank {i} ({REFUSALS.get(code, 'refused')})" for i, code in refusing)
+            raise RuntimeError(f"ZeroAdam: {entry} was refused on {who}; the error there says "
+                               "why. Nothing was changed on any rank")
+        marks = [(r[_COUNT], r[_HASH]) for r in rows]
+        if any(m != marks[0] for m in marks):
+            wrote = [i for i, m in enumerate(marks) if m[0]]
+            raise RuntimeError(
+                f"ZeroAdam: parameters were written on some ranks and not others before {entry} "
+                f"(ranks that wrote: {wrote}; this rank wrote parameters {list(written)[:8]} of its "
+                "flat buffers); the optimizer's copies would differ from rank to rank. Write "
+                "parameters on every rank alike (load the same state dict everywhere, or "
+                "broadcast from one rank with torch.distributed.broadcast). Nothing was changed")
+        resets = {r[_FLAGS] & RESET for r in rows}
+        if len(resets) > 1:
+            raise RuntimeError(
+                f"ZeroAdam: opt.state was reset (replaced or cleared) on ranks "
+                f"{[i for i, r in enumerate(rows) if r[_FLAGS] & RESET]} only, before {entry}; "
+                "the shards of the state would start over on some ranks and not others. Reset "
+                "it on every rank. Nothing was changed")
+        agreed = 0
+        for r in rows:
+            agreed |= r[_FLAGS]
+        return agreed
+
+    def stepped(self) -> None:
+        self.steps += 1
+
+    def _describe_mismatch(self, rows) -> str:
+        def name(rank, r):
+            code = r[_ENTRY]
+            call = ENTRIES[code - 1] if 1 <= code <= len(ENTRIES) and r[_MAGIC] == MAGIC else "?"
+            return f"rank {rank}: {call} after {r[_STEPS]} steps and {r[_BACKWARDS]} backward passes" + (
+                f" (optimizer #{r[_ORDINAL]})" if r[_ORDINAL] != self.ordinal else "")
+        calls = {ENTRIES[r[_ENTRY] - 1] for r in rows if 1 <= r[_ENTRY] <= len(ENTRIES)}
+        steps = {(r[_STEPS], r[_BACKWARDS]) for r in rows}
+        fixes = [_FIXES[c] for c in ENTRIES if c in calls and c not in ("backward", "step")]
+        if len(steps) > 1 or not fixes:
+            fixes.append(_FIXES["step"])
+        if "backward" in calls:
+            fixes.append(_FIXES["backward"])
+        return ("ZeroAdam: the ranks are at different calls (" + "; ".join(name(i, r) for i, r in enumerate(rows)) +
+                "), which would pair unrelated collectives and hang every rank. Nothing was "
+                "changed on any rank. " + " ".join(fixes))
+
+
+def _digest(indices) -> int:
+    """An order-free digest of a set of (flat buffer, parameter) indices."""
+    h = 0
+    for i in indices:
+        h = (h + (int(i) + 1) * 2654435761) % (1 << 61)
+    return h

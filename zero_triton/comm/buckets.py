@@ -1,0 +1,583 @@
+"""Gradient buckets: averaged as soon as backward has finished them, in one agreed order.
+
+Each flat buffer is cut into buckets (``zero_triton.state.flat``); a ``Bucket`` here is one
+bucket's runtime state: views of the local gradients, of this rank's averaged shard and
+of the parameters, and the collectives in flight over them. The ``Reducer`` (one per
+optimizer) starts a bucket's reduce-scatter from a post-accumulate-grad hook once
+backward has reached every parameter of it, and afterwards the all-gather of its
+updated parameters.
+
+Collectives pair up by their order on each rank, so buckets are launched strictly in one
+order that every rank shares: before the first step, none are launched during backward
+(``step`` reduces them all); the first step learns the order in which rank 0's backward
+finished them and every rank uses it from then on, launching a bucket only after every
+bucket before it in that order. Buckets that rank 0's backward did not finish come last
+and are left to ``step``, so that they do not hold up the next micro-batch's launches. A
+bucket that backward never finishes (unused
+parameters), or one whose gradients changed after it was launched (another micro-batch
+without ``no_sync``, ``GradScaler.unscale_``, a ``.grad`` written by hand), is reduced
+again at ``step``: launching early only ever saves time, the result is the same.
+
+ZeRO-2 (``sharded`` buckets): there is no full gradient buffer. The post-accumulate hook
+adds a parameter's ``.grad`` into its bucket's staging buffer, taken from a small pool,
+and sets ``.grad`` to None, freeing it; a bucket's average is added into this rank's
+shard, its staging buffer going back to the pool when the reduce-scatter is done. So a
+rank holds its gradient shard plus a few buckets, and every micro-batch is averaged
+(DeepSpeed's stage 2): the shard accumulates the averages.
+
+Nothing here holds the optimizer or a ``FlatShard``: the hooks live on the parameters,
+and an optimizer that is dropped must be collectable (its finalizer removes them).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import weakref
+
+import torch
+
+from . import streams
+
+SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
+
+
+class Bucket:
+    """One bucket of one flat buffer (``flat.Bucket`` ``geometry``) on this rank."""
+
+    def __init__(self, key, geometry, grads, grad_shard, flat_param, rank: int, members=()):
+        g = geometry
+        self.key = key  # (flat buffer ordinal, bucket index): the same on every rank
+        self._names = {}
+        self.geometry = g
+        self.nparams = g.end - g.first
+        self.grads = grads  # zero_triton.comm.grads.LocalGrads; None under ZeRO-2
+        self.sharded = grads is None  # ZeRO-2: grad_in is a staging buffer while it exists
+        self.grad_in = None if self.sharded else grads.flat[g.start:g.start + g.numel]
+        self.grad_dtype = flat_param.dtype
+        self.staging = None     # ZeRO-2: the pool buffer grad_in lives in
+        self.sending = None     # ZeRO-2 on CPUs: the staging buffer the reduce in flight reads
+        self.staging_pool = None
+        self.accumulated = False  # ZeRO-2: the shard already holds an average this step
+        self.grad_out = grad_shard[g.shard_start:g.shard_start + g.shard_numel]
+        self.param_full = flat_param[g.start:g.start + g.numel]
+        # (parameter, its view of flat_param): a parameter moved by model.to() while its
+        # all-gather was in flight copied stale values; wait_gather puts the right ones in.
+        self.members = list(members)
+        lo, hi = g.shard_range(rank)
+        self.param_shard = flat_param[lo:hi]
+        self.arrived = bytearray(self.nparams)
+        self.count = 0
+        self.ready = False      # backward reached every parameter since the last launch
+        self.launched = False   # reduced (or in flight) this step
+        self.stale = False      # gradients arrived after the launch
+        self.reduce = None      # Pending reduce-scatter
+        self.recv = None        # its scratch, back to ``pool`` at the wait
+        self.pool = None
+        self.gather = None      # Pending all-gather of the updated parameters
+        self.versions = None    # under overlap(): the members' versions when it started
+
+    def name(self, what: str) -> str:
+        """The phase named in errors, made once (launches happen every step)."""
+        name = self._names.get(what)
+        if name is None:
+            name = self._names[what] = f"{what} of bucket {self.key[1]} of flat buffer {self.key[0]}"
+        return name
+
+    def wait_reduce(self) -> None:
+        pending = self.reduce
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        finally:
+            self.reduce = None
+            if self.recv is not None:
+                self.pool.append((self.recv, None))
+                self.recv = None
+            if self.sending is not None:
+                self.staging_pool.append((self.sending, None))
+                self.sending = None
+
+    def wait_gather(self) -> None:
+        pending, self.gather = self.gather, None
+        if pending is None:
+            return
+        pending.wait()
+        versions, self.versions = self.versions, None
+        for i, (p, view) in enumerate(self.members):
+            if p.data_ptr() != view.data_ptr():  # moved (model.to) before the gather landed
+                with torch.no_grad():
+                    p.copy_(view)
+            elif versions is not None and p._version != versions[i]:
+                raise _written_while_gathering(self, p)
+
+    def reset(self) -> None:
+        self.arrived[:] = bytes(self.nparams)
+        self.count = 0
+        self.ready = self.launched = self.stale = self.accumulated = False
+
+
+def _written_while_gathering(bucket: Bucket, param):
+    return RuntimeError(
+        f"zero_triton.overlap: a parameter {tuple(param.shape)} of bucket {bucket.key[1]} of flat "
+        f"buffer {bucket.key[0]} was written between step() and the next forward while its "
+        "all-gather was in flight: the gathered values may have overwritten the write. "
+        "model.load_state_dict() waits by itself; before any other write to parameters after "
+        "step() (nn.init, copy_, an EMA swap), call optimizer.wait_params()")
+
+
+def _read_before_gathered(bucket: Bucket):
+    return RuntimeError(
+        f"zero_triton.overlap: backward reached a parameter of bucket {bucket.key[1]} of flat "
+        f"buffer {bucket.key[0]} whose all-gather from the last step() was never waited for: the "
+        "forward read it before its updated values were known to have arrived, because no "
+        "forward pre-hook of a module owning it ran. Either the model was compiled "
+        "(torch.compile) into a graph made before zero_triton.overlap(model, optimizer) was "
+        "called (compiled graphs skip module hooks added later: call overlap() before the "
+        "first forward), or the parameter is read outside the forward of every module that "
+        "owns it (make the module that uses it own it, or call optimizer.wait_params() before "
+        "the forward)")
+
+
+def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: Bucket,
+               reducer_ref, param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of parameter ``i`` (``j`` within its bucket)."""
+    if bucket.gather is not None:  # zero_triton.overlap: the forward did not wait for it
+        raise _read_before_gathered(bucket)
+    reached[i] = 1
+    g = param.grad
+    if g is not view and g is not None and not g.is_sparse and g.dtype == view.dtype \
+            and g.device == view.device:
+        # .grad was None (zero_grad()): autograd made a tensor of its own; it moves into
+        # the flat buffer (a parameter moved by model.to() is re-homed at step instead).
+        view.copy_(g)
+        param.grad = view
+    bucket.grads.seen_version = bucket.grads.flat._version
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer.note_backward()
+        reducer.arrived(bucket, j)
+
+
+def grad_taken(reached: bytearray, i: int, j: int, lo: int, hi: int, bucket: Bucket,
+               reducer_ref, param: torch.Tensor) -> None:
+    """ZeRO-2's post-accumulate-grad hook: add ``.grad`` into the bucket's staging
+    buffer at [lo, hi) and free it."""
+    if bucket.gather is not None:  # zero_triton.overlap: the forward did not wait for it
+        raise _read_before_gathered(bucket)
+    g = param.grad
+    reducer = reducer_ref()
+    if g is None or reducer is None:
+        return
+    reached[i] = 2  # taken by the hook (1: found at step)
+    reducer.note_backward()
+    reducer.accept(bucket, j, lo, hi, g)
+    param.grad = None
+
+
+def before_accumulate(bucket: Bucket, grad):
+    """Tensor hook, before autograd adds into ``.grad``: a reduce-scatter still reading
+    this bucket's gradients (from an earlier micro-batch) must finish first."""
+    if bucket.reduce is not None:
+        bucket.wait_reduce()  # on a GPU: the compute stream waits for this bucket only
+    return None
+
+
+class Reducer:
+    """Launches the buckets of every flat buffer of one optimizer in one agreed order,
+    and waits for them."""
+
+    def __init__(self, comm, max_in_flight: int = 2):
+        self.comm = comm
+        self.max_in_flight = max(1, max_in_flight)
+        self.buckets: list[Bucket] = []
+        self.order: list[Bucket] | None = None   # agreed launch order, once learned
+        self.in_backward = 0                      # how many of them backward launches
+        self.seen: list | None = []              # this rank's finishing order, until learned
+        self.next = 0
+        self.sync = True                          # False inside no_sync()
+        self.early = True                         # False: launch in finish() only
+        self.in_flight = collections.deque()     # CPU: buckets whose buffers a wait frees
+        self.sides: dict = {}                     # device -> streams.SideStream (GPUs)
+        # Free buffers per (dtype, device): (buffer, None) or, for ZeRO-2 staging on a
+        # GPU, (buffer, streams.Done of the average that last read it).
+        self.pools: dict = {}
+        self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
+        self.gathering = False            # all-gathers may be in flight
+        self.overlapped = False           # zero_triton.overlap: they outlive step()
+        self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
+        self.buffer_numel: dict = {}
+        self.recv_numel: dict = {}        # receive scratch per (dtype, device)
+        # A checksum of the buckets launched this step, in order: ranks that launched
+        # different ones (a parameter reached on some ranks only) paired the wrong
+        # collectives, which the step's agreement detects (FusedAdam._agree).
+        self.signature = 0
+        self.last_signature = 0
+        # Called before backward launches the first bucket of a round: ZeroAdam's
+        # agreement that every rank is there (zero_triton.comm.agreement); None: no check.
+        self.enter = None
+        # Every rank agreed at the start of this round's launches: they are all in it, so
+        # launching the rest of it (complete_round) pairs up before any other agreement.
+        self.round_agreed = False
+        self.backwards = 0       # backward passes that reached our parameters since the last step
+        self._in_backward = False
+
+    # -- building -------------------------------------------------------------------
+    def rebuild(self, flats) -> None:
+        """Take the buckets of ``flats`` (construction, a new param group, a re-home)."""
+        self.wait_all()
+        old = [b.key for b in self.buckets]
+        self.buckets = [b for flat in flats for b in reversed(flat.buckets)]
+        self.bucket_of_param = {id(p): b for flat in flats for b in flat.buckets
+                                for p in flat.params[b.geometry.first:b.geometry.end]}
+        if [b.key for b in self.buckets] != old or self.order is None:
+            self.order, self.seen = None, []
+        else:  # same keys: keep the learned order over the new buckets
+            by_key = {b.key: b for b in self.buckets}
+            self.order = [by_key[b.key] for b in self.order]
+            self.in_backward = min(self.in_backward, len(self.order))
+        sizes: dict = {}
+        into_out: dict = {}  # every bucket of the kind averages into a shard of its dtype
+        for b in self.buckets:
+            kind = self._kind(b)
+            sizes[kind] = max(sizes.get(kind, 0), b.geometry.numel)
+            into_out[kind] = into_out.get(kind, True) and b.grad_out.dtype == b.grad_dtype
+        # Receive and staging buffers are made when first needed (a model of two buckets
+        # never needs more than two), up to max_in_flight of each kind. Receive scratch is
+        # sized for an average into the shard (ZeRO-2's later averages of a step, added
+        # to the shard, take one chunk more for the launch: zero_triton.comm.group).
+        self.pools, self.staging_pools, self.buffer_numel = {}, {}, dict(sizes)
+        self.recv_numel = {kind: self.comm.recv_numel(sizes[kind], into_out[kind]) for kind in sizes}
+        self.made = {}
+        for kind in sizes:
+            if self.recv_numel[kind] > 0:
+                self.pools[kind] = []
+            if any(b.sharded for b in self.buckets if self._kind(b) == kind):
+                self.staging_pools[kind] = []
+        for b in self.buckets:
+            b.pool = self.pools.get(self._kind(b))
+            b.staging_pool = self.staging_pools.get(self._kind(b))
+            b.reset()
+        self.next = 0
+        if any(b.sharded for b in self.buckets) and self.order is None:
+            # ZeRO-2 holds a bucket's gradients until its launch: start in the static
+            # order (backward's, for most models) rather than none; learned at step 1.
+            self.order = list(self.buckets)
+            self.in_backward = len(self.order)
+
+    def _take(self, pool: list, bucket: Bucket, role: str, grow: bool) -> torch.Tensor:
+        """A buffer from ``pool``: a free one, else a new one while fewer than the limit
+        exist, else one freed by waiting for the oldest average still using it. ZeRO-2
+        staging may ``grow`` past the limit when no average holds one (buckets waiting
+        for their turn); ``finish`` hands the extra ones back.
+
+        On a GPU a receive buffer is free as soon as its average is queued (the side
+        stream reuses it in order) and a staging buffer once its average's event has
+        passed; only past the limit (more than 2 x max_in_flight buckets' gradients
+        queued behind the network) does the compute stream wait, which is what bounds
+        ZeRO-2's memory. On CPUs waiting blocks the host, so the limit is max_in_flight."""
+        kind = self._kind(bucket)
+        key = (role, kind)
+        limit = self._limit(kind[1])
+        while True:
+            for i, (buf, done) in enumerate(pool):
+                if done is None or done.query():
+                    del pool[i]
+                    return buf
+            if self.in_flight and (self.in_flight[0].reduce is None or self.in_flight[0].reduce.landed()):
+                # CPU: an average that already arrived gives its buffers back (its sum in
+                # rank order runs now) before another buffer is made: a model whose
+                # buckets' averages do not overlap each other holds one of each kind.
+                self.in_flight.popleft().wait_reduce()
+                continue
+            if self.made.get(key, 0) < limit:
+                break
+            if pool:  # GPU: every staging buffer is still being sent: the oldest one
+                buf, done = pool.pop(0)
+                done.wait()
+                return buf
+            if self.in_flight:
+                self.in_flight.popleft().wait_reduce()
+                continue
+            if grow:
+                break
+            raise AssertionError("zero_triton: a gradient bucket buffer was lost")
+        self.made[key] = self.made.get(key, 0) + 1
+        numel = self.recv_numel[kind] if role == "recv" else self.buffer_numel[kind]
+        return torch.empty(numel, dtype=kind[0], device=kind[1])
+
+    def _side(self, bucket: Bucket):
+        return self._side_of(bucket.param_full.device)
+
+    def _side_of(self, device):
+        """The side stream of ``device`` (None on CPUs)."""
+        if device not in self.sides:
+            self.sides[device] = streams.side_stream(device)
+        return self.sides[device]
+
+    def _limit(self, device) -> int:
+        """Buffers of one kind made before waiting: on a GPU a wait stalls the compute
+        stream, not just the host, so twice as many (memory is cheap next to that)."""
+        return self.max_in_flight * (2 if self._side_of(device) is not None else 1)
+
+    @staticmethod
+    def _kind(b: Bucket):
+        return (b.grad_dtype, b.param_full.device)
+
+    @property
+    def bytes(self) -> int:
+        """The receive and staging buffers held now."""
+        pools = list(self.pools.values()) + list(self.staging_pools.values())
+        return sum(t.numel() * t.element_size() for pool in pools for t, _ in pool) + sum(
+            t.numel() * t.element_size() for b in self.buckets for t in (b.recv, b.staging, b.sending)
+            if t is not None)
+
+    # -- backward -------------------------------------------------------------------
+    def note_backward(self) -> None:
+        """From a gradient hook: count this backward pass once, when it ends (the
+        agreement compares the counts: a rank that ran one more backward, or skipped a
+        step, is at another iteration)."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._in_backward = False
+        self.backwards += 1
+
+    def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor) -> None:
+        """ZeRO-2: add a parameter's gradient into its bucket's staging buffer (a new one
+        when the last is still being sent: the next micro-batch)."""
+        if bucket.grad_in is None:
+            self._stage(bucket)
+        if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
+            grad = torch.view_as_real(grad)
+        bucket.grad_in[lo:hi].add_(grad.reshape(-1))
+        self.arrived(bucket, j)
+
+    def _stage(self, bucket: Bucket) -> None:
+        """A zeroed staging buffer for ``bucket``: from the pool, after the oldest
+        reduce-scatter in flight when it is empty, or a new one (handed back at step)."""
+        buf = self._take(bucket.staging_pool, bucket, "staging", grow=True)
+        bucket.staging, bucket.grad_in = buf, buf[:bucket.geometry.numel]
+        bucket.grad_in.zero_()
+
+    def arrived(self, bucket: Bucket, j: int) -> None:
+        bucket.stale = bucket.launched
+        if not bucket.arrived[j]:
+            bucket.arrived[j] = 1
+            bucket.count += 1
+        if bucket.count < bucket.nparams:
+            return
+        bucket.arrived[:] = bytes(bucket.nparams)
+        bucket.count = 0
+        bucket.ready = True
+        if self.seen is not None:
+            self.seen.append(bucket.key)
+        self._advance()
+
+    def _advance(self) -> None:
+        order = self.order
+        if order is None or not self.sync or not self.early:
+            return
+        while self.next < self.in_backward and order[self.next].ready:
+            if self.next == 0 and self.enter is not None:
+                self.enter(order[0].name("the reduce_scatter"))
+                self.round_agreed = True
+            self.launch(order[self.next])
+            self.next += 1
+        if self.next == self.in_backward:
+            self.next = 0  # all that backward launches went: the next micro-batch starts over
+
+    def launch(self, bucket: Bucket, grow: bool = False) -> None:
+        """Start averaging ``bucket``'s local gradients into this rank's shard (ZeRO-2:
+        added to it after the first average of the step). On a GPU this never waits:
+        the average goes to the side stream behind the ones before it."""
+        side = self._side(bucket)
+        if side is None:
+            if bucket.reduce is not None:
+                bucket.wait_reduce()  # it holds buffers (ZeRO-2: the staging it sends)
+        if bucket.sharded and bucket.grad_in is None:  # nothing arrived: this rank adds zeros
+            self._stage(bucket)
+        accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
+        recv = None
+        if bucket.pool is not None and self.comm.needs_recv(bucket.grad_out, bucket.grad_in, accumulate):
+            recv = self._take(bucket.pool, bucket, "recv", grow=grow)
+        bucket.ready = bucket.stale = False
+        bucket.launched = True
+        self.signature = (self.signature * 1009 + bucket.key[0] * 4099 + bucket.key[1] + 1) % SIGNATURE_MOD
+
+        def start():
+            return self.comm.reduce_scatter_avg(
+                bucket.grad_out, bucket.grad_in, recv,
+                async_op=True, name=bucket.name("reduce_scatter"), accumulate=accumulate)
+
+        if side is not None:
+            done = bucket.reduce = side.run(start)
+            if recv is not None:  # reused in the side stream's order
+                bucket.pool.append((recv, None))
+            if bucket.sharded:  # reused once the compute stream may write it
+                bucket.staging_pool.append((bucket.staging, done))
+                bucket.staging = bucket.grad_in = None
+            return
+        bucket.recv = recv
+        bucket.reduce = start()
+        if bucket.sharded:  # the next micro-batch stages into another buffer
+            bucket.sending, bucket.staging, bucket.grad_in = bucket.staging, None, None
+        if self.comm.world_size > 1:
+            self.in_flight.append(bucket)
+        else:
+            bucket.wait_reduce()  # world size 1: a copy, done
+
+    # -- step -----------------------------------------------------------------------
+    def changed_since_launch(self, grad_buffers) -> bool:
+        """Whether this rank's gradients changed after backward launched a bucket of them
+        (a ``.grad`` edited by hand, GradScaler.unscale_, another micro-batch without
+        ``no_sync``, ``zero_grad`` between backward and step): what ``finish`` needs to
+        know, agreed over the ranks first, to average everything again."""
+        if any(b.stale for b in self.buckets):
+            return True
+        return any(b.launched for b in self.buckets) and any(
+            not g.sharded and g.written_since_hooks() for g in grad_buffers)
+
+    def complete_round(self) -> None:
+        """Launch, in order, the buckets backward did not, without waiting for a receive
+        buffer (more are made instead): after an agreed round every rank launches the
+        same ones, and nothing here may block before the step's own agreement, which a
+        rank still in backward (waiting for these very launches) could never join."""
+        for b in self.order or self.buckets:
+            if not b.launched:
+                self.launch(b, grow=True)
+
+    def finish(self, grad_buffers, again: bool | None = None) -> None:
+        """Reduce whatever backward did not, in the agreed order, then, when ``again``
+        (the ranks' agreed ``changed_since_launch``; None: this rank's own), every bucket
+        once more, and wait for everything. Every rank launched the same buckets in
+        backward, so both passes pair up. Learns the order at the first step."""
+        if again is None:
+            again = self.changed_since_launch(grad_buffers)
+        order = self.order or self.buckets
+        for b in order:
+            if not b.launched:
+                self.launch(b)
+        if again:  # ZeRO-2 adds what was staged since (zeros on ranks that staged none)
+            for b in order:
+                self.launch(b)
+        self.wait_reduces()
+        for role, pools in (("staging", self.staging_pools), ("recv", self.pools)):
+            for kind, pool in pools.items():
+                keep = self._limit(kind[1])
+                extra = len(pool) - keep
+                if extra > 0:  # buffers made beyond the limit go back
+                    del pool[keep:]
+                    self.made[(role, kind)] -= extra
+        if self.seen is not None and self.comm.world_size > 1:
+            self._learn()
+        for b in self.buckets:
+            b.reset()
+        self.next = 0
+        self.round_agreed = False
+        self.last_signature, self.signature = self.signature, 0
+
+    def _learn(self) -> None:
+        """Rank 0's finishing order, then the buckets its backward never finished."""
+        theirs = self.comm.all_gather_object(self.seen, "bucket order")[0]
+        by_key = {b.key: b for b in self.buckets}
+        order, taken = [], set()
+        for key in theirs:
+            key = tuple(key)
+            if key in by_key and key not in taken:
+                order.append(by_key[key])
+                taken.add(key)
+        self.in_backward = len(order)
+        order.extend(b for b in self.buckets if b.key not in taken)
+        self.order, self.seen = order, None
+
+    def reset(self) -> None:
+        """``zero_grad``: wait for reductions reading the gradients, start a new step.
+        Buckets backward launched already (``zero_grad`` between backward and ``step``)
+        stay launched and become stale: ``step`` averages them again, on every rank."""
+        self.wait_reduces()
+        for b in self.buckets:
+            if b.staging is not None:  # ZeRO-2 gradients not averaged yet: dropped
+                b.staging_pool.append((b.staging, None))
+                b.staging = b.grad_in = None
+            launched = b.launched
+            b.reset()
+            if launched:
+                b.launched = b.stale = True
+        self.next = 0
+        if not any(b.launched for b in self.buckets):
+            self.signature = 0
+
+    def wait_reduces(self) -> None:
+        while self.in_flight:
+            self.in_flight.popleft().wait_reduce()
+        for b in self.buckets:
+            b.wait_reduce()
+
+    def wait_gathers(self) -> None:
+        if not self.gathering:
+            return
+        for b in self.buckets:
+            b.wait_gather()
+        self.gathering = False
+
+    def wait_all(self) -> None:
+        self.wait_reduces()
+        self.wait_gathers()
+
+    def gather_order(self) -> list[Bucket]:
+        """The order the next forward needs the parameters in: backward's, reversed."""
+        return list(reversed(self.order or self.buckets))
+
+
+def _on_leaf(p: torch.Tensor, register):
+    """Register a grad hook also on a parameter frozen right now (a re-home after
+    ``requires_grad_(False)``): torch refuses hooks on a tensor that does not require
+    grad, and they must fire once the parameter is unfrozen."""
+    if p.requires_grad:
+        return register()
+    p.requires_grad_(True)
+    try:
+        return register()
+    finally:
+        p.requires_grad_(False)
+
+
+# Autograd calls our hooks from inside a compiled training step's backward; they are
+# bookkeeping (which gradient arrived, which bucket to launch), so torch.compile runs
+# them as they are (``torch._disable_dynamo``, ~0.5 us a call) instead of tracing a
+# graph break into each.
+def post_accumulate_hook(p: torch.Tensor, fn):
+    return _on_leaf(p, lambda: p.register_post_accumulate_grad_hook(torch._disable_dynamo(fn)))
+
+
+def register_sharded_hooks(params, reached, layout, buckets, reducer) -> list:
+    """ZeRO-2's post-accumulate-grad hooks of one flat buffer's parameters."""
+    ref = weakref.ref(reducer)
+    handles = []
+    for b in buckets:
+        g = b.geometry
+        for j, i in enumerate(range(g.first, g.end)):
+            lo = layout.offsets[i] - g.start
+            hi = lo + params[i].numel()
+            handles.append(post_accumulate_hook(params[i], functools.partial(
+                grad_taken, reached, i, j, lo, hi, b, ref)))
+    return handles
+
+
+def register_hooks(params, reached, grad_views, buckets, reducer) -> list:
+    """The post-accumulate-grad and before-accumulate hooks of one flat buffer's
+    parameters; returns their handles."""
+    ref = weakref.ref(reducer)
+    handles = []
+    for b in buckets:
+        g = b.geometry
+        for j, i in enumerate(range(g.first, g.end)):
+            p = params[i]
+            handles.append(post_accumulate_hook(p, functools.partial(
+                grad_ready, reached, i, j, grad_views[i], b, ref)))
+            handles.append(_on_leaf(p, lambda p=p, b=b: p.register_hook(
+                torch._disable_dynamo(functools.partial(before_accumulate, b)))))
+    return handles

@@ -1,0 +1,181 @@
+"""Backends: name -> fused step function, and which are usable here and why not.
+
+Every backend computes the same function (see ``zero_triton.tools.reference``) with one
+signature::
+
+    step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
+         beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+         grad_scale=None, found_inf=None, clip_coef=None)
+
+``"torch"`` additionally takes ``scratch``: a float32 buffer of the shard's size, so
+that the step allocates nothing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+
+NAMES = ("auto", "triton", "cuda", "cpu", "torch")
+
+
+def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
+               beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+               grad_scale=None, found_inf=None, clip_coef=None, scratch=None):
+    """The step in plain in-place torch ops on preallocated buffers (several passes
+    over memory; the fallback when no kernel can run). Reads ``found_inf``, ``lr`` and
+    ``step`` on the host: on CUDA tensors this path syncs once per step."""
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    if scratch is None:
+        scratch = torch.empty_like(param)
+    lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
+    t = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+    g = scratch
+    g.copy_(grad)
+    if grad_scale is not None:
+        g.div_(grad_scale)
+    if clip_coef is not None:
+        g.mul_(clip_coef)
+    if maximize:
+        g.neg_()
+    if weight_decay != 0:
+        if adamw:
+            param.mul_(1 - lr_value * weight_decay)
+        else:
+            g.add_(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    if amsgrad:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        v = max_exp_avg_sq
+    else:
+        v = exp_avg_sq
+    bias_correction1 = 1 - beta1 ** t
+    bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5  # as torch.optim.Adam computes it
+    denom = torch.sqrt(v, out=scratch)  # g is dead: reuse its buffer
+    denom.div_(bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr_value / bias_correction1)
+    if param_lp is not None:
+        param_lp.copy_(param)
+
+
+def _triton_why_not(device: torch.device) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton, Linux only)"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    return (f"Triton runs on CUDA tensors, not {device.type}; for CPU tensors set "
+            "TRITON_INTERPRET=1 before importing zero_triton (slow, for tests) or use "
+            "backend='cpu' or 'torch'")
+
+
+def _native_why_not(device: torch.device) -> str | None:
+    try:
+        from zero_triton.native import ext as _ext
+        mod = _ext.load()
+    except ImportError as exc:
+        return f"zero_triton.native.ext cannot be imported ({exc})"
+    if mod is None:
+        return f"the native extension zero_triton._C is unavailable: {_ext.unavailable_reason()}"
+    if device.type == "cuda" and not _ext.cuda_available():
+        return ("zero_triton._C was built without CUDA kernels; rebuild with "
+                "ZERO_TRITON_BUILD_EXT=1 pip install --no-build-isolation . on a CUDA machine")
+    return None
+
+
+def why_not(name: str, device: torch.device) -> str | None:
+    """None when backend ``name`` can step tensors on ``device``, else the reason."""
+    device = torch.device(device)
+    if name == "torch":
+        return None
+    if name == "triton":
+        return _triton_why_not(device)
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"backend 'cpu' steps CPU tensors, got {device.type}; use 'auto'"
+        return _native_why_not(device)
+    if name == "cuda":
+        if device.type != "cuda":
+            return f"backend 'cuda' steps CUDA tensors, got {device.type}; use 'auto'"
+        return _native_why_not(device)
+    raise ValueError(f"unknown backend {name!r}; choose one of {NAMES}")
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """One line on stderr, once per process: resolve() runs for every parameter group
+    and flat buffer, and a warning's usual second line (the calling source line) only
+    repeats what the message says."""
+    if message not in _said:
+        _said.add(message)
+        print(" ".join(message.split()), file=sys.stderr, flush=True)
+
+
+def resolve(name: str, device: torch.device) -> str:
+    """The concrete backend for ``name`` on ``device``; raises with the fix if unusable.
+
+    auto: CUDA tensors -> triton, else cuda, else torch; CPU tensors -> cpu (the C++
+    kernel), else torch, said once.
+    """
+    if name not in NAMES:
+        raise ValueError(f"unknown backend {name!r}; choose one of {NAMES}")
+    device = torch.device(device)
+    if name != "auto":
+        reason = why_not(name, device)
+        if reason is not None:
+            raise RuntimeError(f"backend={name!r} cannot run here: {reason}")
+        return name
+    order = ("triton", "cuda", "torch") if device.type == "cuda" else ("cpu", "torch")
+    reasons = []
+    for candidate in order:
+        reason = why_not(candidate, device)
+        if reason is None:
+            if candidate == "torch" and reasons:
+                _say_once("zero_triton: falling back to the plain torch step (slower, several "
+                          "passes over memory) because " + "; ".join(reasons))
+            return candidate
+        reasons.append(f"{candidate}: {reason}")
+    raise AssertionError("unreachable: the torch backend is always usable")
+
+
+def step_function(name: str):
+    """The step callable of a concrete backend name (see ``resolve``)."""
+    if name == "triton":
+        from zero_triton.kernels.adam import adam_step
+        return adam_step
+    if name in ("cpu", "cuda"):
+        from zero_triton.native import ext as _ext
+        native = _ext.load().adam_step
+
+        def native_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
+                        beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+                        grad_scale=None, found_inf=None, clip_coef=None):
+            native(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr,
+                   float(beta1), float(beta2), float(eps), float(weight_decay),
+                   bool(adamw), bool(amsgrad), bool(maximize), grad_scale, found_inf, clip_coef)
+        return native_step
+    if name == "torch":
+        return torch_step
+    raise ValueError(f"not a concrete backend: {name!r}")
+
+
+def availability() -> list[tuple[str, str, str | None]]:
+    """(backend, device type, reason it is unusable or None) for every pairing."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    rows = []
+    for device in devices:
+        for name in NAMES[1:]:
+            try:
+                rows.append((name, device.type, why_not(name, device)))
+            except Exception as exc:  # a broken install is a reason, not a crash of `info`
+                rows.append((name, device.type, f"{type(exc).__name__}: {exc}"))
+    return rows

@@ -1,0 +1,301 @@
+"""torch.optim.Adam's state-dict format, both ways, for FusedAdam and ZeroAdam: the
+one place that translates between it and the flat, sharded state.
+
+A state dict is ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]
+[, "master_param"]}}, "param_groups": [...]}`` with parameters numbered in param-group
+order, as torch.optim.Adam writes it (``master_param``: the fp32 master of an fp16/bf16
+parameter). ``local_state_dict`` views a single process's live state; ``gathered_state_dict``
+collects the shards of every rank, chunk by chunk; ``plan_load`` checks a state dict
+against the optimizer and ``apply_load`` copies each rank's part of it in.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zero_triton.state.flat import contiguous_strides, memory_order, real_shape
+
+# Keys torch.optim.Adam keeps in every param group, with the values that describe this
+# optimizer: a torch.optim.Adam loading our state dict behaves as its defaults.
+TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
+
+# Elements gathered per rank per round: bounds the receiver's transient buffers to
+# world_size * this * 4 bytes on top of the one full copy it returns.
+GATHER_CHUNK = 4 << 20
+
+
+def packed_groups(opt):
+    """torch's param_groups with parameters replaced by their state-dict index, and
+    the map id(param) -> index."""
+    groups, ids, start = [], {}, 0
+    for group in opt.param_groups:  # as torch.optim.Optimizer.state_dict numbers them
+        packed = {k: v for k, v in group.items() if k != "params"}
+        ids.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in ids})
+        packed["params"] = [ids[id(p)] for p in group["params"]]
+        start += len(packed["params"])
+        groups.append(packed)
+    return groups, ids
+
+
+# The per-parameter state keys this optimizer keeps in its flat buffers; anything else a
+# user or a wrapper puts in ``opt.state`` (a parameter's extra entry, a key that is not a
+# parameter) is kept beside them and round-trips through the state dict as in torch.
+OWN_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"))
+
+
+def extras(table, params) -> tuple[dict, dict]:
+    """(entries of ``table`` not keyed by one of ``params``, {id(p): p's extra keys})."""
+    by_id = {id(p) for p in params}
+    others, per_param = {}, {}
+    for key, entry in dict.items(table):
+        if not (isinstance(key, torch.Tensor) and id(key) in by_id):
+            others[key] = entry
+        elif isinstance(entry, dict):
+            extra = {k: v for k, v in entry.items() if k not in OWN_KEYS}
+            if extra:
+                per_param[id(key)] = extra
+    return others, per_param
+
+
+def with_state_dict_hooks(opt, build) -> dict:
+    """``build()`` between the optimizer's state-dict pre- and post-hooks
+    (``register_state_dict_pre_hook`` / ``_post_hook``), run as torch.optim.Optimizer
+    runs them: a post-hook's non-None result replaces the state dict."""
+    for hook in getattr(opt, "_optimizer_state_dict_pre_hooks", {}).values():
+        hook(opt)
+    state_dict = build()
+    for hook in getattr(opt, "_optimizer_state_dict_post_hooks", {}).values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def load_with_hooks(opt, state_dict: dict, load) -> None:
+    """``load(state_dict)`` between the load-state-dict pre-hooks (which may return a
+    replacement) and post-hooks, as torch.optim.Optimizer runs them (on a shallow copy:
+    the caller's dict is not changed)."""
+    state_dict = state_dict.copy()
+    for hook in getattr(opt, "_optimizer_load_state_dict_pre_hooks", {}).values():
+        result = hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    load(state_dict)
+    for hook in getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(opt)
+
+
+def torch_group(hyperparameters: dict, indices: list) -> dict:
+    """A param group as torch.optim.Adam's state dict holds it, from saved
+    hyperparameters (betas as a tuple) and the group's parameter indices."""
+    group = dict(hyperparameters)
+    if "betas" in group:
+        group["betas"] = tuple(group["betas"])
+    group.update(TORCH_GROUP_KEYS)
+    group["params"] = list(indices)
+    return group
+
+
+def local_state_dict(opt) -> dict:
+    """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
+    ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
+    parameters. Tensors are views of the live state, as torch's are."""
+    if opt._comm.world_size > 1:
+        raise RuntimeError(
+            "state_dict() of a sharded optimizer would hold only this rank's shard; use "
+            "consolidated_state_dict() for torch.optim.Adam's format, or "
+            "zero_triton.checkpoint.save for a sharded checkpoint")
+    groups, ids = packed_groups(opt)
+    state = {}
+    flats = [flat for _, flat in opt._current_flats()]
+    others, per_param = extras(opt.state, [p for flat in flats for p in flat.params])
+    for flat in flats:
+        views, steps = flat.state_views(), flat.state.param_steps()
+        for i, p in enumerate(flat.params):
+            # A step tensor of its own per parameter: torch.optim.Adam increments
+            # each one, a shared one would count N times per step.
+            state[ids[id(p)]] = {"step": torch.tensor(steps[i], dtype=torch.float32),
+                                 **{k: v[i] for k, v in views.items()}, **per_param.get(id(p), {})}
+    for key, entry in others.items():  # as torch: a parameter's index, any other key as is
+        state[ids.get(id(key), key) if isinstance(key, torch.Tensor) else key] = entry
+    return {"state": state, "param_groups": groups}
+
+
+def _as_param_policy(p, key, value):
+    """torch.optim.Optimizer.load_state_dict's cast of a loaded extra: floating tensors
+    to the parameter's dtype and device, other tensors to its device."""
+    if not isinstance(value, torch.Tensor) or key == "step":
+        return value
+    if p.is_floating_point() and value.is_floating_point():
+        return value.to(dtype=p.dtype, device=p.device)
+    return value.to(device=p.device)
+
+
+def loaded_extras(opt, state_dict) -> tuple[dict, dict]:
+    """What a loaded state dict puts in ``opt.state`` beside our own keys: (entries not
+    of a parameter, {id(p): p's extra keys}), as torch.optim.Optimizer loads them."""
+    index = {}
+    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        index.update({idx: p for p, idx in zip(group["params"], saved["params"])})
+    others, per_param = {}, {}
+    for key, entry in state_dict["state"].items():
+        p = index.get(key)
+        if p is None:
+            others[key] = entry
+        elif isinstance(entry, dict):
+            extra = {k: _as_param_policy(p, k, v) for k, v in entry.items() if k not in OWN_KEYS}
+            if extra:
+                per_param[id(p)] = extra
+    return others, per_param
+
+
+def plan_load(opt, state_dict) -> list:
+    """Check ``state_dict`` against the optimizer (groups, parameter counts, finite
+    steps, state shapes) and return, per flat buffer, ``(flat, entries, steps)``:
+    nothing changes here, so a bad state dict leaves the optimizer as it was."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param groups, this optimizer "
+                         f"{len(opt.param_groups)}; build the optimizer with the same groups")
+    ids = {}
+    for gi, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(group["params"]) != len(saved["params"]):
+            raise ValueError(f"param group {gi} has {len(group['params'])} parameters, the "
+                             f"state dict's {len(saved['params'])}")
+        ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
+    saved_state, plan = state_dict["state"], []
+    for gi, flats in enumerate(opt._flats):
+        for flat in flats:
+            entries = [saved_state.get(ids[id(p)]) for p in flat.params]
+            if all(e is None for e in entries):
+                plan.append((flat, None, None))
+                continue
+            # A parameter torch.optim.Adam never stepped (no gradient yet) has no state.
+            steps = [0.0 if e is None else float(e["step"]) for e in entries]
+            if not all(math.isfinite(t) and t >= 0 for t in steps):
+                raise ValueError(f"param group {gi} has a step that is not a finite count >= 0 "
+                                 f"({sorted(set(steps))}); the state dict is corrupt")
+            for i, (p, e) in enumerate(zip(flat.params, entries)):
+                if e is None:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                    if key in e and tuple(e[key].shape) != real_shape(p) and not (
+                            p.is_complex() and tuple(e[key].shape) == tuple(p.shape)):
+                        raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
+                                         f"has shape {tuple(e[key].shape)}, the parameter "
+                                         f"{tuple(p.shape)}")
+            plan.append((flat, entries, steps))
+    return plan
+
+
+def apply_load(opt, state_dict, plan) -> None:
+    """Copy a checked state dict in: hyperparameters, then each flat buffer's shard."""
+    others, per_param = loaded_extras(opt, state_dict)
+    for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
+        for k, v in saved.items():  # saved names win, as in torch; ours stay if it has none
+            if k != "params":
+                group[k] = v
+        group.setdefault("decoupled_weight_decay", False)
+    for flat, entries, step in plan:
+        load_shard(flat, entries, step)
+        flat.versions.accept()  # the master is what was loaded (or the parameters now)
+    opt._set_extras(others, per_param)
+
+
+@torch.no_grad()
+def load_shard(flat, entries, step) -> None:
+    """Copy this rank's shard (every bucket's) of each full per-parameter state in."""
+    state = flat.state
+    state.exp_avg.zero_()
+    state.exp_avg_sq.zero_()
+    state.set_param_steps(step if step is not None else [0.0] * len(flat.params))
+    has_max = entries is not None and any(e is not None and "max_exp_avg_sq" in e for e in entries)
+    if has_max:
+        state.ensure_amsgrad()
+        state.max_exp_avg_sq.zero_()
+    elif state.max_exp_avg_sq is not None:
+        state.max_exp_avg_sq.zero_()
+    if flat.has_master:
+        for master, part in zip(state.master_parts(), flat.param_parts):
+            master.copy_(part)
+    if entries is None:
+        return
+    targets = state.buffers()
+    if not has_max:
+        targets.pop("max_exp_avg_sq", None)  # zeroed above: not every entry has it
+    for lo, hi, s0 in flat.segments:
+        for i, a, b in flat.layout.ranges_in(lo, hi):
+            o = flat.layout.offsets[i] + a - lo + s0
+            for key, buf in targets.items():
+                if entries[i] is not None and key in entries[i]:
+                    given = entries[i][key]
+                    if given.is_complex():  # torch's complex moments: (real, imaginary) pairs
+                        given = torch.view_as_real(given)
+                    # In the parameter's memory order (channels_last keeps its own).
+                    buf[o:o + b - a].copy_(memory_order(given, flat.layout.strides[i])[a:b])
+    # Every rank decides this from the same state dict: the all-gather is collective.
+    if flat.has_master and any(e is not None and "master_param" in e for e in entries):
+        for master, part in zip(state.master_parts(), flat.param_parts):
+            part.copy_(master)
+        for k, bucket in enumerate(flat.buckets):
+            flat.gather_bucket(k)
+            bucket.wait_gather()
+
+
+@torch.no_grad()
+def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_CHUNK):
+    """``ZeroAdam.consolidated_state_dict``: the shards of every rank gathered into
+    torch.optim.Adam's format on ``to_rank`` (every rank for None), ``chunk_elems``
+    elements of one state of one flat buffer per round; None on the other ranks."""
+    comm = opt._comm
+    if to_rank is not None and not 0 <= to_rank < comm.world_size:
+        raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "
+                         f"got {to_rank}")
+    me = to_rank is None or comm.rank == to_rank
+    groups, ids = packed_groups(opt)
+    state = {}
+    for _, flat in opt._current_flats():
+        bufs = flat.state.buffers()
+        layout, shard = flat.layout, flat.layout.shard_numel
+        segments = [layout.shard_segments(r) for r in range(comm.world_size)]
+        chunk = max(1, min(shard, chunk_elems))
+        recv = None
+        if me:
+            out, steps = [], flat.state.param_steps()
+            for i, p in enumerate(flat.params):
+                entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
+                stride = layout.strides[i] or contiguous_strides(real_shape(p))
+                entry.update({k: torch.empty_strided(real_shape(p), stride, dtype=b.dtype)
+                              for k, b in bufs.items()})
+                state[ids[id(p)]] = entry
+                out.append(entry)
+            recv = torch.empty(comm.world_size, chunk, dtype=flat.state.dtype, device=flat.device)
+        for key, buf in bufs.items():
+            for c in range(0, shard, chunk):
+                n = min(chunk, shard - c)
+                if to_rank is None:  # every rank receives: one all-gather per chunk
+                    received = recv.view(-1)[:comm.world_size * n]
+                    comm.all_gather(received, buf[c:c + n])
+                    pieces = received.view(comm.world_size, n)
+                else:
+                    pieces = [recv[r, :n] for r in range(comm.world_size)] if me else None
+                    comm.gather(buf[c:c + n], pieces, to_rank, "consolidated_state_dict gather")
+                if not me:
+                    continue
+                for r in range(comm.world_size):
+                    for lo, hi, s0 in segments[r]:  # rank r's state [s0, ...) is buffer [lo, hi)
+                        s_a, s_b = max(s0, c), min(s0 + hi - lo, c + n)
+                        if s_a >= s_b:
+                            continue
+                        start = lo + s_a - s0
+                        for i, a, b in layout.ranges_in(start, start + s_b - s_a):
+                            o = layout.offsets[i] + a - start + s_a - c
+                            # Memory order, as the flat buffer (the entry has its strides).
+                            t = out[i][key]
+                            t.as_strided((t.numel(),), (1,))[a:b].copy_(pieces[r][o:o + b - a])
+        if me:
+            for p, entry in zip(flat.params, out):
+                if p.is_complex():
+                    entry.update({k: torch.view_as_complex(entry[k]) for k in bufs})
+    return {"state": state, "param_groups": groups} if me else None

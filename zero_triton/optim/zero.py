@@ -1,0 +1,511 @@
+"""ZeroAdam / ZeroAdamW: ZeRO-1 over torch.distributed around the same fused step.
+
+The model is replicated on every rank and not wrapped in DDP; the optimizer does the
+gradient sync itself. For every bucket of every flat buffer (``zero_triton.comm.buckets``):
+
+    average grad[bucket] into this rank's shard        # zero_triton.reduce_scatter,
+                                                       #   started from backward's hooks
+    fused Adam kernel on this rank's shard only        # zero_triton.adam_step
+    all_gather_into_tensor(param[bucket], param[shard])  # zero_triton.all_gather, waited
+                                                       #   at the end of step, or by each
+                                                       #   module's forward (overlap())
+
+fp32 master, exp_avg and exp_avg_sq exist for the shard only: 12 bytes per parameter
+divided by the world size.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from zero_triton.optim import state_dict as adam_state
+from zero_triton.comm import agreement
+from zero_triton.integrations import clip_grad as clipping
+from zero_triton.state import watch
+from zero_triton.comm.group import GroupComm
+from zero_triton.optim.fused import FusedAdam, check_params_argument
+
+_FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
+
+def _signature(param_groups) -> list:
+    """What every rank must agree on: per group, each parameter's shape and dtype."""
+    sig = []
+    for gi, group in enumerate(param_groups):
+        params = group["params"] if isinstance(group, dict) else group
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        for pi, p in enumerate(params):
+            if isinstance(p, tuple):
+                p = p[1]
+            sig.append((gi, pi, tuple(p.shape), str(p.dtype), bool(p.requires_grad)))
+    return sig
+
+
+def _first_mismatch(mine: list, theirs: list):
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return a, b
+    if len(mine) != len(theirs):
+        return (f"{len(mine)} parameters", f"{len(theirs)} parameters")
+    return None
+
+
+class ZeroAdam(FusedAdam):
+    """FusedAdam with its state sharded over ``process_group`` (ZeRO stage 1).
+
+    Extra args:
+        process_group: the group to shard over (default: the world group).
+        reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
+            grads); default the gradient's own dtype.
+        stage: 1 (default): the optimizer state is sharded, each rank keeps the full
+            local gradients. 2: the gradients too: each bucket's gradients are handed
+            to the optimizer as backward produces them (``.grad`` is None afterwards)
+            and averaged into this rank's shard, so a rank holds 1/N of the gradients
+            plus a few buckets. Stage 2 averages every micro-batch (``no_sync`` changes
+            nothing) and adds the averages up.
+        bucket_cap_mb: MiB of gradients per bucket (DDP's name and default, 25). Each
+            bucket is sharded over the ranks on its own, and its average starts during
+            backward as soon as backward has finished it (from the second step on:
+            the first step learns the order). None: one bucket per flat buffer,
+            averaged in ``step()`` only, whatever backward does: for models whose
+            ranks reach different parameters (data-dependent routing), where launches
+            from backward would pair different buckets across ranks. The result does
+            not depend on it (bitwise).
+
+    Construction is collective: ranks compare parameter shapes and dtypes and raise on
+    every rank at the first mismatch. torch.amp.GradScaler works as is: every rank
+    agrees on skipped steps and on the scale (``ZeroGradScaler`` is the same thing).
+    ``max_grad_norm`` clips by the global norm inside ``step()``, and so does
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), c)`` (``zero_triton.integrations.clip_grad``
+    hands it to ``clip_grad_norm_``: torch's own would see this rank's local gradients,
+    or at stage 2 none).
+    The ``.grad`` of every parameter keeps this rank's local gradient; the averaged
+    shard lives in the optimizer. ``no_sync()`` accumulates micro-batches without
+    communicating; ``zero_triton.overlap(model, optimizer)`` leaves the parameter
+    all-gathers in flight after ``step()`` for the next forward to wait on.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
+                 master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
+                 max_grad_norm=None, bucket_cap_mb=25, stage=1, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
+        check_params_argument(params, type(self).__name__)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
+                            f"torch.distributed.new_group(ranks)) or None for the default group, "
+                            f"got {process_group!r}; the backend (nccl, gloo) is chosen by "
+                            "init_process_group")
+        if reduce_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"reduce_dtype must be None (the gradients' own dtype), "
+                             f"torch.float32, torch.float16 or torch.bfloat16, got {reduce_dtype!r}")
+        comm = GroupComm(process_group)
+        params = list(params)
+        if not params:
+            raise ValueError("ZeroAdam got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        for g in groups:  # materialise generators once: we read them twice
+            if not isinstance(g["params"], torch.Tensor):
+                g["params"] = list(g["params"])
+        self._check_same_model(comm, groups)
+        _install_scaler_agreement()
+        # Built after the model check, which every rank passes together: the ordinal
+        # (how many ZeroAdams this process built on this group before) is the same on all.
+        self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.group)) \
+            if comm.world_size > 1 else None
+        # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
+        # at step (a .grad written after backward handed it over), no fingerprint needed.
+        self._ddp_checked = comm.world_size == 1 or stage == 2
+        self._build(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                    decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
+                    backend=backend, max_grad_norm=max_grad_norm, comm=comm,
+                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
+                    foreach=foreach, fused=fused,
+                    capturable=capturable, differentiable=differentiable)
+        self._constructed = True
+        if self._agreement is not None:
+            self._reducer.enter = self._enter_backward
+
+    # -- every rank at the same call (zero_triton.comm.agreement) -----------------------------
+    def _enter_backward(self, detail: str) -> None:
+        self._enter("backward", detail=detail)
+
+    def _enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        """FusedAdam's ``_enter``, agreed with every rank first: each finds locally what
+        changed (param groups edited, opt.state reset or edited, parameters written,
+        gradients changed after their bucket was averaged), one host-side exchange tells
+        every rank what all found, and then every rank does the same: follows it, or
+        raises. A rank at another call, or a step behind, fails every rank here."""
+        if self._agreement is None:
+            return super()._enter(entry, flats, stale)
+        flats = flats if flats is not None else self._current_flats()
+        refuse, error = 0, None
+        try:
+            self._check_groups()
+        except RuntimeError as exc:
+            refuse, error = 1, exc
+        flags = agreement.STALE if stale else 0
+        if self._state_edited():
+            # Cleared or replaced: a reset. Our keys put in a parameter's entry: refused.
+            # Anything else (a key that is not a parameter, a parameter's extra keys) is
+            # kept beside the sharded state, as torch keeps it.
+            table = self.state
+            params = {id(p) for _, f in flats for p in f.params}
+            assigned = not isinstance(table, dict) or any(
+                isinstance(k, torch.Tensor) and id(k) in params and isinstance(v, dict)
+                and not adam_state.OWN_KEYS.isdisjoint(v) for k, v in dict.items(table))
+            reset = table is not self._tracked or self._tracked.removed
+            if assigned:
+                refuse = refuse or 3
+                error = error or RuntimeError(
+                    "ZeroAdam keeps its optimizer state sharded over the ranks: entries "
+                    "assigned to optimizer.state are not read. To reset the state, call "
+                    "optimizer.state.clear() (or assign a new defaultdict(dict)) on every "
+                    "rank; to set it, load a state dict (optimizer.load_state_dict, on every "
+                    "rank) or a checkpoint. Nothing was changed")
+            elif reset:
+                flags |= agreement.RESET
+        written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
+        agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
+                                       written=written, refuse=refuse, detail=detail)
+        if error is not None:
+            raise error
+        if agreed & agreement.RESET:
+            for _, flat in flats:
+                flat.state.exp_avg.zero_()
+                flat.state.exp_avg_sq.zero_()
+                if flat.state.max_exp_avg_sq is not None:
+                    flat.state.max_exp_avg_sq.zero_()
+                flat.state.set_param_steps([0.0] * len(flat.params))
+                flat.reseed(range(len(flat.params)))
+        if self._state_edited():
+            self._restore_state_table()  # kept: whatever is not ours
+        self._reseed_written(flats)
+        return bool(agreed & agreement.STALE)
+
+    def _stepped(self) -> None:
+        if self._agreement is not None:
+            self._agreement.stepped()
+            self._reducer.backwards = 0
+
+    @staticmethod
+    def _check_same_model(comm, groups):
+        mine = _signature(groups)
+        every = comm.all_gather_object(mine)
+        for rank, theirs in enumerate(every):
+            mismatch = _first_mismatch(mine, theirs)
+            if mismatch is not None:
+                a, b = mismatch
+                raise RuntimeError(
+                    f"ZeroAdam: ranks disagree on the model: rank {comm.rank} has {_describe(a)}, "
+                    f"rank {rank} has {_describe(b)}; every rank must build the same model "
+                    "(same parameters, shapes, dtypes and param groups) before the optimizer")
+
+    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    def add_param_group(self, param_group: dict) -> None:
+        """Collective when called after construction: every rank must add the same group."""
+        if getattr(self, "_constructed", False):
+            if not isinstance(param_group["params"], torch.Tensor):
+                param_group["params"] = list(param_group["params"])
+            self._check_same_model(self._comm, [param_group])
+        super().add_param_group(param_group)
+        clipping.register(self, [p for f in self._flats[-1] for p in f.params])
+
+    def _routes_clipping(self) -> bool:
+        """torch's clip_grad_norm_ comes here (``zero_triton.integrations.clip_grad``): the local
+        gradients are not the averaged ones (several ranks), or there are none (stage 2)."""
+        return self._comm.world_size > 1 or self._stage == 2
+
+    def _before_reduce(self, flats) -> None:
+        # The local gradients, every .grad copied in (HF Trainer's model.zero_grad() makes
+        # DDP hand over tensors of their own), before the reduce-scatter changes them.
+        if not getattr(self, "_ddp_checked", True):
+            self._ddp_checked = True
+            self._fingerprint = self._grad_fingerprint(flats)
+
+    def _reduce_grads(self, flats=None, entry: str = "step"):
+        super()._reduce_grads(flats, entry)
+        fingerprint, self._fingerprint = getattr(self, "_fingerprint", None), None
+        if fingerprint is not None:  # exchanged after the reduce-scatter: it fails first
+            self._warn_if_already_averaged(fingerprint)
+
+    @staticmethod
+    @torch.no_grad()
+    def _grad_fingerprint(flats):
+        """(sum, sum of squares) of this rank's local gradients, before any reduction,
+        in float64 a chunk at a time (a float64 copy of the whole buffer, and its square,
+        were four times the gradients' size at the first step's peak)."""
+        if not flats:
+            return None
+        device = flats[0].device
+        mine = torch.zeros(2, dtype=torch.float64, device=device)
+        for f in flats:
+            for chunk in f.flat_grad.split(_FINGERPRINT_CHUNK):
+                g = chunk.double()
+                mine[0] += g.sum().to(device)
+                mine[1] += g.square_().sum().to(device)
+        return mine
+
+    @torch.no_grad()
+    def _warn_if_already_averaged(self, mine) -> None:
+        """Once, at the first step: gradients that are already identical on every rank
+        (and not all zero) were averaged before us, almost always by a
+        DistributedDataParallel wrapper (accelerate and HF Trainer add one): correct,
+        but every step then pays DDP's all-reduce on top of our reduce-scatter."""
+        every = torch.empty(self._comm.world_size * 2, dtype=torch.float64, device=mine.device)
+        self._comm.all_gather(every, mine)
+        rows = every.view(-1, 2).tolist()
+        if rows[0][1] > 0 and all(r == rows[0] for r in rows):
+            warnings.warn(
+                "zero_triton: the gradients were identical on every rank before ZeroAdam "
+                "reduced them: the model is probably wrapped in DistributedDataParallel, which "
+                "already all-reduced them. Training is correct, but each step pays DDP's "
+                "all-reduce on top of ZeroAdam's reduce-scatter. Do not wrap the model in DDP "
+                "(ZeroAdam averages the gradients itself), or, where a library wraps it "
+                "(accelerate, HF Trainer), turn DDP's all-reduce off with "
+                "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook).",
+                stacklevel=4)
+
+    @torch.no_grad()
+    def _unscale_shards(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
+        """Stage 2, called by GradScaler's ``unscale_`` / ``step``: the gradients are no
+        ``.grad`` GradScaler could see, so the averaged shards are checked for inf/nan
+        (and unscaled by ``inv_scale``, 1 inside ``scaler.step``) here, recorded in
+        GradScaler's per-device flags."""
+        if self._stage != 2:
+            return
+        self._reduce_grads(entry="GradScaler")
+        for _, flat in self._all_flats():
+            g = flat.grad_shard
+            if not allow_fp16 and g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            flag = per_device.get(g.device)
+            if flag is None:
+                flag = per_device[g.device] = torch.zeros_like(found_inf, device=g.device)
+            torch._amp_foreach_non_finite_check_and_unscale_([g], flag, inv_scale.to(g.device))
+
+    def _agree_found_inf(self, per_device: dict) -> None:
+        """GradScaler's per-device inf flags, max-reduced over the group in place."""
+        if self._agreement is not None:
+            self._agreement.check("GradScaler", backwards=self._reducer.backwards)
+        for flag in per_device.values():
+            self._comm.all_reduce(flag, "max")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation, as DistributedDataParallel's ``no_sync``: backward
+        passes inside only accumulate each rank's local gradients; the first backward
+        outside (the micro-batch that ends the accumulation) averages them, bucket by
+        bucket as it goes, and ``step()`` waits for what is still in flight. Under
+        stage 2 every micro-batch is averaged into the shard anyway (there is no full
+        gradient buffer to accumulate in): the context changes nothing there."""
+        reducer = self._reducer
+        before = reducer.sync
+        reducer.sync = self._stage == 2
+        try:
+            yield
+        finally:
+            reducer.sync = before
+
+    @property
+    def process_group(self):
+        return self._comm.group
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    # -- full (torch.optim.Adam-format) state dicts: zero_triton.optim.state_dict -------------
+    _GATHER_CHUNK = adam_state.GATHER_CHUNK
+
+    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    def state_dict(self) -> dict:
+        """The full state in torch.optim.Adam's format on every rank (collective: every
+        rank must call it, as accelerate's ``prepare`` and ``save_state`` do; HF
+        Trainer's checkpointing calls it on rank 0 only and would deadlock: see the
+        README's HF Trainer recipe). Each rank receives the whole state as CPU tensors,
+        gathered chunk by chunk; ``load_state_dict`` on any world size keeps each rank's
+        shard. For large models prefer ``zero_triton.checkpoint.save`` (each rank writes
+        only its shard) or ``consolidated_state_dict(to_rank=0)`` (one receiver).
+        State-dict hooks run on every rank."""
+        return super().state_dict()
+
+    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state in torch.optim.Adam's format (``consolidated_state_dict()``,
+        ``FusedAdam.state_dict()`` or torch.optim.Adam's own), given on every rank; each
+        rank keeps its shard. Collective: every rank checks everything first, and if any
+        rank rejects the state dict all raise and nothing changes. Without
+        ``master_param`` the master is the current parameter upcast. Load-state-dict
+        hooks run on every rank."""
+        super().load_state_dict(state_dict)
+
+    def _full_state_dict(self) -> dict:
+        if self._comm.world_size == 1:
+            return super()._full_state_dict()
+        if _in_hf_trainer_single_rank_save():
+            raise RuntimeError(
+                "ZeroAdam.state_dict() gathers the shards of every rank, but HF Trainer's "
+                "checkpoint calls it on the saving rank only: the other ranks would never join "
+                "and the job would hang. Pass save_only_model=True in TrainingArguments (the "
+                "Trainer then saves no optimizer state) and save the optimizer with "
+                "zero_triton.checkpoint.save(dir, optimizer, model) on every rank (e.g. from a "
+                "TrainerCallback.on_save), or use a Trainer subclass whose "
+                "_save_optimizer_and_scheduler calls optimizer.state_dict() on every rank "
+                "(the README shows one)")
+        self._enter("state_dict")
+        return adam_state.gathered_state_dict(self, None, self._GATHER_CHUNK)
+
+    def consolidated_state_dict(self, to_rank: int | None = 0):
+        """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
+        per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
+        fp16/bf16) on group rank ``to_rank`` (every rank for None), as CPU tensors; None
+        on the other ranks.
+
+        Collective. Gathered one chunk of one state of one flat buffer at a time, so the
+        receiver's peak memory is one full copy plus ``world_size`` chunks (not
+        ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
+        self.wait_params()
+        self._enter("consolidated_state_dict")
+        return adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
+
+    @torch.no_grad()
+    def _load_full_state_dict(self, state_dict: dict) -> None:
+        if self._comm.world_size == 1:
+            return super()._load_full_state_dict(state_dict)
+        self._enter("load_state_dict")
+        state_dict = watch.unaliased(state_dict, self._live_tensors())
+        plan, error = None, None
+        try:
+            plan = adam_state.plan_load(self, state_dict)
+        except (ValueError, KeyError, TypeError) as exc:
+            error = exc
+        every = self._comm.all_gather_object(
+            None if error is None else f"{type(error).__name__}: {error}", "load_state_dict")
+        if error is not None:
+            raise error
+        for r, msg in enumerate(every):
+            if msg is not None:
+                raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
+        adam_state.apply_load(self, state_dict, plan)
+
+
+def _describe(entry) -> str:
+    if isinstance(entry, tuple) and len(entry) == 5:
+        gi, pi, shape, dtype, rg = entry
+        return f"group {gi} parameter {pi} of shape {list(shape)} {dtype}" + ("" if rg else " (frozen)")
+    return str(entry)
+
+
+class ZeroAdamW(ZeroAdam):
+    """ZeroAdam with decoupled weight decay (default 1e-2), as torch.optim.AdamW."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, master_weights=None, backend="auto",
+                 process_group=None, reduce_dtype=None, max_grad_norm=None, bucket_cap_mb=25,
+                 stage=1, **torch_flags):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True, master_weights=master_weights,
+                         backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
+                         max_grad_norm=max_grad_norm, bucket_cap_mb=bucket_cap_mb, stage=stage,
+                         **torch_flags)
+
+
+def _in_hf_trainer_single_rank_save() -> bool:
+    """True when called from transformers' own ``Trainer._save_optimizer_and_scheduler``
+    (not a subclass's override), which calls ``optimizer.state_dict()`` on the saving rank
+    only: a collective there can only hang. A few frames are looked at, on a call that
+    gathers the whole state anyway."""
+    frame = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_save_optimizer_and_scheduler":
+            trainer = frame.f_locals.get("self")
+            transformers = sys.modules.get("transformers")
+            if transformers is None or trainer is None:
+                return False
+            base = getattr(transformers, "Trainer", None)
+            return (base is not None and isinstance(trainer, base) and
+                    type(trainer)._save_optimizer_and_scheduler is base._save_optimizer_and_scheduler)
+        frame = frame.f_back
+    return False
+
+
+def ddp_local_grads_hook(state, bucket):
+    """A DistributedDataParallel communication hook that communicates nothing: each
+    rank keeps its local gradients, and ZeroAdam averages them in its reduce-scatter.
+    For models that a library wraps in DDP anyway (accelerate, HF Trainer) and that
+    ZeroAdam trains: ``ddp_model.register_comm_hook(None, ddp_local_grads_hook)``.
+    Never use it with an optimizer that expects DDP to average the gradients."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class ZeroGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler, kept as a name for scripts that use it.
+
+    A plain ``torch.amp.GradScaler`` is now correct under ZeroAdam: every rank agrees on
+    the inf/nan flag wherever the scaler records it (``unscale_`` and ``step``), so all
+    ranks skip together and keep one scale (what FSDP's ShardedGradScaler does).
+    ``process_group`` is accepted for compatibility; the optimizer's group is used.
+    """
+
+    def __init__(self, device="cpu", *, process_group=None, **kwargs):
+        super().__init__(device, **kwargs)
+        self.process_group = process_group
+
+
+def _install_scaler_agreement() -> None:
+    """Make torch.amp.GradScaler (and torch.cuda.amp's subclass) agree on found_inf
+    over a ZeroAdam's process group.
+
+    Under ZeRO the gradients are averaged inside ``step()``, after GradScaler has looked
+    at each rank's local ones: without agreement a rank whose local gradients are finite
+    keeps its scale while another backs off, and every later average mixes scales.
+    GradScaler records its per-device flags in ``_unscale_grads_`` and reads those same
+    tensors in ``update()``; all-reducing them in place (MAX, on the device, no host
+    sync) right there fixes both the skip and the scale. Optimizers without
+    ``_agree_found_inf`` are untouched."""
+    cls = torch.amp.GradScaler
+    if getattr(cls._unscale_grads_, "_zero_triton_agrees", False):
+        return
+    original = cls._unscale_grads_
+
+    @functools.wraps(original)
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        shards = getattr(optimizer, "_unscale_shards", None)
+        if shards is not None:  # ZeRO-2: the gradients are the optimizer's shards
+            shards(inv_scale, found_inf, per_device, allow_fp16)
+        agree = getattr(optimizer, "_agree_found_inf", None)
+        if agree is not None:
+            agree(per_device)
+        return per_device
+
+    _unscale_grads_._zero_triton_agrees = True
+    cls._unscale_grads_ = _unscale_grads_
+
+    original_unscale = cls.unscale_
+
+    @functools.wraps(original_unscale)
+    def unscale_(self, optimizer):
+        # unscale_ rescales .grad in place with an op that leaves the version counter
+        # alone: a ZeroAdam whose buckets averaged them during backward must know.
+        out = original_unscale(self, optimizer)
+        rescaled = getattr(optimizer, "_grads_rescaled", None)
+        if rescaled is not None and getattr(self, "_enabled", True):
+            rescaled()
+        return out
+
+    cls.unscale_ = unscale_

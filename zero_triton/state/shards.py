@@ -1,0 +1,175 @@
+"""The optimizer state of one rank's shard of one flat buffer.
+
+A rank's shard of a flat buffer is its shard of every bucket, one after another
+(``FlatLayout.shard_segments``: (buffer lo, hi, state offset) per bucket). Its state
+lives here, contiguous, on the shard's device:
+
+- ``master``: the fp32 master of fp16/bf16 parameters; fp32 parameters are their own
+  master (then ``master`` is the shard itself when it is one segment, else None);
+- ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (float32; float64
+  for float64 parameters);
+- the step count: one device tensor ``step`` while every parameter has the same history,
+  one per parameter (``steps``) once some missed a step (no gradient, as torch.optim.Adam
+  skips them), with a host label per parameter (``history``) equal for equal counts.
+
+``FlatShard`` (zero_triton.optim.fused) owns one and hands its slices to the kernel;
+``zero_triton.optim.state_dict`` and ``zero_triton.checkpoint`` read and write it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ShardState:
+    """``param_parts``: this rank's shard of the flat parameter buffer, one view per
+    segment; ``layout``: the buffer's FlatLayout; ``segments``: this rank's."""
+
+    def __init__(self, param_parts, segments, layout, *, has_master: bool, amsgrad: bool):
+        self.param_parts, self.segments, self.layout = param_parts, segments, layout
+        self.has_master = has_master
+        self.device = param_parts[0].device
+        n = layout.shard_numel
+        if has_master:
+            self.master = torch.cat(param_parts).float()
+        else:
+            self.master = param_parts[0] if len(param_parts) == 1 else None
+        # float64 parameters keep float64 state (torch steps them in float64); every
+        # other dtype float32.
+        self.dtype = torch.float64 if param_parts[0].dtype == torch.float64 else torch.float32
+        kind = dict(dtype=self.dtype, device=self.device)
+        self.exp_avg = torch.zeros(n, **kind)
+        self.exp_avg_sq = torch.zeros(n, **kind)
+        self.max_exp_avg_sq = torch.zeros(n, **kind) if amsgrad else None
+        f32 = dict(dtype=torch.float32, device=self.device)  # step counts
+        self.step = torch.zeros(1, **f32)
+        self.steps = None    # per-parameter counts (float32, on the device) once they differ
+        self.history = None  # host labels, equal for parameters with the same history
+        self.skipped = torch.zeros(1, **f32)
+        self.one = torch.ones(1, **f32)  # step += one: a Python 1.0 would be wrapped in a new tensor
+
+    # -- the buffers ----------------------------------------------------------------
+    def ensure_amsgrad(self) -> bool:
+        """Allocate max_exp_avg_sq (amsgrad switched on after construction); True if new."""
+        if self.max_exp_avg_sq is None:
+            self.max_exp_avg_sq = torch.zeros_like(self.exp_avg)
+            return True
+        return False
+
+    def buffers(self) -> dict:
+        """This shard of each state buffer, keyed as torch.optim.Adam keys its
+        per-parameter state (``master_param`` only for fp16/bf16 parameters)."""
+        bufs = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.max_exp_avg_sq is not None:
+            bufs["max_exp_avg_sq"] = self.max_exp_avg_sq
+        if self.has_master:
+            bufs["master_param"] = self.master
+        return bufs
+
+    def views(self) -> dict:
+        """Per-parameter views of each buffer (world size 1: the shard is the whole buffer)."""
+        return {k: self.layout.views(b) for k, b in self.buffers().items()}
+
+    def master_parts(self) -> list:
+        """The master of each segment (views)."""
+        if self.master is None:
+            return self.param_parts
+        return [self.master[s0:s0 + hi - lo] for lo, hi, s0 in self.segments]
+
+    def checkpointed(self) -> dict:
+        """What a sharded checkpoint saves, float32 in state order (an fp32 master spread
+        over several segments is a copy)."""
+        master = self.master if self.master is not None else torch.cat(self.param_parts)
+        out = {"master": master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.max_exp_avg_sq is not None:
+            out["max_exp_avg_sq"] = self.max_exp_avg_sq
+        return out
+
+    def nbytes(self) -> dict:
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        return {"master": size(self.master) if self.has_master else 0,
+                "moments": size(self.exp_avg) + size(self.exp_avg_sq) + size(self.max_exp_avg_sq)}
+
+    def carry_over(self, old: "ShardState") -> None:
+        """Take ``old``'s state (the same parameters, re-homed to another device or
+        dtype). Same precision (a device move): the old master is exact; after a cast the
+        master is the parameters as they are now, as for an optimizer built after it."""
+        self.exp_avg.copy_(old.exp_avg)
+        self.exp_avg_sq.copy_(old.exp_avg_sq)
+        if old.max_exp_avg_sq is not None:
+            self.ensure_amsgrad()
+            self.max_exp_avg_sq.copy_(old.max_exp_avg_sq)
+        self.step.copy_(old.step)
+        if old.steps is not None:
+            self.steps = old.steps.to(self.device)
+            self.history = list(old.history)
+        same = self.param_parts[0].dtype == old.param_parts[0].dtype
+        if self.has_master and old.has_master and same:
+            self.master.copy_(old.master)
+
+    # -- the step count -------------------------------------------------------------
+    def param_steps(self) -> list:
+        """Each parameter's own step count (host floats, one read of the device)."""
+        if self.steps is not None:
+            return self.steps.tolist()
+        return [float(self.step[0])] * len(self.layout.offsets)
+
+    def set_param_steps(self, steps) -> None:
+        """Per-parameter step counts (host floats): one ``step`` while they agree."""
+        if all(t == steps[0] for t in steps):
+            self.step.fill_(steps[0])
+            self.steps, self.history = None, None
+            return
+        self.steps = torch.tensor(steps, dtype=torch.float32, device=self.device)
+        labels = {}
+        self.history = [labels.setdefault(t, len(labels)) for t in steps]
+
+    def step_of(self, i) -> torch.Tensor:
+        """The step count the kernel reads for a run starting at parameter ``i``."""
+        return self.step if i is None or self.steps is None else self.steps[i:i + 1]
+
+    def count(self, stepped, found_inf):
+        """Count this step (a step GradScaler skips does not count, as in torch's fused
+        Adam) for the parameters ``stepped`` (host list of bools; None: all of them).
+        Returns None when one kernel run per segment does, else, per segment, the
+        (start, end, first parameter) buffer ranges whose parameters are stepped and
+        share one step count (padding between them included)."""
+        if found_inf is not None:
+            self.skipped.copy_(found_inf).clamp_(max=1.0)
+        if stepped is None and self.steps is None:  # the common case
+            self.step.add_(self.one)
+            if found_inf is not None:
+                self.step.sub_(self.skipped)
+            return None
+        layout = self.layout
+        n = len(layout.offsets)
+        stepped = stepped if stepped is not None else [True] * n
+        if self.steps is None:
+            self.steps = self.step.expand(n).clone()
+            self.history = [0] * n
+        counted = [i for i in range(n) if stepped[i]]
+        if counted:
+            inc = (self.one - self.skipped) if found_inf is not None else self.one
+            idx = torch.tensor(counted, dtype=torch.long, device=self.device)
+            self.steps.index_add_(0, idx, inc.expand(len(counted)))
+        labels = {}
+        self.history = [labels.setdefault((h, s), len(labels)) for h, s in zip(self.history, stepped)]
+        if len(labels) == 1:  # one history for all (e.g. none had a gradient): one step again
+            self.step.copy_(self.steps[0:1])
+            self.steps, self.history = None, None
+        history = self.history
+        out = []
+        for lo, hi, _ in self.segments:
+            runs, last = [], None
+            for i, a, b in layout.ranges_in(lo, hi):
+                if not stepped[i]:
+                    last = None
+                    continue
+                start, end = layout.offsets[i] + a, layout.offsets[i] + b
+                if last == i - 1 and (history is None or history[i] == history[last]):
+                    runs[-1][1] = end
+                else:
+                    runs.append([start, end, i])
+                last = i
+            out.append(runs)
+        return out

@@ -1,0 +1,107 @@
+"""python -m zero_triton demo | memory | bench | profile | info | checkpoint"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+USAGE = """usage: python -m zero_triton COMMAND [options]
+
+commands:
+  demo        train the seed's MLP with ZeroAdam on N ranks (default 4, gloo on CPU)
+  memory      memory per rank of DDP and ZeRO-1/2/3 for mixed-precision Adam
+  bench       time one optimizer step against torch and the memory limit
+  profile     profile training steps of a GPT (ZeroAdamW vs DDP + AdamW): traces,
+              forward/backward/communication split, bytes on the wire, memory per phase
+  info        versions, devices, and which backends are usable here (and why not)
+  checkpoint  inspect | consolidate a sharded checkpoint
+
+`python -m zero_triton COMMAND --help` for each command's options."""
+
+
+def info(argv=None) -> int:
+    import argparse
+
+    import torch
+    argparse.ArgumentParser(
+        prog="python -m zero_triton info",
+        description="Versions, devices, and which backends are usable here (and why not)."
+    ).parse_args(argv)
+
+    from zero_triton import __version__
+    from zero_triton.native import backends
+    print(f"zero_triton {__version__}")
+    print(f"python      {platform.python_version()} ({platform.machine()})")
+    print(f"torch       {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    try:
+        import triton
+        print(f"triton      {triton.__version__}")
+    except ImportError:
+        print("triton      not installed")
+    devices = ["cpu"] + [f"cuda:{i} {torch.cuda.get_device_name(i)}"
+                         for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
+    print(f"devices     {', '.join(devices)}")
+    print(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    print()
+    print(f"{'backend':8s} {'device':6s} usable")
+    for name, device, reason in backends.availability():
+        print(f"{name:8s} {device:6s} {'yes' if reason is None else 'no: ' + reason}")
+    print()
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        try:
+            print(f"backend='auto' on {device} -> {backends.resolve('auto', torch.device(device))}")
+        except Exception as exc:
+            print(f"backend='auto' on {device} -> error: {exc}")
+    return 0
+
+
+def silence_stdout() -> None:
+    """Point stdout at os.devnull: what is left to print once its reader went away goes
+    nowhere, and Python's final flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def run(command, argv=None) -> int:
+    """``command(argv)``'s exit status; a reader that goes away (``... | head``) ends it
+    quietly with 141, the status of a Unix tool stopped by SIGPIPE, not a traceback."""
+    try:
+        try:
+            return command(argv)
+        finally:  # argparse's --help and errors exit: flush here, not at interpreter exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        return 141  # 128 + SIGPIPE
+
+
+def main(argv=None) -> int:
+    return run(_dispatch, argv)
+
+
+def _dispatch(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from zero_triton.tools.demo import main as demo
+        return demo(rest)
+    if command == "memory":
+        from zero_triton.memory.model import main as memory
+        return memory(rest)
+    if command == "bench":
+        from zero_triton.tools.bench import main as bench
+        return bench(rest)
+    if command == "profile":
+        from zero_triton.tools.profiling import main as profile
+        return profile(rest)
+    if command == "info":
+        return info(rest)
+    if command == "checkpoint":
+        from zero_triton.checkpoint import main as checkpoint
+        return checkpoint(rest)
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2

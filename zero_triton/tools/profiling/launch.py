@@ -1,0 +1,217 @@
+"""Run one function on every rank: spawned gloo/NCCL ranks, or the ranks torchrun started.
+
+``launch(fn, args, world_size, device_type, timeout_s)`` calls ``fn(args, rank,
+world_size, device)`` on every rank inside an initialised process group and returns
+the list of every rank's result, on rank 0 (None on the other ranks, which only exist
+under torchrun). Nothing hangs: the process group and the wait for the ranks have a
+timeout, and a rank that raises or dies is reported in one line (``RankFailure``).
+A spawned rank's stdout goes to stderr, so that the caller's stdout carries only what
+the caller prints (``--json``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from zero_triton.tools import outputs
+
+
+class RankFailure(RuntimeError):
+    """One line saying which rank failed and how."""
+
+
+class _RankAborted(RankFailure):
+    """A rank killed by SIGABRT: an abort inside torch or gloo, not a Python error."""
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _device(device_type: str, local_rank: int):
+    import torch
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _run_and_gather(fn, args, device):
+    """``fn`` on this rank, then every rank's result gathered on rank 0."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = fn(args, rank, world, device)
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return every if rank == 0 else None
+
+
+def _write_traceback(out_dir, rank: int) -> str:
+    """The full traceback in OUT/error_rank<r>.txt (the one-line error points there)."""
+    try:
+        path = Path(out_dir) / f"error_rank{rank}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with outputs.replacing(path, "w") as fh:
+            fh.write(traceback.format_exc())
+        return f" (traceback in {path})"
+    except OSError:
+        return ""
+
+
+def _spawned_rank(rank, world_size, port, fn, args, device_type, timeout_s, results):
+    import torch
+    import torch.distributed as dist
+    os.dup2(2, 1)  # this rank prints nothing on the caller's stdout
+    status = 1
+    try:
+        if device_type == "cpu":
+            torch.set_num_threads(1)  # ranks share the cores: one thread each
+        device = _device(device_type, rank)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            every = _run_and_gather(fn, args, device)
+            results.put((rank, "ok", every))
+            dist.barrier()  # nobody tears gloo down under a peer's last collective
+        finally:
+            dist.destroy_process_group()
+        status = 0
+    except BaseException as exc:  # report, never hang the parent
+        results.put((rank, "error", _one_line(exc) + _write_traceback(getattr(args, "out", "."), rank)))
+    # Leave without interpreter finalisation (gloo's threads can still hold tensors and
+    # abort the process there), once the queue has handed our result over.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+# What a rank says when a peer went away first: the peer's own message is the cause.
+_CONSEQUENCES = ("failed on rank", "Connection closed", "Connection reset", "Broken pipe")
+
+
+def _is_consequence(message: str) -> bool:
+    return any(text in message for text in _CONSEQUENCES)
+
+
+def _exit_text(code) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def spawn(fn, args, world_size: int, device_type: str, timeout_s: float,
+          run_timeout_s: float | None = None):
+    """``fn`` on ``world_size`` spawned ranks; rank 0's gathered list of results.
+    ``timeout_s`` bounds each collective's wait, ``run_timeout_s`` (default: the same)
+    the whole run beyond starting up.
+
+    A rank that dies of SIGABRT (seen once in five full test runs on 2 loaded cores, DDP
+    under torch.profiler on gloo, with no Python error) is run again once, saying so on
+    stderr; a second abort, any other death and any Python error are reported."""
+    try:
+        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s)
+    except _RankAborted as exc:
+        print(f"zero_triton: {exc}; running the ranks again once", file=sys.stderr, flush=True)
+    try:
+        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s)
+    except _RankAborted as exc:
+        raise RankFailure(f"{exc} (twice)") from None
+
+
+def _spawn_once(fn, args, world_size: int, device_type: str, timeout_s: float,
+                run_timeout_s: float | None):
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned_rank, daemon=True,
+                         args=(r, world_size, port, fn, args, device_type, timeout_s, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    reported, errors, gathered = set(), {}, None
+    # Starting (imports, a first-use build of the CPU kernels) counts against the limit too.
+    run_s = timeout_s if run_timeout_s is None else run_timeout_s
+    deadline = time.monotonic() + run_s + 60
+    try:
+        while len(reported) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0 and errors:  # the others stayed silent after a rank failed
+                break
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - reported)
+                raise RankFailure(f"rank(s) {missing} did not finish within {run_s:.0f} s; "
+                                  "raise --timeout for a larger run")
+            try:
+                rank, status, payload = results.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in reported and not p.is_alive() and p.exitcode != 0]
+                if dead and results.empty():
+                    r = dead[0]
+                    then = f"; rank {min(errors)} then: {errors[min(errors)][:160]}" if errors else ""
+                    aborted = procs[r].exitcode == -signal.SIGABRT
+                    raise (_RankAborted if aborted else RankFailure)(
+                        f"rank {r} died without a word ({_exit_text(procs[r].exitcode)}){then}")
+                continue
+            reported.add(rank)
+            if status == "ok":
+                if rank == 0:
+                    gathered = payload
+            else:
+                errors[rank] = payload
+                # The others fail within seconds once a peer is gone; give a rank that
+                # died outright the chance to show up as the cause.
+                deadline = min(deadline, time.monotonic() + 10)
+        if errors:
+            r = min(errors, key=lambda k: (_is_consequence(errors[k]), k))  # the cause first
+            raise RankFailure(f"rank {r} failed: {errors[r]}")
+        return gathered
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def from_torchrun(fn, args, device_type: str, timeout_s: float):
+    """``fn`` on this rank of a torchrun job; the gathered list on rank 0, else None."""
+    import torch.distributed as dist
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = _device(device_type, local_rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        every = _run_and_gather(fn, args, device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return every
