@@ -22,7 +22,7 @@ One job per module: ``files`` (checksummed I/O inside one directory), ``manifest
 (the schema, its seal and its validation), ``directory`` (the lock, the atomic swap,
 what may be deleted, where to read), ``protocol`` (the collective save and load, every
 phase agreed by all ranks), ``target`` (the optimizer, as a checkpoint sees it),
-``tools`` (consolidate, verify, inspect, the command line).
+``offline`` (consolidate, verify, inspect).
 """
 import sys
 
@@ -35,7 +35,7 @@ from zero_triton.checkpoint.files import (CHUNK_BYTES, EXTRA_FILE, MANIFEST,  # 
                                           MODEL_EXTRA_FILE, MODEL_FILE, rank_file)
 from zero_triton.checkpoint.manifest import FORMAT, STATES, VERSION  # noqa: E402
 from zero_triton.checkpoint.protocol import load, save  # noqa: E402
-from zero_triton.checkpoint.tools import consolidate, main, verify  # noqa: E402
+from zero_triton.checkpoint.offline import consolidate, main, verify  # noqa: E402
 
 __all__ = ["save", "load", "resolve", "consolidate", "verify", "main", "CheckpointError",
            "ModelMismatchError", "FORMAT", "VERSION", "MANIFEST", "MODEL_FILE",

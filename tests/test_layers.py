@@ -1,0 +1,164 @@
+"""The house's rules, read from the code's own imports (ast, nothing imported or run).
+
+- Layers import downwards only: tools -> checkpoint / integrations / memory -> optim ->
+  comm -> state -> native -> kernels (the package's face, ``zero_triton/__init__``, sits
+  just under tools: it imports the layers below and the tools import it).
+- No import circles between modules.
+- Outside ``optim/``, no module reads an optimizer's private attributes: what checkpoint,
+  overlap, clipping, memory and the tools need is published by the optimizer.
+
+``__main__.py`` files are programs (``python -m zero_triton``), imported by no module:
+they may start a tool.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "zero_triton"
+KERNELS = ROOT / "kernels"
+
+# From the bottom up; modules of one rank may import each other (circles aside).
+RANKS = {"kernels": 0, "native": 1, "state": 2, "comm": 3, "optim": 4,
+         "integrations": 5, "checkpoint": 5, "memory": 5, "": 6, "tools": 7}
+
+
+# Compiled modules: the native layer's, with no source to read.
+EXTENSIONS = {"zero_triton._C": "native"}
+
+
+def module_name(path: Path) -> str:
+    if path.is_relative_to(KERNELS):
+        parts = ("zero_triton", "kernels") + path.relative_to(KERNELS).with_suffix("").parts
+    else:
+        parts = ("zero_triton",) + path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    files = [p for p in sorted(PACKAGE.rglob("*.py")) + sorted(KERNELS.rglob("*.py"))
+             if p.name != "__main__.py"]
+    return {module_name(p): p for p in files}
+
+
+def layer(name: str) -> str:
+    if name in EXTENSIONS:
+        return EXTENSIONS[name]
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANKS else ""
+
+
+def imports(name: str, path: Path, known) -> set[str]:
+    """The package's modules that ``name`` imports (at any depth of its code). ``from P
+    import m`` of a submodule ``m`` is an import of ``m``; of any other name, of ``P``'s
+    face."""
+    found = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = name.split(".")
+                base = parts[:len(parts) - node.level + (1 if is_package else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and t.startswith("zero_triton"):
+                found.add(t)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    known = modules()
+    names = set(known) | set(EXTENSIONS)
+    return {n: imports(n, p, names) for n, p in known.items()}
+
+
+def test_every_import_runs_downwards(graph):
+    upward = [f"{a} ({layer(a) or 'face'}) imports {b} ({layer(b) or 'face'})"
+              for a, targets in graph.items() for b in sorted(targets)
+              if RANKS[layer(b)] > RANKS[layer(a)]]
+    assert not upward, "imports that run back up:\n" + "\n".join(upward)
+
+
+def test_no_import_circles(graph):
+    seen, stack, circles = set(), [], []
+
+    def visit(n):
+        if n in stack:
+            circles.append(stack[stack.index(n):] + [n])
+            return
+        if n in seen:
+            return
+        seen.add(n)
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            visit(m)
+        stack.pop()
+
+    for n in sorted(graph):
+        visit(n)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def optimizer_privates() -> set[str]:
+    """The private attributes and methods of the optimizer classes in ``optim/``."""
+    names = set()
+    for path in (PACKAGE / "optim").glob("*.py"):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(cls, ast.ClassDef) and cls.name in
+                    ("FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW")):
+                continue
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("_") \
+                        and not node.name.startswith("__"):
+                    names.add(node.name)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                        and node.value.id == "self" and node.attr.startswith("_") \
+                        and not node.attr.startswith("__"):
+                    names.add(node.attr)
+    return names
+
+
+def test_no_reaches_into_the_optimizers_privates():
+    privates = optimizer_privates()
+    assert {"_flats", "_comm", "_reducer"} <= privates  # the reading still sees them
+    reaches = []
+    for name, path in modules().items():
+        if layer(name) == "optim":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in privates and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in privates:
+                reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: "
+                               f"getattr(..., {node.args[1].value!r})")
+    assert not reaches, "reaches into an optimizer's privates:\n" + "\n".join(reaches)
+
+
+def test_the_rules_see_a_planted_violation(tmp_path, graph):
+    """The checks can fail: an upward import and a circle, planted in a copy of the graph."""
+    planted = {k: set(v) for k, v in graph.items()}
+    planted["zero_triton.native.backends"].add("zero_triton.tools.bench")
+    planted["zero_triton.tools.bench"].add("zero_triton.native.backends")
+    with pytest.raises(AssertionError, match="run back up"):
+        test_every_import_runs_downwards(planted)
+    with pytest.raises(AssertionError, match="circles"):
+        test_no_import_circles(planted)
