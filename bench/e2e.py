@@ -571,15 +571,15 @@ def _deepspeed_version():
 
 def metadata(args) -> dict:
     from zero_triton import __version__
-    from zero_triton.tools.bench import _cpu_model, _git_commit
+    from zero_triton.tools.machine import cpu_model, git_commit
     cfg = model_config(args)
     with torch.device("meta"):
         params = GPT(cfg).num_params()
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "zero_triton": __version__, "torch": torch.__version__,
-            "python": platform.python_version(), "git_commit": _git_commit()[0],
+            "python": platform.python_version(), "git_commit": git_commit()[0],
             "device": args.device, "device_name": (torch.cuda.get_device_name(0) if args.device == "cuda"
-                                                   else _cpu_model()),
+                                                   else cpu_model()),
             "dist_backend": "nccl" if args.device == "cuda" else "gloo",
             "threads_per_rank": 1 if args.device == "cpu" else None,
             "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "steps": args.steps,
@@ -747,5 +747,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from zero_triton.tools.cli import run
+    from zero_triton.tools.console import run
     sys.exit(run(main, sys.argv[1:]))

@@ -11,7 +11,7 @@ bench``), kept in the package so that an installed zero_triton can run it. Examp
 import sys
 
 from zero_triton.tools.bench import main
-from zero_triton.tools.cli import run
+from zero_triton.tools.console import run
 
 if __name__ == "__main__":
     sys.exit(run(main, sys.argv[1:]))

@@ -21,6 +21,7 @@ from dist_utils import run_ranks  # noqa: E402
 
 from zero_triton import FusedAdam, ZeroAdam, checkpoint  # noqa: E402
 from zero_triton.checkpoint import CheckpointError  # noqa: E402
+from zero_triton.tools.checkpoint import main as checkpoint_main  # noqa: E402
 
 N_STEPS, M_STEPS = 3, 4
 
@@ -153,12 +154,12 @@ def test_consolidate_and_inspect_cli(tmp_path, capsys):
     net, opt = make()
     synthetic_steps(opt, 0, 3)
     checkpoint.save(tmp_path / "ck", opt, net)
-    assert checkpoint.main(["inspect", str(tmp_path / "ck")]) == 0
+    assert checkpoint_main(["inspect", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
     assert "world size   1" in out and "step         3" in out and "all checksums ok" in out
     assert "b.weight" in out and "rank00000.bin" in out
     out_pt = tmp_path / "full.pt"
-    assert checkpoint.main(["consolidate", str(tmp_path / "ck"), str(out_pt)]) == 0
+    assert checkpoint_main(["consolidate", str(tmp_path / "ck"), str(out_pt)]) == 0
     sd = torch.load(out_pt, weights_only=True)
     model_sd = torch.load(tmp_path / "full.model.pt", weights_only=True)
     assert_state_equal({i: s for i, s in sd["state"].items()}, full_state(opt), "consolidated")
@@ -215,7 +216,7 @@ def test_bad_checkpoints_change_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="checksum mismatch in checkpoint file rank00000.bin"):
         checkpoint.load(ck, target, target_net)
     _assert_untouched(target_net, target, before, "corrupted shard")
-    assert checkpoint.main(["inspect", str(ck)]) == 1
+    assert checkpoint_main(["inspect", str(ck)]) == 1
 
     shard.write_bytes(good[:-8])
     with pytest.raises(CheckpointError, match="rank00000.bin .* is truncated"):
@@ -311,12 +312,12 @@ def test_consolidate_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     checkpoint.save(ck, opt, net)
 
     def fails(argv, message):
-        assert checkpoint.main([str(a) for a in argv]) == 1, argv
+        assert checkpoint_main([str(a) for a in argv]) == 1, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
 
     out = tmp_path / "new" / "dirs" / "adam.pt"  # missing parent directories are created
-    assert checkpoint.main(["consolidate", str(ck), str(out)]) == 0
+    assert checkpoint_main(["consolidate", str(ck), str(out)]) == 0
     assert out.exists() and (tmp_path / "new" / "dirs" / "adam.model.pt").exists()
     capsys.readouterr()
     fails(["consolidate", ck, tmp_path], "is a directory; pass a file path")

@@ -1,4 +1,4 @@
-"""Tests of the memory model, zero_triton/memory.py, against the seed lesson's table
+"""Tests of the memory model, zero_triton/memory/model.py, against the seed lesson's table
 and Figure 1 of the ZeRO paper (Rajbhandari et al.)."""
 
 import json
@@ -8,10 +8,10 @@ import pytest
 from zero_triton.memory.model import (
     format_table,
     formula_optimizer_bytes,
-    main,
     memory_table,
     stage_bytes,
 )
+from zero_triton.tools.memory import main
 
 
 def by_stage(rows):
@@ -124,7 +124,7 @@ def test_main_text_and_fp32(capsys):
 def test_params_parsing_is_exact():
     # 2**60 + 1 does not survive a float; the count must keep every digit.
     assert memory_table(2**60 + 1, 1)["params"] == 2**60 + 1
-    import zero_triton.memory.model as mem
+    import zero_triton.tools.memory as mem
     assert mem._param_count("1152921504606846977") == 2**60 + 1
     assert mem._param_count("7.5e9") == 7_500_000_000
     assert mem._param_count("175_000_000_000") == 175 * 10**9

@@ -378,7 +378,7 @@ def test_consolidate_refuses_an_output_inside_the_checkpoint(tmp_path, capsys):
     """``checkpoint consolidate CKPT OUT`` with OUT (or --model) inside CKPT would
     overwrite the only copy of the training state: refused, nothing written."""
     from zero_triton import checkpoint
-    from zero_triton.checkpoint import offline as tools
+    from zero_triton.tools import checkpoint as tools
     model = _mlp()
     opt = FusedAdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 1, torch.float32)

@@ -7,8 +7,12 @@ torch.distributed process group (ZeRO-1), averaged bucket by bucket during backw
 """
 from zero_triton.state.flat import FlatLayout, flatten_params, unflatten_into
 from zero_triton.optim.fused import FusedAdam, FusedAdamW
-from zero_triton.comm.prefetch import overlap
-from zero_triton.optim.zero import ZeroAdam, ZeroAdamW, ZeroGradScaler, ddp_local_grads_hook
+from zero_triton.optim.overlap import overlap
+from zero_triton.optim.zero import ZeroAdam, ZeroAdamW
+from zero_triton import integrations
+from zero_triton.integrations import ZeroGradScaler, ddp_local_grads_hook
+
+integrations.install()  # armed here, applied when the first ZeroAdam is built
 
 __version__ = "0.1.0"
 

@@ -35,9 +35,9 @@ from zero_triton.checkpoint.files import (CHUNK_BYTES, EXTRA_FILE, MANIFEST,  # 
                                           MODEL_EXTRA_FILE, MODEL_FILE, rank_file)
 from zero_triton.checkpoint.manifest import FORMAT, STATES, VERSION  # noqa: E402
 from zero_triton.checkpoint.protocol import load, save  # noqa: E402
-from zero_triton.checkpoint.offline import consolidate, main, verify  # noqa: E402
+from zero_triton.checkpoint.offline import consolidate, verify  # noqa: E402
 
-__all__ = ["save", "load", "resolve", "consolidate", "verify", "main", "CheckpointError",
+__all__ = ["save", "load", "resolve", "consolidate", "verify", "CheckpointError",
            "ModelMismatchError", "FORMAT", "VERSION", "MANIFEST", "MODEL_FILE",
            "MODEL_EXTRA_FILE", "EXTRA_FILE", "CHUNK_BYTES", "STATES", "rank_file"]
 
@@ -49,8 +49,3 @@ def resolve(path) -> tuple[str, dict]:
     directory, manifest = _resolve(path)
     directory.close()
     return directory.path, manifest
-
-
-if __name__ == "__main__":
-    from zero_triton.tools.cli import run
-    sys.exit(run(main))

@@ -1,6 +1,6 @@
 import sys
 
-from zero_triton.checkpoint import main
-from zero_triton.tools.cli import run
+from zero_triton.tools.checkpoint import main
+from zero_triton.tools.console import run
 
 sys.exit(run(main))

@@ -43,19 +43,19 @@ class Target:
     """One optimizer (FusedAdam or ZeroAdam), seen as a checkpoint sees it."""
 
     def __init__(self, optimizer, entry: str = "checkpoint.save"):
-        if not hasattr(optimizer, "_current_flats"):
+        if not hasattr(optimizer, "flat_shards"):
             raise TypeError(f"zero_triton.checkpoint saves and loads zero_triton optimizers "
                             f"(FusedAdam, FusedAdamW, ZeroAdam, ZeroAdamW), not "
                             f"{type(optimizer).__name__}; use torch.save(optimizer.state_dict())")
         self.optimizer = optimizer
-        self.comm = optimizer._comm
+        self.comm = optimizer.comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         optimizer.wait_params()  # all-gathers left in flight by overlap
         # Every rank is here (ZeroAdam), and the optimizer follows what the user changed:
         # parameters moved or written, opt.state edited.
-        optimizer._enter(entry)
-        self.flats = [flat for flats in optimizer._flats for flat in flats]
-        self.flat_groups = [gi for gi, flats in enumerate(optimizer._flats) for _ in flats]
+        shards = optimizer.flat_shards(reader=entry)
+        self.flats = [flat for _, flat in shards]
+        self.flat_groups = [gi for gi, _ in shards]
         for flat in self.flats:
             if flat.dtype == torch.float64 or any(p.is_complex() for p in flat.params):
                 raise TypeError(
@@ -158,11 +158,8 @@ class Target:
             elif flat.has_master:
                 for master, part in zip(flat.state.master_parts(), flat.param_parts):
                     part.copy_(master)
-        for flat in self.flats:  # the masters are the checkpoint's, not the parameters' writes
-            flat.versions.accept()
-        if self.world_size == 1:
-            for flat in self.flats:
-                self.optimizer._expose_state(flat)
+        # The masters are the checkpoint's, not the parameters' writes.
+        self.optimizer.shards_loaded(self.flats)
         if plan["model_extra"]:
             current = model.state_dict()
             for n, t in plan["model_extra"].items():

@@ -127,9 +127,9 @@ class ParamPrefetch:
     """The hooks that ``overlap`` puts on a model; ``remove()`` takes them off (then
     ``step()`` waits for its all-gathers again)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer):
-        reducer = optimizer._reducer
-        reducer.overlapped = True
+    def __init__(self, model: torch.nn.Module, reducer, on_remove=None):
+        """``reducer``: the buckets whose gathers the hooks wait; ``on_remove``: a weak
+        reference to what ``remove()`` calls first, with this handle (its owner's)."""
         ref = weakref.ref(reducer)
         self.handles = []
         self.reads: dict = {}  # module -> parameters its forward reads and does not own
@@ -149,42 +149,14 @@ class ParamPrefetch:
                 self.handles.append(m.register_state_dict_pre_hook(functools.partial(_wait_for_all, ref)))
                 self.handles.append(m.register_load_state_dict_pre_hook(
                     functools.partial(_wait_for_all, ref)))
-        self._optimizer = weakref.ref(optimizer)
+        self._on_remove = on_remove
         # A dropped optimizer must not leave hooks (holding nothing of it) on the model.
         weakref.finalize(reducer, _remove, self.handles)
         weakref.finalize(reducer, _remove, self.learning)
 
     def remove(self) -> None:
-        opt = self._optimizer()
-        if opt is not None:
-            opt.wait_params()
-            if opt._overlap is self:
-                opt._overlap = None
-                opt._reducer.overlapped = False
+        removed = self._on_remove() if self._on_remove is not None else None
+        if removed is not None:
+            removed(self)
         _remove(self.handles)
         _remove(self.learning)
-
-
-def overlap(model: torch.nn.Module, optimizer) -> ParamPrefetch:
-    """Overlap ``optimizer``'s parameter all-gathers with ``model``'s next forward.
-
-    ``optimizer`` is a ZeroAdam (any zero_triton optimizer is accepted; at world size 1
-    there is nothing to gather). ``model`` is the module whose parameters it trains (a
-    DistributedDataParallel or accelerate wrapper is fine). Returns a handle whose
-    ``remove()`` undoes it."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"zero_triton.overlap(model, optimizer): model must be a torch.nn.Module, "
-                        f"got {type(model).__name__}")
-    if not hasattr(optimizer, "_reducer"):
-        raise TypeError(f"zero_triton.overlap(model, optimizer): optimizer must be a zero_triton "
-                        f"optimizer (ZeroAdam, ZeroAdamW), got {type(optimizer).__name__}")
-    owned = {id(p) for p in model.parameters()}
-    trained = [p for g in optimizer.param_groups for p in g["params"]]
-    if trained and not any(id(p) in owned for p in trained):
-        raise ValueError("zero_triton.overlap(model, optimizer): none of the optimizer's parameters "
-                         "belongs to model; pass the model the optimizer was built from")
-    if optimizer._overlap is not None:
-        optimizer._overlap.remove()
-    prefetch = ParamPrefetch(model, optimizer)
-    optimizer._overlap = prefetch
-    return prefetch

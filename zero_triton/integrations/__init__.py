@@ -1,3 +1,26 @@
-"""Every patch of another library, in one place. Nothing here runs at import: ``install()``
-(called once by ``zero_triton/__init__``) arms them, and each is applied when the first
-ZeroAdam is built. See the README's "Patches of other libraries"."""
+"""Every patch of another library, in one place.
+
+- ``clip_grad``: ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.
+  clip_grad_norm_``) on a ZeroAdam's parameters clips by the global norm of the averaged
+  gradients; every other call goes to torch's function unchanged.
+- ``grad_scaler``: ``torch.amp.GradScaler._unscale_grads_`` and ``unscale_``: under
+  ZeroAdam every rank agrees on found_inf, and ZeRO-2's shards are unscaled.
+- ``ddp``: a DistributedDataParallel communication hook that communicates nothing (for
+  libraries that wrap the model in DDP anyway); nothing is patched.
+
+``install()``, called once by ``zero_triton/__init__``, arms the patches; each is applied
+when the first ZeroAdam is built (``zero_triton.optim.owners.when_built``): importing
+zero_triton, or using only FusedAdam, changes nothing of torch.
+"""
+from zero_triton.integrations import clip_grad, grad_scaler
+from zero_triton.integrations.ddp import ddp_local_grads_hook
+from zero_triton.integrations.grad_scaler import ZeroGradScaler
+from zero_triton.optim import owners
+
+
+def install() -> None:
+    owners.when_built(grad_scaler.install)
+    owners.when_built(clip_grad.install)
+
+
+__all__ = ["install", "ddp_local_grads_hook", "ZeroGradScaler"]

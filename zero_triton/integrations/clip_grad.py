@@ -14,36 +14,20 @@ are the gradients). A call that cannot be right is refused with the fix: a subse
 ZeroAdam's parameters (the other ranks' shards would need their own norm), or
 parameters of several optimizers at once.
 
-Which optimizer owns a parameter is kept in a weak map (parameter -> weak reference to
-its ZeroAdam): nothing is stored on the parameters (they must stay picklable), and
-neither side is kept alive by it.
+Which optimizer owns a parameter: ``zero_triton.optim.owners``. ``install`` runs when the
+first ZeroAdam is built (``zero_triton.integrations.install``).
 """
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-_OWNER = WeakIdKeyDictionary()  # parameter -> weakref.ref(ZeroAdam)
-
-
-def register(optimizer, params) -> None:
-    """``params`` (its trainable parameters) belong to ``optimizer`` from now on."""
-    ref = weakref.ref(optimizer)
-    for p in params:
-        _OWNER[p] = ref
-    _install()
+from zero_triton.optim.owners import owner as owner_of
 
 
-def _owner(p):
-    ref = _OWNER.get(p)
-    opt = ref() if ref is not None else None
-    return opt if opt is not None and opt._routes_clipping() else None
-
-
-def _install() -> None:
+def install() -> None:
+    """Route torch's ``clip_grad_norm_`` (both of its names) through ``_check_call``; once."""
     import torch.nn.utils.clip_grad as clip_grad
     original = clip_grad.clip_grad_norm_
     if getattr(original, "_zero_triton_routes", False):
@@ -55,7 +39,7 @@ def _install() -> None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         owners, unowned = {}, []
         for p in params:
-            opt = _owner(p)
+            opt = owner_of(p)
             if opt is not None:
                 owners[id(opt)] = opt
             else:
@@ -86,7 +70,7 @@ def _check_call(params, owners, unowned):
             "pass max_grad_norm= to each optimizer)")
     opt = next(iter(owners.values()))
     given = {id(p) for p in params}
-    missing = [p for _, flat in opt._all_flats() for p in flat.params
+    missing = [p for g in opt.param_groups for p in g["params"]
                if p.requires_grad and id(p) not in given]
     others = [p for p in unowned if p.grad is not None]
     if missing or others:

@@ -18,7 +18,7 @@ shard has the same size, and the rank that pays most is the one that runs out of
 memory. Activations, temporary buffers and fragmentation are not modelled. The
 measured counterpart is the optimizer's ``memory_report()``.
 
-CLI: ``python -m zero_triton memory --params 7.5e9 --world-size 64 [--json]``; ``--params``
+Its command line (``zero_triton.tools.memory``): ``python -m zero_triton memory --params 7.5e9 --world-size 64 [--json]``; ``--params``
 takes K/M/B/G/T suffixes too (7B = 7e9). ``--measure`` also builds that many parameters
 on ``--world-size`` gloo CPU ranks and prints ZeroAdam stage 1 and 2 measured beside the
 formula (``zero_triton.tools.memory``).
@@ -26,13 +26,8 @@ formula (``zero_triton.tools.memory``).
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from numbers import Integral
-from typing import Dict, List, Optional, Sequence
-
-from zero_triton.tools.units import parse_count, positive_number
+from typing import Dict, List
 
 __all__ = [
     "STAGES",
@@ -40,7 +35,6 @@ __all__ = [
     "memory_table",
     "format_table",
     "formula_optimizer_bytes",
-    "main",
 ]
 
 # stage -> (what is sharded, shard params?, shard grads?, shard optimizer state?)
@@ -52,7 +46,7 @@ STAGES = {
 }
 
 # master_dtype -> bytes per parameter of (params, grads, master, m + v)
-_PRECISIONS = {
+PRECISIONS = {
     "fp32": (2, 2, 4, 8),  # fp16/bf16 params and grads, fp32 master and moments
     "none": (4, 4, 0, 8),  # plain fp32 training: the parameters are the master
 }
@@ -118,11 +112,11 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32") -> Di
     Keys: ``params``, ``world_size``, ``master_dtype``, ``K`` (optimizer-state bytes
     per parameter), ``stages`` (the list from ``stage_bytes``).
     """
-    if master_dtype not in _PRECISIONS:
-        raise ValueError(f"master_dtype must be one of {sorted(_PRECISIONS)}, got "
+    if master_dtype not in PRECISIONS:
+        raise ValueError(f"master_dtype must be one of {sorted(PRECISIONS)}, got "
                          f"{master_dtype!r}; use 'fp32' for bf16/fp16 training with an "
                          f"fp32 master copy, 'none' for plain fp32 training")
-    pb, gb, mb, ob = _PRECISIONS[master_dtype]
+    pb, gb, mb, ob = PRECISIONS[master_dtype]
     stages = stage_bytes(params, world_size, param_bytes=pb, grad_bytes=gb,
                          master_bytes=mb, moment_bytes=ob)
     return {"params": int(params), "world_size": int(world_size),
@@ -158,75 +152,3 @@ def formula_optimizer_bytes(params: int, world_size: int, master: bool = True) -
     """
     table = memory_table(params, world_size, "fp32" if master else "none")
     return next(r["optimizer_bytes"] for r in table["stages"] if r["stage"] == "zero1")
-
-
-def _param_count(text: str) -> int:
-    """A parameter count > 0: 7500000000, 7.5e9, 7.5B (K/M/B/G/T = 1e3/1e6/1e9/1e9/1e12)."""
-    return parse_count(text, "7.5e9 or 7.5B")
-
-
-def _world_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass e.g. 8")
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"{value} ranks is not possible; pass the number of data-parallel ranks (>= 1)")
-    return value
-
-
-def build_parser(prog: str = "python -m zero_triton memory") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Bytes per rank of parameters, gradients and Adam state under DDP "
-                    "and ZeRO stages 1-3 (mixed precision: K = 12).")
-    parser.add_argument("--params", type=_param_count, required=True,
-                        help="number of parameters, e.g. 7.5e9 or 7B "
-                             "(K/M/B/G/T = 1e3/1e6/1e9/1e9/1e12)")
-    parser.add_argument("--world-size", type=_world_size, required=True,
-                        help="number of data-parallel ranks N")
-    parser.add_argument("--master-dtype", choices=sorted(_PRECISIONS), default="fp32",
-                        help="fp32: bf16/fp16 params + fp32 master (default); "
-                             "none: plain fp32 training")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object with a 'stages' list")
-    parser.add_argument("--measure", action="store_true",
-                        help="also measure ZeroAdam stage 1 and 2 on --world-size gloo CPU "
-                             "ranks with --params parameters (at most 4e8)")
-    parser.add_argument("--bucket-cap-mb", type=positive_number("number of MiB", "25"), default=25.0,
-                        help="ZeroAdam's bucket size for --measure (default 25)")
-    return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m zero_triton memory ...``: print the table (or JSON); returns 0.
-    Bad arguments exit through argparse with status 2 and a message naming the fix."""
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.measure:
-        from zero_triton.tools import memory as mm
-        if args.params > mm.MAX_PARAMS:
-            parser.error(f"--measure builds the parameters on this machine: --params "
-                         f"{args.params:,} is more than {mm.MAX_PARAMS:,}; pass e.g. 5e7")
-        if args.world_size > 16:
-            parser.error(f"--measure starts --world-size CPU processes: {args.world_size} is "
-                         "more than 16; pass e.g. 2 or 4")
-        if not args.bucket_cap_mb > 0:
-            parser.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
-    table = memory_table(args.params, args.world_size, args.master_dtype)
-    measured = None
-    if args.measure:
-        measured = mm.measure(args.params, args.world_size, args.master_dtype, args.bucket_cap_mb)
-    if args.json:
-        print(json.dumps({**table, **({"measured": mm.as_json(measured, table)} if measured else {})}))
-    else:
-        print(format_table(table))
-        if measured:
-            print("\n" + mm.format_measured(measured, table, args.bucket_cap_mb))
-    return 0
-
-
-if __name__ == "__main__":
-    from zero_triton.tools.cli import run
-    sys.exit(run(main))

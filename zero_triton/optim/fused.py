@@ -11,377 +11,26 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 
 import torch
 
-from zero_triton.optim import state_dict as adam_state
-from zero_triton.native import backends
 from zero_triton.comm import buckets
-from zero_triton.optim import differentiable as plain
-from zero_triton.comm import grads
-from zero_triton.state import watch
 from zero_triton.comm.group import LocalComm, phase
-from zero_triton.state.flat import as_param, flatten_params, real_dtype
-from zero_triton.state.shards import ShardState
+from zero_triton.native import backends
+from zero_triton.optim import differentiable as plain
+from zero_triton.optim import state_dict as adam_state
+from zero_triton.optim.edits import FollowsUserEdits
+from zero_triton.optim.checks import (check_drop_in_flags, check_flag, check_hyperparameters,
+                                      check_no_shared_memory, check_params_argument, to_float,
+                                      with_grads)
+from zero_triton.optim.shard import FLAT_DTYPES, FlatShard
+from zero_triton.state import watch
+from zero_triton.state.flat import real_dtype
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-# The dtypes of flat buffers; complex parameters live in their real dtype's buffer as
-# (real, imaginary) pairs (zero_triton.state.flat.real_dtype), float64 ones step in float64.
-_FLAT_DTYPES = (torch.float32,) + _LOW_PRECISION + (torch.float64,)
-_SUPPORTED = _FLAT_DTYPES + (torch.complex64, torch.complex128)
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay, foreach=None, capturable=False):
-    """torch.optim.Adam's checks, with its exception types and messages of our own."""
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}; pass a "
-                             "float or a 1-element tensor")
-        if foreach and not capturable:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and "
-                             "foreach=True (torch.optim.Adam's rule); drop foreach (FusedAdam "
-                             "ignores it) or pass capturable=True")
-    lr_value = lr.item() if isinstance(lr, torch.Tensor) else lr
-    if not isinstance(lr_value, (int, float)) or isinstance(lr_value, bool):
-        raise ValueError(f"lr must be a float or a 1-element tensor, got {lr!r}; to change it "
-                         "during training set optimizer.param_groups[i]['lr']")
-    if not 0.0 <= lr_value:
-        raise ValueError(f"Invalid learning rate: {lr_value}; lr must be >= 0")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps!r}; eps must be a float >= 0 (1e-8 is usual)")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r}; give two values, e.g. (0.9, 0.999)")
-    tensors = [isinstance(b, torch.Tensor) for b in betas]
-    if any(tensors) and not all(tensors):
-        raise ValueError(f"betas must be either both floats or both Tensors, got "
-                         f"{tuple(type(b).__name__ for b in betas)}")
-    for i, beta in enumerate(betas):
-        if isinstance(beta, torch.Tensor):
-            if foreach and not capturable:
-                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
-                                 "and foreach=True (torch.optim.Adam's rule); drop foreach")
-            if beta.numel() != 1:
-                raise ValueError(f"Tensor betas[{i}] must be 1-element, got shape {tuple(beta.shape)}")
-            beta = beta.item()
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {beta!r}; both betas must lie "
-                             "in [0, 1), e.g. (0.9, 0.999)")
-    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay!r}; it must be a float >= 0")
+_SUPPORTED = FLAT_DTYPES + (torch.complex64, torch.complex128)
 
 
-def _check_drop_in_flags(foreach, fused, capturable, differentiable):
-    """torch.optim.Adam's implementation switches: accepted for drop-in use (the step is
-    always one fused kernel that reads lr and step on the device, i.e. capturable);
-    combinations torch refuses are refused with torch's exception type."""
-    if fused and foreach:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together (torch.optim.Adam's "
-                           "rule); FusedAdam is always fused: drop both")
-    if fused and differentiable:
-        raise RuntimeError("`fused` does not support `differentiable` (torch.optim.Adam's rule); "
-                           "drop fused=True: with differentiable=True the step is torch's "
-                           "differentiable one")
-
-
-def _check_no_shared_memory(existing, params) -> None:
-    """Refuse a parameter whose memory overlaps another's (``nn.Parameter(w[:2])`` of a
-    parameter ``w``): re-homing gives each its own place in a flat buffer, which would
-    silently undo the sharing that the model relies on."""
-    spans = []
-    for where, group in (("an earlier param group's", existing), ("the group's", params)):
-        for i, p in enumerate(group):
-            if p.numel() == 0 or p.device.type == "meta":
-                continue
-            start = p.data_ptr()
-            spans.append((p.untyped_storage().data_ptr(), start,
-                          start + p.numel() * p.element_size(), f"{where} parameter {i} {tuple(p.shape)}"))
-    spans.sort()
-    for a, b in zip(spans, spans[1:]):
-        if a[0] == b[0] and b[1] < a[2]:
-            raise ValueError(
-                f"{b[3]} shares memory with {a[3]}; FusedAdam gives every parameter its own "
-                "place in a flat buffer, which would break that sharing. Make one parameter "
-                "and derive the other from it in forward (tied weights: the same Parameter "
-                "object in both modules is fine)")
-
-
-def check_params_argument(params, who: str) -> None:
-    """Refuse what is not an iterable of parameters (or of param-group dicts) with the fix,
-    before anything is built."""
-    if isinstance(params, torch.nn.Module):
-        raise TypeError(f"{who}(model): pass model.parameters() (or param-group dicts), not the "
-                        f"{type(params).__name__} module itself")
-    if isinstance(params, torch.Tensor):
-        return  # torch.optim.Optimizer refuses it with its own message
-    if params is None or isinstance(params, (str, bytes, int, float, dict)) or not hasattr(params, "__iter__"):
-        raise TypeError(f"{who}: params must be an iterable of tensors or of param-group dicts "
-                        f"(e.g. model.parameters()), got {type(params).__name__}")
-
-
-def _check_flag(name: str, value) -> None:
-    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
-def _to_float(x):
-    return float(x.item()) if isinstance(x, torch.Tensor) else x
-
-
-def _with_grads(params):
-    """(params with every group's parameters listed, [(tensor, its .grad)]). Generators
-    are consumed here, so the lists are what torch.optim.Optimizer gets."""
-    if isinstance(params, torch.Tensor):
-        return params, []  # torch.optim.Optimizer refuses it with its own message
-    params = list(params)
-    tensors = []
-    for i, item in enumerate(params):
-        if isinstance(item, dict):
-            members = item["params"]
-            members = [members] if isinstance(members, torch.Tensor) else list(members)
-            params[i] = {**item, "params": members}
-        else:
-            members = [item]
-        for m in members:
-            t = m[1] if isinstance(m, tuple) else m
-            if isinstance(t, torch.Tensor) and t.is_leaf:
-                tensors.append((t, t.grad))
-    return params, tensors
-
-
-def _remove_all(handles: list) -> None:
-    """Remove hook handles (in place: a finalizer holds the same list)."""
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
-class FlatShard:
-    """One flat buffer (a param group's parameters of one dtype and device), its
-    gradients (``grad_buffer``: ZeRO-1's full local buffer or ZeRO-2's hand-over to the
-    buckets, ``zero_triton.comm.grads``), its buckets (``zero_triton.comm.buckets``), the
-    optimizer state of this rank's shard of every bucket (``state``,
-    ``zero_triton.state.shards``) and the kernel that steps it.
-
-    Which parameters have a gradient at ``step`` follows torch.optim.Adam's rule (a
-    parameter whose ``.grad`` is None is not stepped; ``zero_triton.comm.grads`` says how it
-    is told). Parameters that were not stepped keep their state, step count included.
-    """
-
-    def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
-                 bucket_numel=None, key=0, reducer=None, stage=1):
-        self.params = params
-        self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
-        self.comm = comm
-        self.reduce_dtype = reduce_dtype
-        self.bucket_numel, self.key, self.reducer, self.stage = bucket_numel, key, reducer, stage
-        self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
-                                                      bucket_numel=bucket_numel)
-        self.param_views = [p.detach() for p in params]  # where each parameter lives now
-        if stage == 1:  # the local gradients, .grad views of one buffer (zero_triton.comm.grads)
-            self.grad_buffer = grads.LocalGrads(params, self.layout, self.flat_param)
-        # This rank's shard: one segment (buffer lo, hi, state offset) per bucket.
-        self.segments = self.layout.shard_segments(comm.rank)
-        n = self.layout.shard_numel
-        self.param_parts = [self.flat_param[lo:hi] for lo, hi, _ in self.segments]
-        # The averaged gradients of the shard, in reduce_dtype (bf16 grads averaged in
-        # fp32); at world size 1 without a wider dtype, the gradients themselves.
-        wide = reduce_dtype is not None and reduce_dtype != self.dtype
-        if comm.world_size > 1 or wide or stage == 2:
-            self.grad_shard = torch.zeros(n, dtype=reduce_dtype if wide else self.dtype, device=self.device)
-        else:
-            self.grad_shard = self.flat_grad
-        local = self.grad_buffer if stage == 1 else None
-        self.buckets = [buckets.Bucket((key, k), g, local, self.grad_shard, self.flat_param, comm.rank,
-                                       zip(params[g.first:g.end], self.param_views[g.first:g.end]))
-                        for k, g in enumerate(self.layout.buckets)]
-        if stage == 2:  # no gradient buffer: backward's hooks hand .grad to the buckets
-            self.grad_buffer = grads.ShardedGrads(params, self.layout, reducer, self.buckets)
-        self.hooks = self.grad_buffer.register_hooks(self.buckets, reducer)
-        # The hooks live on the parameters, which outlive an optimizer that is dropped
-        # (a sweep building one per trial): take them off when this buffer goes away.
-        weakref.finalize(self, _remove_all, self.hooks)
-        self.has_master = self.dtype in _LOW_PRECISION
-        if self.has_master and not master_weights:
-            self.remove_hooks()
-            raise ValueError(
-                f"master_weights=False with {self.dtype} parameters is not supported: Adam "
-                "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
-                "for fp16/bf16 parameters) or train the parameters in float32")
-        self.state = ShardState(self.param_parts, self.segments, self.layout,
-                                has_master=self.has_master, amsgrad=amsgrad)
-        # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
-        self.versions = watch.ParamVersions(params)
-        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
-        if self.dtype == torch.float64 or self.device.type == "meta":
-            # The kernels step float32 state: torch's ops step float64. Parameters on the
-            # meta device are never stepped (step refuses them until they are materialised).
-            self.backend = "torch"
-        else:
-            self.backend = backends.resolve(backend, self.device)
-        self.step_fn = backends.step_function(self.backend)
-        self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.device) \
-            if self.backend == "torch" else None
-        self.fused = self.device.type == "cuda"
-        # Host list: which parameters are stepped this step (None: all of them).
-        self.stepped = None
-        self.exposed_steps = None  # the state.steps optimizer.state[p]["step"] views (world size 1)
-
-    def remove_hooks(self):
-        _remove_all(self.hooks)
-
-    def state_views(self) -> dict:
-        """Per-parameter views of each state buffer, shaped as the parameters (complex
-        for a complex parameter, as torch.optim.Adam keeps its moments)."""
-        return {k: [as_param(v, p) for v, p in zip(views, self.params)]
-                for k, views in self.state.views().items()}
-
-    # -- the gradients (zero_triton.comm.grads) ------------------------------------------------
-    @property
-    def flat_grad(self):
-        """The local gradients (ZeRO-1 / FusedAdam), None under ZeRO-2."""
-        return self.grad_buffer.flat
-
-    # -- the parameters moved behind our back ------------------------------------------
-    def first_moved(self, hint: bool = False) -> int:
-        """Index of the first parameter whose storage is no longer its place in the flat
-        buffer (``model.to(...)`` after construction), or -1 (``grads``: with the
-        extension, the same C loop finds the first foreign ``.grad``)."""
-        return self.grad_buffer.first_moved(self.param_views, self.dtype, self.device, hint)
-
-    def rehomed(self, *, master_weights, backend) -> "FlatShard":
-        """A new FlatShard over the same parameters at their new dtype and device, with
-        this one's state carried over (moved to the new device): training continues as
-        with an optimizer built after the move."""
-        kinds = {(real_dtype(p.dtype), p.device) for p in self.params}
-        if len(kinds) != 1:
-            found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
-            raise RuntimeError(
-                "zero_triton: parameters that share a flat buffer were moved to different "
-                f"dtypes or devices ({found}) after the optimizer was built; move the whole "
-                "model at once (model.to(device, dtype)) or build the optimizer after moving it")
-        dtype, device = kinds.pop()
-        if dtype not in _FLAT_DTYPES:
-            raise RuntimeError(f"zero_triton: parameters were cast to {dtype} after the optimizer "
-                               "was built; FusedAdam steps float32, float16, bfloat16, float64 "
-                               "and complex parameters")
-        if device.type == "meta":
-            raise RuntimeError("zero_triton: parameters were moved to the meta device after the "
-                               "optimizer was built; materialise them (model.to_empty + init) "
-                               "and build the optimizer afterwards")
-        self.remove_hooks()
-        if self.reducer is not None:
-            self.reducer.wait_all()
-        new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
-                        amsgrad=self.state.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
-                        bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer,
-                        stage=self.stage)
-        if self.device.type == "meta":  # materialised (model.to_empty): nothing to carry over
-            return new
-        with torch.no_grad():
-            # The new buffer copied every .grad in (Module.to converts them all, views
-            # included); which parameters have a gradient is still the old answer.
-            new.grad_buffer.carry_over(self.grad_buffer)
-            new.state.carry_over(self.state)
-            # A parameter whose .data was replaced by other values (p.data = pretrained)
-            # starts from them; one that was only moved keeps its exact master.
-            new.reseed([i for i in self.versions.written()] + [
-                i for i, (p, old) in enumerate(zip(self.params, self.param_views))
-                if p.dtype == old.dtype and not torch.equal(p.detach().to(old.device), old)])
-        return new
-
-    @torch.no_grad()
-    def reseed(self, indices) -> None:
-        """The user wrote parameters ``indices`` (their version moved, or their .data was
-        replaced): seed this rank's part of their fp32 master again from them where they
-        differ from it, so the next step starts from what the user wrote (fp32
-        parameters are their own master). An element written with the value it had
-        (DDP's broadcast, an EMA swapped back, the same weights loaded) keeps its master's
-        extra precision."""
-        if not indices:
-            return
-        wanted = set(indices)
-        if self.has_master:
-            master, layout = self.state.master, self.layout
-            for part, (lo, hi, s0) in zip(self.param_parts, self.segments):
-                for i, a, b in layout.ranges_in(lo, hi):
-                    if i in wanted:
-                        x = layout.offsets[i] + a - lo
-                        m, p = master[s0 + x:s0 + x + b - a], part[x:x + b - a]
-                        m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
-        self.versions.accept(wanted)
-
-    def sync_grads(self):
-        """Decide which parameters have a gradient at this step (``self.stepped``: None
-        when all do): torch's rule, ``.grad`` not None (``zero_triton.comm.grads``)."""
-        self.stepped = self.grad_buffer.sync(self.param_views)
-
-    def zero_grads(self, set_to_none: bool = True):
-        """``zero_grad``, as torch.optim.Optimizer's."""
-        self.grad_buffer.zero(set_to_none)
-        self.stepped = None
-
-    def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
-        """Count this step and return the kernel's arguments for ``update_bucket``."""
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            self.lr.copy_(lr)
-        else:
-            self.lr.fill_(lr)
-        if found_inf is not None:
-            found_inf = found_inf.to(self.device, torch.float32, non_blocking=True)
-        if grad_scale is not None:
-            grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
-        beta1, beta2 = group["betas"]
-        kwargs = dict(beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
-                      amsgrad=group["amsgrad"], maximize=group["maximize"],
-                      grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
-        runs = self.state.count(self.stepped, found_inf)
-        return {"kwargs": kwargs, "runs": runs, "amsgrad": group["amsgrad"]}
-
-    def update_bucket(self, k: int, plan: dict) -> None:
-        """The fused kernel over this rank's shard of bucket ``k``."""
-        lo, hi, s0 = self.segments[k]
-        runs = [(lo, hi, None)] if plan["runs"] is None else plan["runs"][k]
-        for start, end, i in runs:
-            self._launch(k, start - lo, end - lo, s0, i, plan)
-
-    def _launch(self, k, a, b, s0, i, plan) -> None:
-        """One kernel launch over elements [a, b) of segment ``k`` (state offset ``s0``)."""
-        kwargs = plan["kwargs"]
-        if self.backend == "torch":
-            kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
-        st = self.state
-        param = self.param_parts[k][a:b]
-        master = st.master[s0 + a:s0 + b] if st.master is not None else param
-        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], st.exp_avg[s0 + a:s0 + b],
-                     st.exp_avg_sq[s0 + a:s0 + b],
-                     st.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
-                     param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
-
-    def gather_bucket(self, k: int) -> None:
-        """Start gathering every rank's updated shard of bucket ``k``."""
-        b = self.buckets[k]
-        b.gather = self.comm.all_gather(b.param_full, b.param_shard, async_op=True,
-                                        name=b.name("all_gather"))
-        if self.reducer is not None and self.reducer.overlapped:  # it outlives step(): watch writes
-            b.versions = [p._version for p, _ in b.members]
-
-    def nbytes(self) -> dict:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-        elem = self.flat_param.element_size()
-        return {
-            "params": size(self.flat_param),
-            "grads": self.grad_buffer.nbytes() + (size(self.grad_shard) if self.grad_shard is not self.flat_grad else 0),
-            **self.state.nbytes(),
-            "padding": self.layout.padding * elem * 2,
-            "scratch": size(self.scratch),
-        }
-
-
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
     """Adam with torch.optim.Adam's signature and semantics, one fused kernel per flat
     buffer.
 
@@ -419,18 +68,18 @@ class FusedAdam(torch.optim.Optimizer):
         process group's) with gradients averaged in ``reduce_dtype`` (None: their own),
         in buckets of ``bucket_cap_mb`` MiB of gradients (None: one per flat buffer)."""
         # torch.optim.Adam's order: the hyperparameters, then the parameters.
-        _check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
-        _check_drop_in_flags(foreach, fused, capturable, differentiable)
+        check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
+        check_drop_in_flags(foreach, fused, capturable, differentiable)
         check_params_argument(params, type(self).__name__)
-        _check_flag("amsgrad", amsgrad)
-        _check_flag("maximize", maximize)
+        check_flag("amsgrad", amsgrad)
+        check_flag("maximize", maximize)
         if master_weights is not None:
-            _check_flag("master_weights", master_weights)
+            check_flag("master_weights", master_weights)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
                                           not isinstance(max_grad_norm, (int, float)) or
                                           not max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a float > 0 or None, got {max_grad_norm!r}")
-        _check_flag("differentiable", differentiable)
+        check_flag("differentiable", differentiable)
         if differentiable and not isinstance(comm, LocalComm):
             raise ValueError(f"{type(self).__name__}(differentiable=True) is not supported: autograd "
                              "through a sharded step would need every rank's graph; use "
@@ -439,7 +88,7 @@ class FusedAdam(torch.optim.Optimizer):
         # single-tensor step (zero_triton.optim.differentiable); no flat buffers.
         self._differentiable = bool(differentiable)
         if not self._differentiable:
-            betas = tuple(_to_float(b) for b in betas)
+            betas = tuple(to_float(b) for b in betas)
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_norm = None
         self._frozen = []  # (group index, parameter) left out at construction
@@ -473,7 +122,7 @@ class FusedAdam(torch.optim.Optimizer):
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
         # leaves the parameters as it found them.
-        params, grads_before = _with_grads(params)
+        params, grads_before = with_grads(params)
         try:
             super().__init__(params, defaults)
         except BaseException:
@@ -486,7 +135,7 @@ class FusedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         if self._differentiable:
             group = {**self.defaults, **param_group}
-            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             torch.optim.Optimizer.add_param_group(self, param_group)
             return
         if "_tracked" not in self.__dict__:  # construction: torch.optim.Optimizer's empty state
@@ -520,10 +169,10 @@ class FusedAdam(torch.optim.Optimizer):
             params = [params[i] for i in keep]
         group = {**self.defaults, **param_group}
         betas = group["betas"]
-        _check_hyperparameters(group["lr"], betas, group["eps"], group["weight_decay"],
+        check_hyperparameters(group["lr"], betas, group["eps"], group["weight_decay"],
                                group.get("foreach"), group.get("capturable", False))
         if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
-            param_group = {**param_group, "betas": tuple(_to_float(b) for b in betas)}
+            param_group = {**param_group, "betas": tuple(to_float(b) for b in betas)}
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         devices = {p.device for p in params if isinstance(p, torch.Tensor)}
         if len(devices) > 1:
@@ -549,7 +198,7 @@ class FusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"parameter {i} ({tuple(p.shape)}) is on the meta device: it has "
                                  "no data to shard; materialise the model first (model.to_empty("
                                  "device=...) and initialise it), then build ZeroAdam")
-        _check_no_shared_memory([q for g in self.param_groups for q in g["params"]], params)
+        check_no_shared_memory([q for g in self.param_groups for q in g["params"]], params)
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
         trainable = [p for p in params if p.requires_grad]
@@ -559,7 +208,7 @@ class FusedAdam(torch.optim.Optimizer):
         key = sum(len(f) for f in self._flats)
         reducer = self._reducer if self._comm.world_size > 1 or self._stage == 2 else None
         try:
-            for dtype in _FLAT_DTYPES:
+            for dtype in FLAT_DTYPES:
                 members = [p for p in trainable if real_dtype(p.dtype) == dtype]
                 if members:
                     flats.append(FlatShard(members, self._comm, master_weights=self._master_weights,
@@ -586,41 +235,6 @@ class FusedAdam(torch.optim.Optimizer):
             return None
         return max(1, int(self._bucket_cap_mb * 2**20) // dtype.itemsize)
 
-    def _expose_state(self, flat: FlatShard):
-        """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
-        views, table = flat.state_views(), self._tracked
-        for i, p in enumerate(flat.params):
-            # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.
-            entry = {"step": flat.state.step_of(i).view(()), **{k: v[i] for k, v in views.items()}}
-            old = dict.get(table, p)
-            if old and len(old) > len(entry):  # keys a user or a wrapper added stay
-                entry.update({k: v for k, v in old.items() if k not in adam_state.OWN_KEYS})
-            table.set_entry(p, entry)
-        flat.exposed_steps = flat.state.steps
-
-    def _set_extras(self, others: dict, per_param: dict) -> None:
-        """``opt.state`` anew: our entries (world size 1), each parameter's extra keys
-        and the entries that are not parameters (``zero_triton.optim.state_dict.extras``)."""
-        table = self._tracked
-        self.state = table
-        dict.clear(table)
-        flats = [flat for _, flat in self._all_flats()]
-        if self._comm.world_size == 1:
-            for flat in flats:
-                self._expose_state(flat)
-        for flat in flats:
-            for p in flat.params:
-                extra = per_param.get(id(p))
-                if extra:
-                    entry = dict.get(table, p)
-                    if entry is None:
-                        table.set_entry(p, extra)
-                    else:
-                        dict.update(entry, extra)
-        for key, value in others.items():
-            dict.__setitem__(table, key, value)
-        table.edited = table.removed = False
-
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
             for flat in flats:
@@ -644,6 +258,51 @@ class FusedAdam(torch.optim.Optimizer):
             self._reducer.rebuild([f for _, f in self._all_flats()])
         return list(self._all_flats())
 
+    # -- what the layers above read (checkpoint, overlap, clipping, memory, the tools) ----
+    @property
+    def comm(self):
+        """The communicator: ``rank``, ``world_size``, ``group`` (one rank: no group)."""
+        return self._comm
+
+    @property
+    def stage(self) -> int:
+        """1: each rank keeps its local gradients until the step; 2: backward hands them
+        over bucket by bucket and keeps only the rank's shard of the average."""
+        return self._stage
+
+    @property
+    def backend(self) -> str | None:
+        """The backend that steps the first flat buffer (None without flat buffers:
+        ``differentiable=True``)."""
+        return next((flat.backend for _, flat in self._all_flats()), None)
+
+    def flat_shards(self, reader: str | None = None) -> list:
+        """(group index, FlatShard) of every flat buffer, in order. With ``reader`` (the
+        name of a call that reads the state, e.g. "checkpoint.save"), first follow what the
+        user changed since the last such call (parameters moved or written, ``opt.state``
+        edited), agreed by every rank under ZeRO: a collective there."""
+        if reader is not None:
+            self._enter(reader)
+        return [(gi, flat) for gi, flats in enumerate(self._flats) for flat in flats]
+
+    def shards_loaded(self, flats) -> None:
+        """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``flats``
+        and the parameters from them: the parameters' writes are ours, and ``opt.state``
+        views the new state (one rank)."""
+        for flat in flats:
+            flat.versions.accept()
+        if self._comm.world_size == 1:
+            for flat in flats:
+                self._expose_state(flat)
+
+    def _overlap_removed(self, prefetch) -> None:
+        """``prefetch.remove()`` (``zero_triton.overlap``'s handle): ``step`` waits for its
+        all-gathers again."""
+        self.wait_params()
+        if self._overlap is prefetch:
+            self._overlap = None
+            self._reducer.overlapped = False
+
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers still in flight. Only needed with
         ``zero_triton.overlap(model, optimizer)``, where ``step`` returns before the
@@ -651,118 +310,6 @@ class FusedAdam(torch.optim.Optimizer):
         before reading parameters outside the model's forward. The optimizer's own state
         dicts, checkpoints and ``step`` call it themselves."""
         self._reducer.wait_gathers()
-
-    # -- the user's edits (zero_triton.state.watch) -----------------------------------------
-    def _enter(self, entry: str, flats=None, stale: bool = False) -> bool:
-        """Start a call that reads the state (``step``, the state dicts, clipping,
-        checkpoints): follow what the user changed since the last one — param groups
-        edited by hand (refused), ``opt.state`` edited (followed), parameters written
-        (their master re-seeded). Returns whether gradients must be averaged again
-        (``stale``: they changed after their bucket was averaged). ZeroAdam first agrees
-        on all of it with every rank (``zero_triton.comm.agreement``)."""
-        flats = flats if flats is not None else self._current_flats()
-        self._check_groups()
-        self._follow_state_edits(flats)
-        self._reseed_written(flats)
-        return stale
-
-    def _check_groups(self) -> None:
-        """Refuse parameters added to or removed from ``param_groups`` by hand: the
-        optimizer has flat buffers and state for the ones it was given."""
-        sizes, groups = self._group_sizes, self.param_groups
-        if len(groups) >= len(sizes) and all(
-                len(g["params"]) == n for g, n in zip(groups, sizes)):
-            if len(groups) == len(sizes):
-                return
-            # Groups repeated (``param_groups.extend(param_groups)``): the state dict
-            # numbers their parameters as torch does; each parameter still steps once.
-            known = {id(p) for g in groups[:len(sizes)] for p in g["params"]}
-            if all(id(p) in known for g in groups[len(sizes):] for p in g["params"]):
-                return
-        raise RuntimeError(
-            f"{type(self).__name__}: param_groups were edited by hand (now "
-            f"{[len(g['params']) for g in self.param_groups]} parameters per group, built with "
-            f"{sizes}); the optimizer keeps flat buffers and state for the parameters it was "
-            "given and would not train the others. Add parameters with "
-            "optimizer.add_param_group({'params': [...]}) (ZeroAdam: on every rank), or build a "
-            "new optimizer. Nothing was changed")
-
-    def _state_edited(self) -> bool:
-        return self.state is not self._tracked or self._tracked.edited
-
-    def _follow_state_edits(self, flats) -> None:
-        """``opt.state`` is what the next step reads, as in torch.optim.Adam: a tensor
-        assigned to a parameter's entry is copied into the flat state, a ``step``
-        assigned becomes that parameter's count, and a parameter without an entry (after
-        ``state.clear()``, ``del state[p]`` or ``opt.state = defaultdict(dict)``) starts
-        over: zero moments, step 0, master from the parameter. Everything is checked
-        before anything changes."""
-        if not self._state_edited():
-            return
-        user = self.state
-        plans = [(flat, self._plan_state(flat, user)) for _, flat in flats]
-        for flat, (copies, steps, reseed) in plans:
-            with torch.no_grad():
-                for target, value in copies:
-                    target.copy_(value)
-            if steps is not None:
-                flat.state.set_param_steps(steps)
-            flat.reseed(reseed)
-        self._restore_state_table()
-
-    def _restore_state_table(self) -> None:
-        user = self.state if isinstance(self.state, dict) else {}
-        self._set_extras(*adam_state.extras(user, [p for _, f in self._all_flats() for p in f.params]))
-
-    @staticmethod
-    def _plan_state(flat, user):
-        """(copies, new step counts or None, parameters to re-seed) for one flat buffer
-        from the user's ``opt.state``; raises on entries it cannot take."""
-        views, counts = flat.state_views(), flat.state.param_steps()
-        copies, reseed, steps_changed = [], [], False
-        for i, p in enumerate(flat.params):
-            entry = dict.get(user, p) if isinstance(user, dict) else None
-            if not entry:  # no state: torch.optim.Adam starts this parameter over
-                copies.extend((v[i], torch.zeros((), dtype=v[i].dtype)) for k, v in views.items()
-                              if k != "master_param")
-                reseed.append(i)
-                counts[i], steps_changed = 0.0, True
-                continue
-            for key, v in views.items():
-                given = entry.get(key)
-                if given is None:
-                    if key == "master_param":  # torch's own format: the master is the parameter
-                        reseed.append(i)
-                    elif key == "max_exp_avg_sq":
-                        copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
-                    else:
-                        raise ValueError(
-                            f"optimizer.state[p] of parameter {i} {tuple(p.shape)} has no "
-                            f"'{key}'; assign a tensor of the parameter's shape, or delete the "
-                            "whole entry (del optimizer.state[p]) to start it over")
-                    continue
-                if not isinstance(given, torch.Tensor) or given.numel() != v[i].numel():
-                    raise ValueError(
-                        f"optimizer.state[p]['{key}'] of parameter {i} {tuple(p.shape)} must be "
-                        f"a tensor of {v[i].numel()} elements, got "
-                        f"{tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
-                if given.data_ptr() != v[i].data_ptr() or given.device != v[i].device:
-                    copies.append((v[i], given.detach().reshape(v[i].shape)))
-            s = entry.get("step")
-            mine = flat.state.step_of(i)
-            if isinstance(s, torch.Tensor) and s.data_ptr() == mine.data_ptr():
-                continue
-            value = float(s) if isinstance(s, (int, float, torch.Tensor)) and (
-                not isinstance(s, torch.Tensor) or s.numel() == 1) else None
-            if value is None or not math.isfinite(value) or value < 0:
-                raise ValueError(f"optimizer.state[p]['step'] of parameter {i} {tuple(p.shape)} "
-                                 f"must be a count >= 0 (a number or 1-element tensor), got {s!r}")
-            counts[i], steps_changed = value, True
-        return copies, counts if steps_changed else None, reseed
-
-    def _reseed_written(self, flats) -> None:
-        for _, flat in flats:
-            flat.reseed(flat.versions.written())
 
     # -- the step -------------------------------------------------------------------
     @torch._disable_dynamo  # eager under torch.compile, as torch.optim.Optimizer's
@@ -809,7 +356,7 @@ class FusedAdam(torch.optim.Optimizer):
                 self._reducer.finish(buffers, again)
         self._grads_reduced = True
 
-    def _grads_rescaled(self) -> None:
+    def grads_rescaled(self) -> None:
         """GradScaler.unscale_ has rescaled the local gradients in place, without bumping
         their version counter: the averages that buckets started from them during
         backward are stale, and so is any average already taken (zero_triton.optim.zero makes

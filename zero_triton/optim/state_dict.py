@@ -299,3 +299,49 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
                 if p.is_complex():
                     entry.update({k: torch.view_as_complex(entry[k]) for k in bufs})
     return {"state": state, "param_groups": groups} if me else None
+
+
+def plan_user_state(flat, user):
+    """(copies, new step counts or None, parameters to re-seed) for one flat buffer
+    from the user's ``opt.state``; raises on entries it cannot take."""
+    views, counts = flat.state_views(), flat.state.param_steps()
+    copies, reseed, steps_changed = [], [], False
+    for i, p in enumerate(flat.params):
+        entry = dict.get(user, p) if isinstance(user, dict) else None
+        if not entry:  # no state: torch.optim.Adam starts this parameter over
+            copies.extend((v[i], torch.zeros((), dtype=v[i].dtype)) for k, v in views.items()
+                          if k != "master_param")
+            reseed.append(i)
+            counts[i], steps_changed = 0.0, True
+            continue
+        for key, v in views.items():
+            given = entry.get(key)
+            if given is None:
+                if key == "master_param":  # torch's own format: the master is the parameter
+                    reseed.append(i)
+                elif key == "max_exp_avg_sq":
+                    copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
+                else:
+                    raise ValueError(
+                        f"optimizer.state[p] of parameter {i} {tuple(p.shape)} has no "
+                        f"'{key}'; assign a tensor of the parameter's shape, or delete the "
+                        "whole entry (del optimizer.state[p]) to start it over")
+                continue
+            if not isinstance(given, torch.Tensor) or given.numel() != v[i].numel():
+                raise ValueError(
+                    f"optimizer.state[p]['{key}'] of parameter {i} {tuple(p.shape)} must be "
+                    f"a tensor of {v[i].numel()} elements, got "
+                    f"{tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__}")
+            if given.data_ptr() != v[i].data_ptr() or given.device != v[i].device:
+                copies.append((v[i], given.detach().reshape(v[i].shape)))
+        s = entry.get("step")
+        mine = flat.state.step_of(i)
+        if isinstance(s, torch.Tensor) and s.data_ptr() == mine.data_ptr():
+            continue
+        value = float(s) if isinstance(s, (int, float, torch.Tensor)) and (
+            not isinstance(s, torch.Tensor) or s.numel() == 1) else None
+        if value is None or not math.isfinite(value) or value < 0:
+            raise ValueError(f"optimizer.state[p]['step'] of parameter {i} {tuple(p.shape)} "
+                             f"must be a count >= 0 (a number or 1-element tensor), got {s!r}")
+        counts[i], steps_changed = value, True
+    return copies, counts if steps_changed else None, reseed

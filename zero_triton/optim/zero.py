@@ -16,7 +16,6 @@ divided by the world size.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import warnings
 
@@ -25,10 +24,11 @@ import torch.distributed as dist
 
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.comm import agreement
-from zero_triton.integrations import clip_grad as clipping
+from zero_triton.optim import owners
 from zero_triton.state import watch
 from zero_triton.comm.group import GroupComm
-from zero_triton.optim.fused import FusedAdam, check_params_argument
+from zero_triton.optim.checks import check_params_argument
+from zero_triton.optim.fused import FusedAdam
 
 _FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
 
@@ -113,7 +113,6 @@ class ZeroAdam(FusedAdam):
             if not isinstance(g["params"], torch.Tensor):
                 g["params"] = list(g["params"])
         self._check_same_model(comm, groups)
-        _install_scaler_agreement()
         # Built after the model check, which every rank passes together: the ordinal
         # (how many ZeroAdams this process built on this group before) is the same on all.
         self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.group)) \
@@ -214,12 +213,11 @@ class ZeroAdam(FusedAdam):
                 param_group["params"] = list(param_group["params"])
             self._check_same_model(self._comm, [param_group])
         super().add_param_group(param_group)
-        clipping.register(self, [p for f in self._flats[-1] for p in f.params])
-
-    def _routes_clipping(self) -> bool:
-        """torch's clip_grad_norm_ comes here (``zero_triton.integrations.clip_grad``): the local
-        gradients are not the averaged ones (several ranks), or there are none (stage 2)."""
-        return self._comm.world_size > 1 or self._stage == 2
+        # torch's clip_grad_norm_ comes here (``zero_triton.integrations.clip_grad``) when
+        # the local gradients are not the averaged ones (several ranks), or there are none
+        # (stage 2).
+        owners.register(self, [p for f in self._flats[-1] for p in f.params],
+                        routes_clipping=self._comm.world_size > 1 or self._stage == 2)
 
     def _before_reduce(self, flats) -> None:
         # The local gradients, every .grad copied in (HF Trainer's model.zero_grad() makes
@@ -272,7 +270,7 @@ class ZeroAdam(FusedAdam):
                 stacklevel=4)
 
     @torch.no_grad()
-    def _unscale_shards(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
+    def unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
         """Stage 2, called by GradScaler's ``unscale_`` / ``step``: the gradients are no
         ``.grad`` GradScaler could see, so the averaged shards are checked for inf/nan
         (and unscaled by ``inv_scale``, 1 inside ``scaler.step``) here, recorded in
@@ -289,7 +287,7 @@ class ZeroAdam(FusedAdam):
                 flag = per_device[g.device] = torch.zeros_like(found_inf, device=g.device)
             torch._amp_foreach_non_finite_check_and_unscale_([g], flag, inv_scale.to(g.device))
 
-    def _agree_found_inf(self, per_device: dict) -> None:
+    def agree_found_inf_(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
         if self._agreement is not None:
             self._agreement.check("GradScaler", backwards=self._reducer.backwards)
@@ -439,73 +437,3 @@ def _in_hf_trainer_single_rank_save() -> bool:
                     type(trainer)._save_optimizer_and_scheduler is base._save_optimizer_and_scheduler)
         frame = frame.f_back
     return False
-
-
-def ddp_local_grads_hook(state, bucket):
-    """A DistributedDataParallel communication hook that communicates nothing: each
-    rank keeps its local gradients, and ZeroAdam averages them in its reduce-scatter.
-    For models that a library wraps in DDP anyway (accelerate, HF Trainer) and that
-    ZeroAdam trains: ``ddp_model.register_comm_hook(None, ddp_local_grads_hook)``.
-    Never use it with an optimizer that expects DDP to average the gradients."""
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-class ZeroGradScaler(torch.amp.GradScaler):
-    """torch.amp.GradScaler, kept as a name for scripts that use it.
-
-    A plain ``torch.amp.GradScaler`` is now correct under ZeroAdam: every rank agrees on
-    the inf/nan flag wherever the scaler records it (``unscale_`` and ``step``), so all
-    ranks skip together and keep one scale (what FSDP's ShardedGradScaler does).
-    ``process_group`` is accepted for compatibility; the optimizer's group is used.
-    """
-
-    def __init__(self, device="cpu", *, process_group=None, **kwargs):
-        super().__init__(device, **kwargs)
-        self.process_group = process_group
-
-
-def _install_scaler_agreement() -> None:
-    """Make torch.amp.GradScaler (and torch.cuda.amp's subclass) agree on found_inf
-    over a ZeroAdam's process group.
-
-    Under ZeRO the gradients are averaged inside ``step()``, after GradScaler has looked
-    at each rank's local ones: without agreement a rank whose local gradients are finite
-    keeps its scale while another backs off, and every later average mixes scales.
-    GradScaler records its per-device flags in ``_unscale_grads_`` and reads those same
-    tensors in ``update()``; all-reducing them in place (MAX, on the device, no host
-    sync) right there fixes both the skip and the scale. Optimizers without
-    ``_agree_found_inf`` are untouched."""
-    cls = torch.amp.GradScaler
-    if getattr(cls._unscale_grads_, "_zero_triton_agrees", False):
-        return
-    original = cls._unscale_grads_
-
-    @functools.wraps(original)
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
-        shards = getattr(optimizer, "_unscale_shards", None)
-        if shards is not None:  # ZeRO-2: the gradients are the optimizer's shards
-            shards(inv_scale, found_inf, per_device, allow_fp16)
-        agree = getattr(optimizer, "_agree_found_inf", None)
-        if agree is not None:
-            agree(per_device)
-        return per_device
-
-    _unscale_grads_._zero_triton_agrees = True
-    cls._unscale_grads_ = _unscale_grads_
-
-    original_unscale = cls.unscale_
-
-    @functools.wraps(original_unscale)
-    def unscale_(self, optimizer):
-        # unscale_ rescales .grad in place with an op that leaves the version counter
-        # alone: a ZeroAdam whose buckets averaged them during backward must know.
-        out = original_unscale(self, optimizer)
-        rescaled = getattr(optimizer, "_grads_rescaled", None)
-        if rescaled is not None and getattr(self, "_enabled", True):
-            rescaled()
-        return out
-
-    cls.unscale_ = unscale_

@@ -38,7 +38,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from pathlib import Path
 import torch
 
 from zero_triton.tools import outputs
+from zero_triton.tools.machine import cache_bytes, cpu_model, git_commit
 from zero_triton.tools.units import SUFFIXES, format_count, parse_count, positive_number, whole_number
 
 BYTES_PER_PARAM = 28
@@ -396,22 +396,6 @@ def _make_limit(flat_p0, flat_g0, case, device, cpu_limit):
 
 # -- timing -----------------------------------------------------------------------------
 
-def _cache_bytes(device) -> int:
-    """Last-level cache: a working set below ~2x this would time the cache, not DRAM."""
-    if device.type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
-    best = 0
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    for index in root.glob("index*"):
-        try:
-            text = (index / "size").read_text().strip().upper()
-            value = int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-            best = max(best, value)
-        except (OSError, ValueError):
-            continue
-    return best or (32 << 20)
-
-
 class Timer:
     def __init__(self, device):
         self.device = device
@@ -600,7 +584,7 @@ def run_case(case, device, args, cpu_limit, say):
         torch.cuda.empty_cache()
     n = case.numel
     state_bytes = n * (16 if not case.mixed else 14)
-    cache = _cache_bytes(device)
+    cache = cache_bytes(device)
     sets = 1 if state_bytes >= 2 * cache else min(args.max_sets, math.ceil(2 * cache / state_bytes))
     say(f"\n== {case.name}: {len(case.shapes)} tensor(s), {n:,} params, "
         f"{BYTES_PER_PARAM * n / 1e9:.3f} GB per step at {BYTES_PER_PARAM} B/param"
@@ -753,39 +737,17 @@ def format_table(rows, cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def _git_commit():
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return commit, bool(dirty)
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def metadata(device, args, notes) -> dict:
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit, dirty = _git_commit()
+    commit, dirty = git_commit()
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model(),
-        "cpu_model": _cpu_model(), "cpu_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
+        "cpu_model": cpu_model(), "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
         "python": platform.python_version(), "git_commit": commit, "git_dirty": dirty,
         "triton_interpret": os.environ.get("TRITON_INTERPRET", "0"),
@@ -922,7 +884,7 @@ def main(argv=None) -> int:
             notes.append(text.strip())
 
     say(f"zero_triton step benchmark on {device.type}: "
-        + (torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model())
+        + (torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model())
         + f", torch {torch.__version__}, {torch.get_num_threads()} threads, {args.repeats} rounds")
     cpu_limit = (None, "")
     if device.type == "cpu":
@@ -958,5 +920,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from zero_triton.tools.cli import run
+    from zero_triton.tools.console import run
     sys.exit(run(main))

@@ -5,6 +5,8 @@ import os
 import platform
 import sys
 
+from zero_triton.tools.console import run
+
 USAGE = """usage: python -m zero_triton COMMAND [options]
 
 commands:
@@ -55,27 +57,6 @@ def info(argv=None) -> int:
     return 0
 
 
-def silence_stdout() -> None:
-    """Point stdout at os.devnull: what is left to print once its reader went away goes
-    nowhere, and Python's final flush at exit cannot fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
-def run(command, argv=None) -> int:
-    """``command(argv)``'s exit status; a reader that goes away (``... | head``) ends it
-    quietly with 141, the status of a Unix tool stopped by SIGPIPE, not a traceback."""
-    try:
-        try:
-            return command(argv)
-        finally:  # argparse's --help and errors exit: flush here, not at interpreter exit
-            sys.stdout.flush()
-    except BrokenPipeError:
-        silence_stdout()
-        return 141  # 128 + SIGPIPE
-
-
 def main(argv=None) -> int:
     return run(_dispatch, argv)
 
@@ -90,7 +71,7 @@ def _dispatch(argv=None) -> int:
         from zero_triton.tools.demo import main as demo
         return demo(rest)
     if command == "memory":
-        from zero_triton.memory.model import main as memory
+        from zero_triton.tools.memory import main as memory
         return memory(rest)
     if command == "bench":
         from zero_triton.tools.bench import main as bench
@@ -101,7 +82,7 @@ def _dispatch(argv=None) -> int:
     if command == "info":
         return info(rest)
     if command == "checkpoint":
-        from zero_triton.checkpoint import main as checkpoint
+        from zero_triton.tools.checkpoint import main as checkpoint
         return checkpoint(rest)
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2

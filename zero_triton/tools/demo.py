@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zero_triton.native.backends import NAMES
-from zero_triton.tools.cli import run, silence_stdout
+from zero_triton.tools.console import run, silence_stdout
 from zero_triton.tools.units import positive_number, rank_count, whole_number
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,13 +95,12 @@ def train(args, rank: int, world_size: int, device) -> dict:
     # fp32 master this rank owns (the parameters are its rounding).
     diff = torch.zeros((), device=device)
     twin = {id(p): q for p, q in zip(model.parameters(), replica.parameters())}
-    for flats in opt._flats:
-        for flat in flats:
-            # The reference laid out like this flat buffer, so the shards line up.
-            ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
-                                         world_size=world_size, bucket_numel=flat.bucket_numel)
-            for (lo, hi, _), master in zip(flat.segments, flat.state.master_parts()):
-                diff = torch.maximum(diff, (master - ref_flat[lo:hi]).abs().max())
+    for _, flat in opt.flat_shards():
+        # The reference laid out like this flat buffer, so the shards line up.
+        ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
+                                     world_size=world_size, bucket_numel=flat.bucket_numel)
+        for (lo, hi, _), master in zip(flat.segments, flat.state.master_parts()):
+            diff = torch.maximum(diff, (master - ref_flat[lo:hi]).abs().max())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     report = opt.memory_report()
     if rank == 0:
@@ -109,7 +108,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
         table = memory_table(n_params, world_size, master_dtype=master)
         formula = {s["stage"]: s for s in table["stages"]}
         held = "exp_avg + exp_avg_sq" if dtype == torch.float32 else "fp32 master + exp_avg + exp_avg_sq"
-        shard = sum(flat.layout.shard_numel for flats in opt._flats for flat in flats)
+        shard = sum(flat.layout.shard_numel for _, flat in opt.flat_shards())
         _say("", format_table(table), "",
              f"optimizer state per rank ({held}), {n_params:,} params, {world_size} ranks:",
              f"  DDP formula      {formula['ddp']['optimizer_bytes']:>12,} bytes  (every rank holds all)",
@@ -120,7 +119,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
              "",
              f"max |ZeroAdam - torch.optim.Adam on the mean gradient| = {diff.item():.3e} "
              f"({'fp32 params' if dtype == torch.float32 else 'fp32 master'}, {args.steps} steps, "
-             f"{world_size} ranks, backend {opt._flats[0][0].backend})")
+             f"{world_size} ranks, backend {opt.backend})")
     return {"max_diff": diff.item(), "memory": report, "losses": lines}
 
 

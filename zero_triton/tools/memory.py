@@ -1,4 +1,5 @@
-"""ZeroAdam's memory per rank, measured, beside the formula (``zero_triton.memory.model``):
+"""``python -m zero_triton memory``: the formula's table (``zero_triton.memory.model``) and,
+with ``--measure``, ZeroAdam's memory per rank measured beside it:
 ``python -m zero_triton memory --params 5e7 --world-size 2 --measure``.
 
 For stage 1 and then stage 2, on fresh gloo CPU ranks each, the ranks build ``--params``
@@ -21,9 +22,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import sys
+from typing import Optional, Sequence
 
 import torch
+
+from zero_triton.memory.model import PRECISIONS, format_table, memory_table
+from zero_triton.tools.units import parse_count, positive_number
 
 MAX_PARAMS = 400_000_000
 _MMAP = "MALLOC_MMAP_THRESHOLD_"
@@ -139,3 +146,69 @@ def as_json(measured: dict, table: dict) -> dict:
 
 
 __all__ = ["measure", "check", "format_measured", "as_json", "MAX_PARAMS"]
+
+
+def _param_count(text: str) -> int:
+    """A parameter count > 0: 7500000000, 7.5e9, 7.5B (K/M/B/G/T = 1e3/1e6/1e9/1e9/1e12)."""
+    return parse_count(text, "7.5e9 or 7.5B")
+
+
+def _world_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass e.g. 8")
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value} ranks is not possible; pass the number of data-parallel ranks (>= 1)")
+    return value
+
+
+def build_parser(prog: str = "python -m zero_triton memory") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Bytes per rank of parameters, gradients and Adam state under DDP "
+                    "and ZeRO stages 1-3 (mixed precision: K = 12).")
+    parser.add_argument("--params", type=_param_count, required=True,
+                        help="number of parameters, e.g. 7.5e9 or 7B "
+                             "(K/M/B/G/T = 1e3/1e6/1e9/1e9/1e12)")
+    parser.add_argument("--world-size", type=_world_size, required=True,
+                        help="number of data-parallel ranks N")
+    parser.add_argument("--master-dtype", choices=sorted(PRECISIONS), default="fp32",
+                        help="fp32: bf16/fp16 params + fp32 master (default); "
+                             "none: plain fp32 training")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object with a 'stages' list")
+    parser.add_argument("--measure", action="store_true",
+                        help="also measure ZeroAdam stage 1 and 2 on --world-size gloo CPU "
+                             "ranks with --params parameters (at most 4e8)")
+    parser.add_argument("--bucket-cap-mb", type=positive_number("number of MiB", "25"), default=25.0,
+                        help="ZeroAdam's bucket size for --measure (default 25)")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m zero_triton memory ...``: print the table (or JSON); returns 0.
+    Bad arguments exit through argparse with status 2 and a message naming the fix."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.measure:
+        if args.params > MAX_PARAMS:
+            parser.error(f"--measure builds the parameters on this machine: --params "
+                         f"{args.params:,} is more than {MAX_PARAMS:,}; pass e.g. 5e7")
+        if args.world_size > 16:
+            parser.error(f"--measure starts --world-size CPU processes: {args.world_size} is "
+                         "more than 16; pass e.g. 2 or 4")
+        if not args.bucket_cap_mb > 0:
+            parser.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
+    table = memory_table(args.params, args.world_size, args.master_dtype)
+    measured = None
+    if args.measure:
+        measured = measure(args.params, args.world_size, args.master_dtype, args.bucket_cap_mb)
+    if args.json:
+        print(json.dumps({**table, **({"measured": as_json(measured, table)} if measured else {})}))
+    else:
+        print(format_table(table))
+        if measured:
+            print("\n" + format_measured(measured, table, args.bucket_cap_mb))
+    return 0

@@ -173,12 +173,12 @@ def _meta(args) -> dict:
     import torch
 
     from zero_triton import __version__
-    from zero_triton.tools.bench import _cpu_model, _git_commit
+    from zero_triton.tools.machine import cpu_model, git_commit
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "zero_triton": __version__, "torch": torch.__version__,
-            "python": platform.python_version(), "git_commit": _git_commit()[0],
+            "python": platform.python_version(), "git_commit": git_commit()[0],
             "device": args.device,
-            "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else _cpu_model(),
+            "device_name": torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_model(),
             "world_size": args.world_size, "dist_backend": "nccl" if args.device == "cuda" else "gloo",
             "dtype": args.dtype, "argv": args.argv}
     if args.collectives_only:

@@ -103,7 +103,7 @@ def _build(name, args, device):
     if name == "zero":
         opt = ZeroAdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
                         backend=args.backend, **zero_options(args))
-        backend = opt._flats[0][0].backend
+        backend = opt.backend
         if args.overlap:
             import zero_triton
             zero_triton.overlap(model, opt)
@@ -141,7 +141,7 @@ def _model_states(name, model, opt, world: int) -> dict:
         per = dict(master_bytes=0 if size == 4 else 4, moment_bytes=8)
     else:  # torch's AdamW keeps its moments in the parameters' dtype, no master
         per = dict(master_bytes=0, moment_bytes=2 * size)
-    stage = f"zero{getattr(opt, '_stage', 1)}" if name == "zero" else "ddp"
+    stage = f"zero{opt.stage}" if name == "zero" else "ddp"
     rows = stage_bytes(params, world, param_bytes=size, grad_bytes=size, **per)
     row = next(r for r in rows if r["stage"] == stage)
     predicted = {"params": row["params_bytes"], "grads": row["grads_bytes"],
@@ -250,10 +250,10 @@ def _memory_iteration(name, model, net, opt, batch, world, device):
 
 def _zero_figures(opt, splits, world, device, args) -> dict:
     """ZeroAdam only: the Adam step against a copy, and the wire table on its buffers."""
-    shard = sum(f.layout.shard_numel for flats in opt._flats for f in flats)
+    shard = sum(f.layout.shard_numel for _, f in opt.flat_shards())
     dist.barrier()  # every rank copies at once, as every rank steps at once
     copy_s = bandwidth.copy_seconds(device, bandwidth.BYTES_PER_PARAM * shard // 2)
-    adam = bandwidth.adam_figures(splits, shard, device, opt._flats[0][0].backend, copy_s)
+    adam = bandwidth.adam_figures(splits, shard, device, opt.backend, copy_s)
     buffers = wire.buffers_of(opt)
     table = wire.formula(buffers, world, dist.get_backend())
     return {"adam": adam, "wire": {**wire.achieved(table, wire.measure(buffers, device, args.repeats)),

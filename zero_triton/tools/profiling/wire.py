@@ -43,15 +43,14 @@ def buffers_of(optimizer) -> list:
     flat buffer of a ZeroAdam: the gradients its reduce-scatters send (in their own
     dtype, also with a wider ``reduce_dtype``) and the parameters its all-gathers fill."""
     out = []
-    for flats in optimizer._flats:
-        for flat in flats:
-            param = flat.flat_param
-            grad = param  # the gradients: the parameters' dtype and layout (ZeRO-2: in buckets)
-            out.append({"numel": flat.layout.padded_numel,
-                        "grad_dtype": str(grad.dtype).replace("torch.", ""),
-                        "grad_bytes": grad.numel() * grad.element_size(),
-                        "param_dtype": str(param.dtype).replace("torch.", ""),
-                        "param_bytes": param.numel() * param.element_size()})
+    for _, flat in optimizer.flat_shards():
+        param = flat.flat_param
+        grad = param  # the gradients: the parameters' dtype and layout (ZeRO-2: in buckets)
+        out.append({"numel": flat.layout.padded_numel,
+                    "grad_dtype": str(grad.dtype).replace("torch.", ""),
+                    "grad_bytes": grad.numel() * grad.element_size(),
+                    "param_dtype": str(param.dtype).replace("torch.", ""),
+                    "param_bytes": param.numel() * param.element_size()})
     return out
 
 

@@ -1,0 +1,71 @@
+"""torch.amp.GradScaler under ZeroAdam: every rank agrees on found_inf.
+
+``install`` patches ``GradScaler._unscale_grads_`` and ``unscale_`` (once, when the first
+ZeroAdam is built): an optimizer that publishes GradScaler's calls (``unscale_grads_``,
+``agree_found_inf_``, ``grads_rescaled``: ZeroAdam and FusedAdam) is called from them;
+any other optimizer is untouched.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+class ZeroGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler, kept as a name for scripts that use it.
+
+    A plain ``torch.amp.GradScaler`` is now correct under ZeroAdam: every rank agrees on
+    the inf/nan flag wherever the scaler records it (``unscale_`` and ``step``), so all
+    ranks skip together and keep one scale (what FSDP's ShardedGradScaler does).
+    ``process_group`` is accepted for compatibility; the optimizer's group is used.
+    """
+
+    def __init__(self, device="cpu", *, process_group=None, **kwargs):
+        super().__init__(device, **kwargs)
+        self.process_group = process_group
+
+
+def install() -> None:
+    """Make torch.amp.GradScaler (and torch.cuda.amp's subclass) agree on found_inf
+    over a ZeroAdam's process group.
+
+    Under ZeRO the gradients are averaged inside ``step()``, after GradScaler has looked
+    at each rank's local ones: without agreement a rank whose local gradients are finite
+    keeps its scale while another backs off, and every later average mixes scales.
+    GradScaler records its per-device flags in ``_unscale_grads_`` and reads those same
+    tensors in ``update()``; all-reducing them in place (MAX, on the device, no host
+    sync) right there fixes both the skip and the scale. Optimizers without
+    ``agree_found_inf_`` are untouched."""
+    cls = torch.amp.GradScaler
+    if getattr(cls._unscale_grads_, "_zero_triton_agrees", False):
+        return
+    original = cls._unscale_grads_
+
+    @functools.wraps(original)
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        shards = getattr(optimizer, "unscale_grads_", None)
+        if shards is not None:  # ZeRO-2: the gradients are the optimizer's shards
+            shards(inv_scale, found_inf, per_device, allow_fp16)
+        agree = getattr(optimizer, "agree_found_inf_", None)
+        if agree is not None:
+            agree(per_device)
+        return per_device
+
+    _unscale_grads_._zero_triton_agrees = True
+    cls._unscale_grads_ = _unscale_grads_
+
+    original_unscale = cls.unscale_
+
+    @functools.wraps(original_unscale)
+    def unscale_(self, optimizer):
+        # unscale_ rescales .grad in place with an op that leaves the version counter
+        # alone: a ZeroAdam whose buckets averaged them during backward must know.
+        out = original_unscale(self, optimizer)
+        rescaled = getattr(optimizer, "grads_rescaled", None)
+        if rescaled is not None and getattr(self, "_enabled", True):
+            rescaled()
+        return out
+
+    cls.unscale_ = unscale_

@@ -1,0 +1,122 @@
+"""FusedAdam's and ZeroAdam's arguments checked before any state changes, with torch.optim's
+exception types and messages (and the fix, where torch names none)."""
+from __future__ import annotations
+
+import torch
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay, foreach=None, capturable=False):
+    """torch.optim.Adam's checks, with its exception types and messages of our own."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}; pass a "
+                             "float or a 1-element tensor")
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and "
+                             "foreach=True (torch.optim.Adam's rule); drop foreach (FusedAdam "
+                             "ignores it) or pass capturable=True")
+    lr_value = lr.item() if isinstance(lr, torch.Tensor) else lr
+    if not isinstance(lr_value, (int, float)) or isinstance(lr_value, bool):
+        raise ValueError(f"lr must be a float or a 1-element tensor, got {lr!r}; to change it "
+                         "during training set optimizer.param_groups[i]['lr']")
+    if not 0.0 <= lr_value:
+        raise ValueError(f"Invalid learning rate: {lr_value}; lr must be >= 0")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps!r}; eps must be a float >= 0 (1e-8 is usual)")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r}; give two values, e.g. (0.9, 0.999)")
+    tensors = [isinstance(b, torch.Tensor) for b in betas]
+    if any(tensors) and not all(tensors):
+        raise ValueError(f"betas must be either both floats or both Tensors, got "
+                         f"{tuple(type(b).__name__ for b in betas)}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor):
+            if foreach and not capturable:
+                raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                                 "and foreach=True (torch.optim.Adam's rule); drop foreach")
+            if beta.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element, got shape {tuple(beta.shape)}")
+            beta = beta.item()
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta!r}; both betas must lie "
+                             "in [0, 1), e.g. (0.9, 0.999)")
+    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay!r}; it must be a float >= 0")
+
+
+def check_drop_in_flags(foreach, fused, capturable, differentiable):
+    """torch.optim.Adam's implementation switches: accepted for drop-in use (the step is
+    always one fused kernel that reads lr and step on the device, i.e. capturable);
+    combinations torch refuses are refused with torch's exception type."""
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together (torch.optim.Adam's "
+                           "rule); FusedAdam is always fused: drop both")
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable` (torch.optim.Adam's rule); "
+                           "drop fused=True: with differentiable=True the step is torch's "
+                           "differentiable one")
+
+
+def check_no_shared_memory(existing, params) -> None:
+    """Refuse a parameter whose memory overlaps another's (``nn.Parameter(w[:2])`` of a
+    parameter ``w``): re-homing gives each its own place in a flat buffer, which would
+    silently undo the sharing that the model relies on."""
+    spans = []
+    for where, group in (("an earlier param group's", existing), ("the group's", params)):
+        for i, p in enumerate(group):
+            if p.numel() == 0 or p.device.type == "meta":
+                continue
+            start = p.data_ptr()
+            spans.append((p.untyped_storage().data_ptr(), start,
+                          start + p.numel() * p.element_size(), f"{where} parameter {i} {tuple(p.shape)}"))
+    spans.sort()
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError(
+                f"{b[3]} shares memory with {a[3]}; FusedAdam gives every parameter its own "
+                "place in a flat buffer, which would break that sharing. Make one parameter "
+                "and derive the other from it in forward (tied weights: the same Parameter "
+                "object in both modules is fine)")
+
+
+def check_params_argument(params, who: str) -> None:
+    """Refuse what is not an iterable of parameters (or of param-group dicts) with the fix,
+    before anything is built."""
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"{who}(model): pass model.parameters() (or param-group dicts), not the "
+                        f"{type(params).__name__} module itself")
+    if isinstance(params, torch.Tensor):
+        return  # torch.optim.Optimizer refuses it with its own message
+    if params is None or isinstance(params, (str, bytes, int, float, dict)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"{who}: params must be an iterable of tensors or of param-group dicts "
+                        f"(e.g. model.parameters()), got {type(params).__name__}")
+
+
+def check_flag(name: str, value) -> None:
+    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def to_float(x):
+    return float(x.item()) if isinstance(x, torch.Tensor) else x
+
+
+def with_grads(params):
+    """(params with every group's parameters listed, [(tensor, its .grad)]). Generators
+    are consumed here, so the lists are what torch.optim.Optimizer gets."""
+    if isinstance(params, torch.Tensor):
+        return params, []  # torch.optim.Optimizer refuses it with its own message
+    params = list(params)
+    tensors = []
+    for i, item in enumerate(params):
+        if isinstance(item, dict):
+            members = item["params"]
+            members = [members] if isinstance(members, torch.Tensor) else list(members)
+            params[i] = {**item, "params": members}
+        else:
+            members = [item]
+        for m in members:
+            t = m[1] if isinstance(m, tuple) else m
+            if isinstance(t, torch.Tensor) and t.is_leaf:
+                tensors.append((t, t.grad))
+    return params, tensors

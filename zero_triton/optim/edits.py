@@ -1,0 +1,120 @@
+"""The user's edits, followed: what FusedAdam and ZeroAdam do about the writes that
+``zero_triton.state.watch`` witnesses.
+
+Each call that reads the state (``step``, the state dicts, clipping, checkpoints) starts
+with ``_enter``: param groups edited by hand are refused, ``opt.state`` edited is
+followed (a tensor assigned is copied in, a ``step`` assigned becomes the count, an entry
+removed starts its parameter over), parameters written have their master re-seeded.
+``opt.state`` itself is a table of views of the flat state (one rank), as torch.optim.Adam's.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_triton.optim import state_dict as adam_state
+from zero_triton.optim.shard import FlatShard
+
+
+class FollowsUserEdits:
+    """FusedAdam's part that keeps ``opt.state`` and the user's writes in step with the
+    flat state (its ``_tracked`` table, ``_group_sizes``, ``_comm``, ``_all_flats``)."""
+
+    def _expose_state(self, flat: FlatShard):
+        """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
+        views, table = flat.state_views(), self._tracked
+        for i, p in enumerate(flat.params):
+            # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.
+            entry = {"step": flat.state.step_of(i).view(()), **{k: v[i] for k, v in views.items()}}
+            old = dict.get(table, p)
+            if old and len(old) > len(entry):  # keys a user or a wrapper added stay
+                entry.update({k: v for k, v in old.items() if k not in adam_state.OWN_KEYS})
+            table.set_entry(p, entry)
+        flat.exposed_steps = flat.state.steps
+
+    def _set_extras(self, others: dict, per_param: dict) -> None:
+        """``opt.state`` anew: our entries (world size 1), each parameter's extra keys
+        and the entries that are not parameters (``zero_triton.optim.state_dict.extras``)."""
+        table = self._tracked
+        self.state = table
+        dict.clear(table)
+        flats = [flat for _, flat in self._all_flats()]
+        if self._comm.world_size == 1:
+            for flat in flats:
+                self._expose_state(flat)
+        for flat in flats:
+            for p in flat.params:
+                extra = per_param.get(id(p))
+                if extra:
+                    entry = dict.get(table, p)
+                    if entry is None:
+                        table.set_entry(p, extra)
+                    else:
+                        dict.update(entry, extra)
+        for key, value in others.items():
+            dict.__setitem__(table, key, value)
+        table.edited = table.removed = False
+
+    def _enter(self, entry: str, flats=None, stale: bool = False) -> bool:
+        """Start a call that reads the state (``step``, the state dicts, clipping,
+        checkpoints): follow what the user changed since the last one — param groups
+        edited by hand (refused), ``opt.state`` edited (followed), parameters written
+        (their master re-seeded). Returns whether gradients must be averaged again
+        (``stale``: they changed after their bucket was averaged). ZeroAdam first agrees
+        on all of it with every rank (``zero_triton.comm.agreement``)."""
+        flats = flats if flats is not None else self._current_flats()
+        self._check_groups()
+        self._follow_state_edits(flats)
+        self._reseed_written(flats)
+        return stale
+
+    def _check_groups(self) -> None:
+        """Refuse parameters added to or removed from ``param_groups`` by hand: the
+        optimizer has flat buffers and state for the ones it was given."""
+        sizes, groups = self._group_sizes, self.param_groups
+        if len(groups) >= len(sizes) and all(
+                len(g["params"]) == n for g, n in zip(groups, sizes)):
+            if len(groups) == len(sizes):
+                return
+            # Groups repeated (``param_groups.extend(param_groups)``): the state dict
+            # numbers their parameters as torch does; each parameter still steps once.
+            known = {id(p) for g in groups[:len(sizes)] for p in g["params"]}
+            if all(id(p) in known for g in groups[len(sizes):] for p in g["params"]):
+                return
+        raise RuntimeError(
+            f"{type(self).__name__}: param_groups were edited by hand (now "
+            f"{[len(g['params']) for g in self.param_groups]} parameters per group, built with "
+            f"{sizes}); the optimizer keeps flat buffers and state for the parameters it was "
+            "given and would not train the others. Add parameters with "
+            "optimizer.add_param_group({'params': [...]}) (ZeroAdam: on every rank), or build a "
+            "new optimizer. Nothing was changed")
+
+    def _state_edited(self) -> bool:
+        return self.state is not self._tracked or self._tracked.edited
+
+    def _follow_state_edits(self, flats) -> None:
+        """``opt.state`` is what the next step reads, as in torch.optim.Adam: a tensor
+        assigned to a parameter's entry is copied into the flat state, a ``step``
+        assigned becomes that parameter's count, and a parameter without an entry (after
+        ``state.clear()``, ``del state[p]`` or ``opt.state = defaultdict(dict)``) starts
+        over: zero moments, step 0, master from the parameter. Everything is checked
+        before anything changes."""
+        if not self._state_edited():
+            return
+        user = self.state
+        plans = [(flat, adam_state.plan_user_state(flat, user)) for _, flat in flats]
+        for flat, (copies, steps, reseed) in plans:
+            with torch.no_grad():
+                for target, value in copies:
+                    target.copy_(value)
+            if steps is not None:
+                flat.state.set_param_steps(steps)
+            flat.reseed(reseed)
+        self._restore_state_table()
+
+    def _restore_state_table(self) -> None:
+        user = self.state if isinstance(self.state, dict) else {}
+        self._set_extras(*adam_state.extras(user, [p for _, f in self._all_flats() for p in f.params]))
+
+    def _reseed_written(self, flats) -> None:
+        for _, flat in flats:
+            flat.reseed(flat.versions.written())

@@ -1,0 +1,251 @@
+"""One flat buffer of an optimizer and its rank's shard: the parameters (views of the
+buffer), the gradients (``zero_triton.comm.grads``), the buckets that average them
+(``zero_triton.comm.buckets``), the master and moments of the shard
+(``zero_triton.state.shards``) and the kernel that steps it (``zero_triton.native``)."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from zero_triton.comm import buckets, grads
+from zero_triton.native import backends
+from zero_triton.state import watch
+from zero_triton.state.flat import as_param, flatten_params, real_dtype
+from zero_triton.state.shards import ShardState
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# The dtypes of flat buffers; complex parameters live in their real dtype's buffer as
+# (real, imaginary) pairs (zero_triton.state.flat.real_dtype), float64 ones step in float64.
+FLAT_DTYPES = (torch.float32,) + LOW_PRECISION + (torch.float64,)
+
+def _remove_all(handles: list) -> None:
+    """Remove hook handles (in place: a finalizer holds the same list)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
+
+
+class FlatShard:
+    """One flat buffer (a param group's parameters of one dtype and device), its
+    gradients (``grad_buffer``: ZeRO-1's full local buffer or ZeRO-2's hand-over to the
+    buckets, ``zero_triton.comm.grads``), its buckets (``zero_triton.comm.buckets``), the
+    optimizer state of this rank's shard of every bucket (``state``,
+    ``zero_triton.state.shards``) and the kernel that steps it.
+
+    Which parameters have a gradient at ``step`` follows torch.optim.Adam's rule (a
+    parameter whose ``.grad`` is None is not stepped; ``zero_triton.comm.grads`` says how it
+    is told). Parameters that were not stepped keep their state, step count included.
+    """
+
+    def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
+                 bucket_numel=None, key=0, reducer=None, stage=1):
+        self.params = params
+        self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.bucket_numel, self.key, self.reducer, self.stage = bucket_numel, key, reducer, stage
+        self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
+                                                      bucket_numel=bucket_numel)
+        self.param_views = [p.detach() for p in params]  # where each parameter lives now
+        if stage == 1:  # the local gradients, .grad views of one buffer (zero_triton.comm.grads)
+            self.grad_buffer = grads.LocalGrads(params, self.layout, self.flat_param)
+        # This rank's shard: one segment (buffer lo, hi, state offset) per bucket.
+        self.segments = self.layout.shard_segments(comm.rank)
+        n = self.layout.shard_numel
+        self.param_parts = [self.flat_param[lo:hi] for lo, hi, _ in self.segments]
+        # The averaged gradients of the shard, in reduce_dtype (bf16 grads averaged in
+        # fp32); at world size 1 without a wider dtype, the gradients themselves.
+        wide = reduce_dtype is not None and reduce_dtype != self.dtype
+        if comm.world_size > 1 or wide or stage == 2:
+            self.grad_shard = torch.zeros(n, dtype=reduce_dtype if wide else self.dtype, device=self.device)
+        else:
+            self.grad_shard = self.flat_grad
+        local = self.grad_buffer if stage == 1 else None
+        self.buckets = [buckets.Bucket((key, k), g, local, self.grad_shard, self.flat_param, comm.rank,
+                                       zip(params[g.first:g.end], self.param_views[g.first:g.end]))
+                        for k, g in enumerate(self.layout.buckets)]
+        if stage == 2:  # no gradient buffer: backward's hooks hand .grad to the buckets
+            self.grad_buffer = grads.ShardedGrads(params, self.layout, reducer, self.buckets)
+        self.hooks = self.grad_buffer.register_hooks(self.buckets, reducer)
+        # The hooks live on the parameters, which outlive an optimizer that is dropped
+        # (a sweep building one per trial): take them off when this buffer goes away.
+        weakref.finalize(self, _remove_all, self.hooks)
+        self.has_master = self.dtype in LOW_PRECISION
+        if self.has_master and not master_weights:
+            self.remove_hooks()
+            raise ValueError(
+                f"master_weights=False with {self.dtype} parameters is not supported: Adam "
+                "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
+                "for fp16/bf16 parameters) or train the parameters in float32")
+        self.state = ShardState(self.param_parts, self.segments, self.layout,
+                                has_master=self.has_master, amsgrad=amsgrad)
+        # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
+        self.versions = watch.ParamVersions(params)
+        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
+        if self.dtype == torch.float64 or self.device.type == "meta":
+            # The kernels step float32 state: torch's ops step float64. Parameters on the
+            # meta device are never stepped (step refuses them until they are materialised).
+            self.backend = "torch"
+        else:
+            self.backend = backends.resolve(backend, self.device)
+        self.step_fn = backends.step_function(self.backend)
+        self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.device) \
+            if self.backend == "torch" else None
+        self.fused = self.device.type == "cuda"
+        # Host list: which parameters are stepped this step (None: all of them).
+        self.stepped = None
+        self.exposed_steps = None  # the state.steps optimizer.state[p]["step"] views (world size 1)
+
+    def remove_hooks(self):
+        _remove_all(self.hooks)
+
+    def state_views(self) -> dict:
+        """Per-parameter views of each state buffer, shaped as the parameters (complex
+        for a complex parameter, as torch.optim.Adam keeps its moments)."""
+        return {k: [as_param(v, p) for v, p in zip(views, self.params)]
+                for k, views in self.state.views().items()}
+
+    # -- the gradients (zero_triton.comm.grads) ------------------------------------------------
+    @property
+    def flat_grad(self):
+        """The local gradients (ZeRO-1 / FusedAdam), None under ZeRO-2."""
+        return self.grad_buffer.flat
+
+    # -- the parameters moved behind our back ------------------------------------------
+    def first_moved(self, hint: bool = False) -> int:
+        """Index of the first parameter whose storage is no longer its place in the flat
+        buffer (``model.to(...)`` after construction), or -1 (``grads``: with the
+        extension, the same C loop finds the first foreign ``.grad``)."""
+        return self.grad_buffer.first_moved(self.param_views, self.dtype, self.device, hint)
+
+    def rehomed(self, *, master_weights, backend) -> "FlatShard":
+        """A new FlatShard over the same parameters at their new dtype and device, with
+        this one's state carried over (moved to the new device): training continues as
+        with an optimizer built after the move."""
+        kinds = {(real_dtype(p.dtype), p.device) for p in self.params}
+        if len(kinds) != 1:
+            found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
+            raise RuntimeError(
+                "zero_triton: parameters that share a flat buffer were moved to different "
+                f"dtypes or devices ({found}) after the optimizer was built; move the whole "
+                "model at once (model.to(device, dtype)) or build the optimizer after moving it")
+        dtype, device = kinds.pop()
+        if dtype not in FLAT_DTYPES:
+            raise RuntimeError(f"zero_triton: parameters were cast to {dtype} after the optimizer "
+                               "was built; FusedAdam steps float32, float16, bfloat16, float64 "
+                               "and complex parameters")
+        if device.type == "meta":
+            raise RuntimeError("zero_triton: parameters were moved to the meta device after the "
+                               "optimizer was built; materialise them (model.to_empty + init) "
+                               "and build the optimizer afterwards")
+        self.remove_hooks()
+        if self.reducer is not None:
+            self.reducer.wait_all()
+        new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
+                        amsgrad=self.state.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
+                        bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer,
+                        stage=self.stage)
+        if self.device.type == "meta":  # materialised (model.to_empty): nothing to carry over
+            return new
+        with torch.no_grad():
+            # The new buffer copied every .grad in (Module.to converts them all, views
+            # included); which parameters have a gradient is still the old answer.
+            new.grad_buffer.carry_over(self.grad_buffer)
+            new.state.carry_over(self.state)
+            # A parameter whose .data was replaced by other values (p.data = pretrained)
+            # starts from them; one that was only moved keeps its exact master.
+            new.reseed([i for i in self.versions.written()] + [
+                i for i, (p, old) in enumerate(zip(self.params, self.param_views))
+                if p.dtype == old.dtype and not torch.equal(p.detach().to(old.device), old)])
+        return new
+
+    @torch.no_grad()
+    def reseed(self, indices) -> None:
+        """The user wrote parameters ``indices`` (their version moved, or their .data was
+        replaced): seed this rank's part of their fp32 master again from them where they
+        differ from it, so the next step starts from what the user wrote (fp32
+        parameters are their own master). An element written with the value it had
+        (DDP's broadcast, an EMA swapped back, the same weights loaded) keeps its master's
+        extra precision."""
+        if not indices:
+            return
+        wanted = set(indices)
+        if self.has_master:
+            master, layout = self.state.master, self.layout
+            for part, (lo, hi, s0) in zip(self.param_parts, self.segments):
+                for i, a, b in layout.ranges_in(lo, hi):
+                    if i in wanted:
+                        x = layout.offsets[i] + a - lo
+                        m, p = master[s0 + x:s0 + x + b - a], part[x:x + b - a]
+                        m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
+        self.versions.accept(wanted)
+
+    def sync_grads(self):
+        """Decide which parameters have a gradient at this step (``self.stepped``: None
+        when all do): torch's rule, ``.grad`` not None (``zero_triton.comm.grads``)."""
+        self.stepped = self.grad_buffer.sync(self.param_views)
+
+    def zero_grads(self, set_to_none: bool = True):
+        """``zero_grad``, as torch.optim.Optimizer's."""
+        self.grad_buffer.zero(set_to_none)
+        self.stepped = None
+
+    def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
+        """Count this step and return the kernel's arguments for ``update_bucket``."""
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            self.lr.copy_(lr)
+        else:
+            self.lr.fill_(lr)
+        if found_inf is not None:
+            found_inf = found_inf.to(self.device, torch.float32, non_blocking=True)
+        if grad_scale is not None:
+            grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
+        beta1, beta2 = group["betas"]
+        kwargs = dict(beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
+                      weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
+                      amsgrad=group["amsgrad"], maximize=group["maximize"],
+                      grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
+        runs = self.state.count(self.stepped, found_inf)
+        return {"kwargs": kwargs, "runs": runs, "amsgrad": group["amsgrad"]}
+
+    def update_bucket(self, k: int, plan: dict) -> None:
+        """The fused kernel over this rank's shard of bucket ``k``."""
+        lo, hi, s0 = self.segments[k]
+        runs = [(lo, hi, None)] if plan["runs"] is None else plan["runs"][k]
+        for start, end, i in runs:
+            self._launch(k, start - lo, end - lo, s0, i, plan)
+
+    def _launch(self, k, a, b, s0, i, plan) -> None:
+        """One kernel launch over elements [a, b) of segment ``k`` (state offset ``s0``)."""
+        kwargs = plan["kwargs"]
+        if self.backend == "torch":
+            kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
+        st = self.state
+        param = self.param_parts[k][a:b]
+        master = st.master[s0 + a:s0 + b] if st.master is not None else param
+        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], st.exp_avg[s0 + a:s0 + b],
+                     st.exp_avg_sq[s0 + a:s0 + b],
+                     st.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
+                     param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
+
+    def gather_bucket(self, k: int) -> None:
+        """Start gathering every rank's updated shard of bucket ``k``."""
+        b = self.buckets[k]
+        b.gather = self.comm.all_gather(b.param_full, b.param_shard, async_op=True,
+                                        name=b.name("all_gather"))
+        if self.reducer is not None and self.reducer.overlapped:  # it outlives step(): watch writes
+            b.versions = [p._version for p, _ in b.members]
+
+    def nbytes(self) -> dict:
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        elem = self.flat_param.element_size()
+        return {
+            "params": size(self.flat_param),
+            "grads": self.grad_buffer.nbytes() + (size(self.grad_shard) if self.grad_shard is not self.flat_grad else 0),
+            **self.state.nbytes(),
+            "padding": self.layout.padding * elem * 2,
+            "scratch": size(self.scratch),
+        }
