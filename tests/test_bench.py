@@ -1,7 +1,8 @@
-"""The step benchmark (zero_triton/bench.py) and the GPU check script, as smoke runs on
+"""The step benchmark (zero_triton/tools/bench/) and the GPU check script, as smoke runs on
 CPU: outputs exist with their columns, and the correctness guard ran and passed."""
 import csv
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -10,17 +11,18 @@ from pathlib import Path
 import pytest
 
 from zero_triton.tools import bench
+from zero_triton.tools.bench import cases, providers
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_gpt2_small_shapes():
-    shapes = bench.gpt2_small_shapes()
+    shapes = cases.gpt2_small_shapes()
     assert len(shapes) == 148
-    assert sum(bench.math.prod(s) for s in shapes) == 124_439_808
-    quarter = bench.gpt2_small_shapes(0.25)
+    assert sum(math.prod(s) for s in shapes) == 124_439_808
+    quarter = cases.gpt2_small_shapes(0.25)
     assert len(quarter) == 148
-    ratio = sum(bench.math.prod(s) for s in quarter) / 124_439_808
+    ratio = sum(math.prod(s) for s in quarter) / 124_439_808
     assert 0.24 < ratio < 0.26, ratio
 
 
@@ -56,7 +58,7 @@ def test_quick_run_writes_csv_json_and_guard_passes(tmp_path):
 
 def test_guard_catches_a_wrong_step(tmp_path, monkeypatch):
     """A provider whose step differs from torch's gets an error row, not a time."""
-    real = bench._make_zt
+    real = providers.make_zt
 
     def off_by_lr(backend, p0s, g0s, case):
         step, state = real(backend, p0s, g0s, case)
@@ -66,7 +68,7 @@ def test_guard_catches_a_wrong_step(tmp_path, monkeypatch):
             for p in state()["p"]:
                 p.data.add_(bench.LR)   # one extra lr: what a dropped bias correction costs
         return wrong, state
-    monkeypatch.setattr(bench, "_make_zt", off_by_lr)
+    monkeypatch.setattr(providers, "make_zt", off_by_lr)
     rc = bench.main(["--quick", "--device", "cpu", "--cases", "fp32", "--out", tmp_path])
     assert rc == 1
     rows = json.loads((tmp_path / "step_cpu.json").read_text())["rows"]
