@@ -11,7 +11,7 @@ ZERO_TRITON_BUILD_EXT=1   build the native extension zero_triton._C ahead of tim
 ZERO_TRITON_BUILD_CUDA=0  with ZERO_TRITON_BUILD_EXT=1: CPU kernels only, even where
                           CUDA is found.
 TORCH_CUDA_ARCH_LIST      not used: the CUDA kernels are built for sm_80 and sm_90
-                          (-gencode, see CUDA_GENCODE below).
+                          (-gencode: CUDA_GENCODE in zero_triton/native/flags.py).
 MAX_JOBS                  parallel compile jobs (torch's BuildExtension, with ninja).
 
 Compiler flags of the extension: -O3 -fno-math-errno -fno-trapping-math (so gcc
@@ -24,6 +24,7 @@ first-use compile works from site-packages; an editable install uses the reposit
 csrc/ directly.
 """
 import os
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -32,12 +33,10 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-# -fopenmp: at::parallel_for is inlined from ATen/ParallelOpenMP.h; without it the step
-# runs on one thread.
-OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", *OPENMP]
-CUDA_GENCODE = ["-gencode", "arch=compute_80,code=sm_80",
-                "-gencode", "arch=compute_90,code=sm_90"]
+# The compiler flags, one list for both builds (the first-use build reads the same file):
+# loaded by path, the package cannot be imported before it is built.
+FLAGS = runpy.run_path(str(HERE / "zero_triton" / "native" / "flags.py"))
+CXX_FLAGS, NVCC_FLAGS, OPENMP = FLAGS["CXX_FLAGS"], FLAGS["NVCC_FLAGS"], FLAGS["OPENMP"]
 
 
 class BuildPyWithCsrc(build_py):
@@ -84,7 +83,7 @@ def native_extensions():
         sources += ["csrc/cuda/adam_kernel.cu", "csrc/cuda/adam_cuda.cpp"]
         ext = ce.CUDAExtension(
             "zero_triton._C", sources, define_macros=[("ZERO_TRITON_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", *CUDA_GENCODE]},
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
             extra_link_args=OPENMP)
         print(f"zero_triton: building zero_triton._C with CPU and CUDA kernels "
               f"(sm_80, sm_90; CUDA_HOME={ce.CUDA_HOME})", file=sys.stderr)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from zero_triton.native import cache as ext_cache
 from zero_triton.native import ext as _ext
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def cache_dir(cache, monkeypatch):
     """The folder the child processes use for these sources, under ``cache``."""
     monkeypatch.setenv("ZERO_TRITON_EXT_DIR", str(cache))
     root = _ext.source_dir()
-    return _ext._cache_dir(_ext._cpu_sources(root), root)
+    return ext_cache.cache_dir(_ext._cpu_sources(root), root)
 
 
 def no_compiler_env(tmp_path):

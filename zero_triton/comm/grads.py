@@ -27,7 +27,7 @@ import functools
 import torch
 
 from zero_triton.native import ext as _ext
-from zero_triton.comm import buckets
+from zero_triton.comm import hooks
 from zero_triton.state.flat import as_param
 
 
@@ -87,12 +87,12 @@ class LocalGrads:
         """Hooks that move arriving gradients into the views (and, with a reducer,
         launch the buckets)."""
         if reducer is None:
-            return [buckets.post_accumulate_hook(p, functools.partial(_adopt, self.views, self.dirty, i))
+            return [hooks.post_accumulate_hook(p, functools.partial(_adopt, self.views, self.dirty, i))
                     for i, p in enumerate(self.params)]
         self.buckets = bucket_list
         self.bucket_of = [k for k, b in enumerate(bucket_list)
                           for _ in range(b.geometry.first, b.geometry.end)]
-        return buckets.register_hooks(self.params, self.dirty, self.views, bucket_list, reducer)
+        return hooks.register_hooks(self.params, self.dirty, self.views, bucket_list, reducer)
 
     def first_moved(self, param_views, dtype, device, hint: bool) -> int:
         """Index of the first parameter whose storage is no longer ``param_views[i]``, or
@@ -202,7 +202,7 @@ class ShardedGrads:
         self.bucket_of = [k for k, g in enumerate(layout.buckets) for _ in range(g.first, g.end)]
 
     def register_hooks(self, bucket_list, reducer) -> list:
-        return buckets.register_sharded_hooks(self.params, self.reached, self.layout, bucket_list,
+        return hooks.register_sharded_hooks(self.params, self.reached, self.layout, bucket_list,
                                               reducer)
 
     def first_moved(self, param_views, dtype, device, hint: bool) -> int:

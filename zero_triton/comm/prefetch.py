@@ -11,7 +11,7 @@ first. A module that uses another module's parameter functionally (not through t
 module's forward) must own it too (tied weights: the same Parameter in both modules).
 A forward that read a parameter without waiting (that, or a graph compiled by
 torch.compile before ``overlap`` was called, which skips the hooks) is refused by the
-backward hooks that follow (``buckets.grad_ready``), before the step.
+backward hooks that follow (``hooks.grad_ready``), before the step.
 """
 from __future__ import annotations
 
