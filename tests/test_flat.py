@@ -1,4 +1,4 @@
-"""The flat layout, zero_triton/flat.py: offsets, alignment, padding, shards, views."""
+"""The flat layout, zero_triton/state/flat.py: offsets, alignment, padding, shards, views."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st

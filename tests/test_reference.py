@@ -1,4 +1,4 @@
-"""Tests of the shared oracle, zero_triton/reference.py.
+"""Tests of the shared oracle, zero_triton/tools/reference.py.
 
 The oracle is what every backend is held to, so it is itself held to independent
 sources: the seed example, ordinary Adam on the mean gradient, torch.optim.Adam, and

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# The parameters' dtypes FusedAdam steps (complex ones as (real, imaginary) pairs).
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
+             torch.complex128)
+
 
 def check_hyperparameters(lr, betas, eps, weight_decay, foreach=None, capturable=False):
     """torch.optim.Adam's checks, with its exception types and messages of our own."""
@@ -120,3 +124,35 @@ def with_grads(params):
             if isinstance(t, torch.Tensor) and t.is_leaf:
                 tensors.append((t, t.grad))
     return params, tensors
+
+
+def check_group_params(params: list, param_groups: list, *, materialised: bool) -> None:
+    """A new param group's ``params``: tensors on one device, leaves, of a supported dtype,
+    with dense gradients, in no other group of ``param_groups``, sharing no memory with
+    theirs; with ``materialised`` (ZeroAdam), none on the meta device."""
+    seen = {id(p) for g in param_groups for p in g["params"]}
+    devices = {p.device for p in params if isinstance(p, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"one param group holds parameters on several devices {sorted(map(str, devices))}; "
+            "split them into one param group per device")
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {i} of the group is a {type(p).__name__}, not a tensor")
+        if id(p) in seen:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: parameter {i} of "
+                f"the new group ({tuple(p.shape)}) is already in another param group; give "
+                "each parameter to exactly one group")
+        if not p.is_leaf:
+            raise ValueError(f"parameter {i} is not a leaf tensor; optimize leaves (nn.Parameter)")
+        if p.dtype not in SUPPORTED:
+            raise ValueError(f"parameter {i} is {p.dtype}; FusedAdam handles float32, "
+                             "float16, bfloat16, float64, complex64 and complex128 parameters")
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError(f"parameter {i} has a sparse gradient; use torch.optim.SparseAdam")
+        if p.device.type == "meta" and materialised:
+            raise ValueError(f"parameter {i} ({tuple(p.shape)}) is on the meta device: it has "
+                             "no data to shard; materialise the model first (model.to_empty("
+                             "device=...) and initialise it), then build ZeroAdam")
+    check_no_shared_memory([q for g in param_groups for q in g["params"]], params)

@@ -20,14 +20,12 @@ from zero_triton.native import backends
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.edits import FollowsUserEdits
-from zero_triton.optim.checks import (check_drop_in_flags, check_flag, check_hyperparameters,
-                                      check_no_shared_memory, check_params_argument, to_float,
+from zero_triton.optim.checks import (check_drop_in_flags, check_flag, check_group_params,
+                                      check_hyperparameters, check_params_argument, to_float,
                                       with_grads)
-from zero_triton.optim.shard import FLAT_DTYPES, FlatShard
+from zero_triton.optim.shard import FlatShard, build_flats
 from zero_triton.state import watch
-from zero_triton.state.flat import real_dtype
 
-_SUPPORTED = FLAT_DTYPES + (torch.complex64, torch.complex128)
 
 
 class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
@@ -173,54 +171,15 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                                group.get("foreach"), group.get("capturable", False))
         if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
             param_group = {**param_group, "betas": tuple(to_float(b) for b in betas)}
-        seen = {id(p) for g in self.param_groups for p in g["params"]}
-        devices = {p.device for p in params if isinstance(p, torch.Tensor)}
-        if len(devices) > 1:
-            raise ValueError(
-                f"one param group holds parameters on several devices {sorted(map(str, devices))}; "
-                "split them into one param group per device")
-        for i, p in enumerate(params):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameter {i} of the group is a {type(p).__name__}, not a tensor")
-            if id(p) in seen:
-                raise ValueError(
-                    f"some parameters appear in more than one parameter group: parameter {i} of "
-                    f"the new group ({tuple(p.shape)}) is already in another param group; give "
-                    "each parameter to exactly one group")
-            if not p.is_leaf:
-                raise ValueError(f"parameter {i} is not a leaf tensor; optimize leaves (nn.Parameter)")
-            if p.dtype not in _SUPPORTED:
-                raise ValueError(f"parameter {i} is {p.dtype}; FusedAdam handles float32, "
-                                 "float16, bfloat16, float64, complex64 and complex128 parameters")
-            if p.grad is not None and p.grad.is_sparse:
-                raise ValueError(f"parameter {i} has a sparse gradient; use torch.optim.SparseAdam")
-            if p.device.type == "meta" and not isinstance(self._comm, LocalComm):
-                raise ValueError(f"parameter {i} ({tuple(p.shape)}) is on the meta device: it has "
-                                 "no data to shard; materialise the model first (model.to_empty("
-                                 "device=...) and initialise it), then build ZeroAdam")
-        check_no_shared_memory([q for g in self.param_groups for q in g["params"]], params)
+        check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
         trainable = [p for p in params if p.requires_grad]
-        if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
-            backends.resolve(self._backend, trainable[0].device)  # raises with the fix
-        flats = []
-        key = sum(len(f) for f in self._flats)
         reducer = self._reducer if self._comm.world_size > 1 or self._stage == 2 else None
-        try:
-            for dtype in FLAT_DTYPES:
-                members = [p for p in trainable if real_dtype(p.dtype) == dtype]
-                if members:
-                    flats.append(FlatShard(members, self._comm, master_weights=self._master_weights,
-                                           backend=self._backend, amsgrad=group["amsgrad"],
-                                           reduce_dtype=self._reduce_dtype,
-                                           bucket_numel=self._bucket_numel(dtype),
-                                           key=key + len(flats), reducer=reducer,
-                                           stage=self._stage))
-        except BaseException:
-            for flat in flats:
-                flat.remove_hooks()
-            raise
+        flats = build_flats(trainable, self._comm, backend=self._backend,
+                            master_weights=self._master_weights, amsgrad=group["amsgrad"],
+                            reduce_dtype=self._reduce_dtype, bucket_numel=self._bucket_numel,
+                            key=sum(len(f) for f in self._flats), reducer=reducer, stage=self._stage)
         super().add_param_group(param_group)
         self._group_sizes.append(len(params))
         self._frozen.extend((len(self._flats), p) for p in params if not p.requires_grad)

@@ -249,3 +249,29 @@ class FlatShard:
             "padding": self.layout.padding * elem * 2,
             "scratch": size(self.scratch),
         }
+
+
+def build_flats(trainable: list, comm, *, backend: str, master_weights, amsgrad: bool,
+                reduce_dtype, bucket_numel, key: int, reducer, stage: int) -> list:
+    """The flat buffers of one param group: a ``FlatShard`` per dtype of ``trainable``
+    (complex parameters in their real dtype's), numbered from ``key``;
+    ``bucket_numel(dtype)`` cuts each into buckets. The backend is resolved first (an
+    error names the fix); if one buffer fails, the hooks of those already built are
+    removed and nothing is left behind."""
+    if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
+        backends.resolve(backend, trainable[0].device)  # raises with the fix
+    flats = []
+    try:
+        for dtype in FLAT_DTYPES:
+            members = [p for p in trainable if real_dtype(p.dtype) == dtype]
+            if members:
+                flats.append(FlatShard(members, comm, master_weights=master_weights,
+                                       backend=backend, amsgrad=amsgrad,
+                                       reduce_dtype=reduce_dtype,
+                                       bucket_numel=bucket_numel(dtype),
+                                       key=key + len(flats), reducer=reducer, stage=stage))
+    except BaseException:
+        for flat in flats:
+            flat.remove_hooks()
+        raise
+    return flats
