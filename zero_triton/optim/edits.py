@@ -19,17 +19,23 @@ class FollowsUserEdits:
     """FusedAdam's part that keeps ``opt.state`` and the user's writes in step with the
     flat state (its ``_tracked`` table, ``_group_sizes``, ``_comm``, ``_all_flats``)."""
 
-    def _expose_state(self, flat: FlatShard):
-        """optimizer.state[p] holds views of the flat state, as torch.optim.Adam's would."""
-        views, table = flat.state_views(), self._tracked
-        for i, p in enumerate(flat.params):
-            # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.
-            entry = {"step": flat.state.step_of(i).view(()), **{k: v[i] for k, v in views.items()}}
-            old = dict.get(table, p)
-            if old and len(old) > len(entry):  # keys a user or a wrapper added stay
-                entry.update({k: v for k, v in old.items() if k not in adam_state.OWN_KEYS})
-            table.set_entry(p, entry)
-        flat.exposed_steps = flat.state.steps
+    def _expose_state(self, *flats: FlatShard) -> None:
+        """One rank: optimizer.state[p] holds views of the flat state, as torch.optim.Adam's
+        would. Several ranks: a rank holds a shard of each parameter's state, not a tensor
+        of its shape, so ``opt.state`` has no entries of ours (``state_dict()`` gathers)."""
+        if self._comm.world_size > 1:
+            return
+        for flat in flats:
+            views, table = flat.state_views(), self._tracked
+            for i, p in enumerate(flat.params):
+                # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.
+                entry = {"step": flat.state.step_of(i).view(()),
+                         **{k: v[i] for k, v in views.items()}}
+                old = dict.get(table, p)
+                if old and len(old) > len(entry):  # keys a user or a wrapper added stay
+                    entry.update({k: v for k, v in old.items() if k not in adam_state.OWN_KEYS})
+                table.set_entry(p, entry)
+            flat.exposed_steps = flat.state.steps
 
     def _set_extras(self, others: dict, per_param: dict) -> None:
         """``opt.state`` anew: our entries (world size 1), each parameter's extra keys
@@ -38,9 +44,7 @@ class FollowsUserEdits:
         self.state = table
         dict.clear(table)
         flats = [flat for _, flat in self._all_flats()]
-        if self._comm.world_size == 1:
-            for flat in flats:
-                self._expose_state(flat)
+        self._expose_state(*flats)
         for flat in flats:
             for p in flat.params:
                 extra = per_param.get(id(p))

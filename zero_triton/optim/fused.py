@@ -185,9 +185,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._frozen.extend((len(self._flats), p) for p in params if not p.requires_grad)
         self._flats.append(flats)
         self._reducer.rebuild([f for _, f in self._all_flats()])
-        if self._comm.world_size == 1:
-            for flat in flats:
-                self._expose_state(flat)
+        self._expose_state(*flats)
 
     def _bucket_numel(self, dtype) -> int | None:
         if self._bucket_cap_mb is None or self._comm.world_size == 1:
@@ -211,8 +209,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                 flats[k] = flat.rehomed(master_weights=self._master_weights, backend=self._backend)
                 moved = True
                 self._grads_reduced = False
-                if self._comm.world_size == 1:
-                    self._expose_state(flats[k])
+                self._expose_state(flats[k])
         if moved:
             self._reducer.rebuild([f for _, f in self._all_flats()])
         return list(self._all_flats())
@@ -250,9 +247,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         views the new state (one rank)."""
         for flat in flats:
             flat.versions.accept()
-        if self._comm.world_size == 1:
-            for flat in flats:
-                self._expose_state(flat)
+        self._expose_state(*flats)
 
     def _overlap_removed(self, prefetch) -> None:
         """``prefetch.remove()`` (``zero_triton.overlap``'s handle): ``step`` waits for its
@@ -491,7 +486,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             self.clip_grad_norm_(self._max_grad_norm, _grad_scale=grad_scale, _in_step=True)
         found_inf = self._agree([flat for _, flat in flats], found_inf)
         for group, flat in flats:
-            if group["amsgrad"] and flat.state.ensure_amsgrad() and self._comm.world_size == 1:
+            if group["amsgrad"] and flat.state.ensure_amsgrad():
                 self._expose_state(flat)
         cuda = any(flat.fused for _, flat in flats)
         with phase("zero_triton.adam_step", cuda):
@@ -512,10 +507,9 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         if self._comm.world_size > 1 and self._overlap is None:
             with phase("zero_triton.all_gather", cuda):
                 self._reducer.wait_gathers()
-        if self._comm.world_size == 1:
-            for _, flat in flats:
-                if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
-                    self._expose_state(flat)
+        for _, flat in flats:
+            if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
+                self._expose_state(flat)
         self._grads_reduced = False
         self._clip_coef = None
         self._stepped()
