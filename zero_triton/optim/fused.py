@@ -326,92 +326,9 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         reduction (ZeroAdam looks at them there)."""
 
     def _agree(self, flats, found_inf):
-        """Under ZeRO: one MAX all-reduce of [found_inf, the launch signature and its
-        negation, has-gradient flag per parameter], so that every rank skips an inf step
-        together, steps a parameter if any rank has a gradient for it, and finds out
-        whether every rank launched the same buckets. Returns the agreed found_inf (or
-        None)."""
-        if self._comm.world_size == 1 or not flats:
-            return found_inf
-        self._check_launches()
-        n = sum(len(f.params) for f in flats)
-        device = flats[0].device
-        flags = getattr(self, "_flags", None)
-        if flags is None or flags.numel() != n + 3 or flags.device != device:
-            # Made once: the step allocates nothing. [found_inf, s, -s, bits...], then
-            # the launch check's result; on a GPU, a skip flag, its host copy and event.
-            flags = self._flags = torch.zeros(n + 3, dtype=torch.float32, device=device)
-            self._flag_parts = (flags[0:1], flags[1:3], flags[3:], torch.zeros_like(flags[0:1]))
-            if device.type == "cuda":
-                self._launch_readback = (torch.zeros(1, dtype=torch.float32, pin_memory=True),
-                                         torch.cuda.Event(), torch.zeros_like(flags[0:1]))
-        head, sig, tail, mismatch = self._flag_parts
-        if found_inf is not None:
-            head.copy_(found_inf.reshape(1))
-        else:
-            head.zero_()
-        signature = float(self._reducer.last_signature)
-        sig[0:1].fill_(signature)  # fills, not a copy from the host: no sync on a GPU
-        sig[1:2].fill_(-signature)
-        partial = any(f.stepped is not None for f in flats)
-        if partial:
-            bits = [b for f in flats for b in (f.stepped if f.stepped is not None else [True] * len(f.params))]
-            tail.copy_(torch.tensor(bits, dtype=torch.float32))
-        else:
-            tail.fill_(1.0)
-        self._comm.all_reduce(flags, "max")
-        # max(s) == -max(-s) == min(s): every rank launched the same buckets in the same
-        # order. Otherwise collectives of different buckets were paired and the averages
-        # are wrong: the step is skipped (as for inf) and an error raised, at once on CPU,
-        # at the next step on a GPU (read back without a host sync).
-        torch.add(sig[0:1], sig[1:2], out=mismatch).ne_(0)  # 1.0 where they differ
-        if device.type == "cpu":  # host memory: read at once
-            self._launches_differ = mismatch
-            self._check_launches()
-        else:
-            pinned, event, skip = self._launch_readback
-            torch.maximum(head, mismatch, out=head)
-            if found_inf is None:
-                found_inf = skip
-            pinned.copy_(mismatch, non_blocking=True)
-            event.record()
-            self._launches_differ = (pinned, event)
-        if partial:  # only a rank that lacks some gradient needs the answer on the host
-            agreed = (tail > 0).tolist()
-            at = 0
-            for f in flats:
-                mine = agreed[at:at + len(f.params)]
-                at += len(f.params)
-                f.stepped = None if all(mine) else mine
-        if found_inf is None:
-            return None
-        found_inf.copy_(head.reshape(found_inf.shape).to(found_inf.device))
+        """Every rank's found_inf and gradients agreed before the kernel: nothing to agree
+        on one rank (ZeroAdam's is the step's one all-reduce)."""
         return found_inf
-
-    def _check_launches(self) -> None:
-        """Raise if the ranks launched different buckets (found by an earlier ``_agree``;
-        on a GPU once its read-back has landed, never waiting for it)."""
-        pending = getattr(self, "_launches_differ", None)
-        if pending is None:
-            return
-        if isinstance(pending, tuple):
-            pinned, event = pending
-            if not event.query():
-                return
-            differ = bool(pinned.item())
-        else:
-            differ = bool(pending.item())
-        self._launches_differ = None
-        if differ:
-            self._grads_reduced = False
-            self._clip_coef = None
-            raise RuntimeError(
-                "ZeroAdam: the ranks averaged different buckets during backward (a parameter "
-                "that backward reached on some ranks and not on others, e.g. a data-dependent "
-                "branch or an expert that got no tokens), so gradients of different buckets "
-                "were added together; that step was skipped on every rank. Pass "
-                "bucket_cap_mb=None (gradients averaged in step() only, whatever backward "
-                "reaches), or make every rank's forward use every parameter")
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None,

@@ -27,6 +27,7 @@ from zero_triton.comm import agreement
 from zero_triton.optim import owners
 from zero_triton.state import watch
 from zero_triton.comm.group import GroupComm
+from zero_triton.comm.step_flags import StepFlags
 from zero_triton.optim.checks import check_params_argument
 from zero_triton.optim.fused import FusedAdam
 
@@ -117,6 +118,7 @@ class ZeroAdam(FusedAdam):
         # (how many ZeroAdams this process built on this group before) is the same on all.
         self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.group)) \
             if comm.world_size > 1 else None
+        self._step_flags = StepFlags(comm) if comm.world_size > 1 else None
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
         self._ddp_checked = comm.world_size == 1 or stage == 2
@@ -268,6 +270,32 @@ class ZeroAdam(FusedAdam):
                 "(accelerate, HF Trainer), turn DDP's all-reduce off with "
                 "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook).",
                 stacklevel=4)
+
+    def _agree(self, flats, found_inf):
+        """The step's one all-reduce (``zero_triton.comm.step_flags``): found_inf, which
+        parameters step, and whether every rank launched the same buckets; raises if an
+        earlier (GPU) or this (CPU) agreement found that they did not."""
+        if self._step_flags is None or not flats:
+            return found_inf
+        self._check_launches()
+        found_inf, partial = self._step_flags.exchange(flats, found_inf,
+                                                       self._reducer.last_signature)
+        if flats[0].device.type == "cpu":  # read at once: raise before anything is agreed
+            self._check_launches()
+        return self._step_flags.finish(flats, found_inf, partial)
+
+    def _check_launches(self) -> None:
+        if not self._step_flags.launches_differed():
+            return
+        self._grads_reduced = False
+        self._clip_coef = None
+        raise RuntimeError(
+            "ZeroAdam: the ranks averaged different buckets during backward (a parameter "
+            "that backward reached on some ranks and not on others, e.g. a data-dependent "
+            "branch or an expert that got no tokens), so gradients of different buckets "
+            "were added together; that step was skipped on every rank. Pass "
+            "bucket_cap_mb=None (gradients averaged in step() only, whatever backward "
+            "reaches), or make every rank's forward use every parameter")
 
     @torch.no_grad()
     def unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:

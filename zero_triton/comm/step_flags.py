@@ -1,0 +1,100 @@
+"""The step's one agreement all-reduce under ZeRO.
+
+One MAX all-reduce of [found_inf, the launch signature and its negation, a has-gradient
+flag per parameter], so that every rank skips an inf step together, steps a parameter
+if any rank has a gradient for it, and finds out whether every rank launched the same
+buckets during backward. max(s) == -max(-s) == min(s): every rank launched the same
+buckets in the same order. Otherwise collectives of different buckets were paired and
+the averages are wrong: the step is skipped (as for inf) and the optimizer raises, at
+once on CPU, at the next step on a GPU (read back without a host sync).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StepFlags:
+    """The flags of one ZeroAdam's steps, made once (the step allocates nothing), and
+    whether an earlier step found that the ranks launched different buckets."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.flags = None
+        self.parts = None      # [found_inf], [s, -s], [bits...], the launch check's result
+        self.readback = None   # GPU: (pinned host copy, event, skip flag)
+        self.pending = None    # the launch check not yet read: a CPU tensor or (pinned, event)
+
+    def exchange(self, flats, found_inf, signature: int):
+        """The all-reduce of ``found_inf`` (or None), of which parameters of ``flats``
+        have a gradient and of the launch ``signature``. Returns (found_inf, partial):
+        on a GPU a skip flag stands in for a None found_inf; ``partial``: some
+        parameter lacks a gradient here. ``launches_differed()`` then reads the launch
+        check, ``finish`` the rest."""
+        n = sum(len(f.params) for f in flats)
+        device = flats[0].device
+        flags = self.flags
+        if flags is None or flags.numel() != n + 3 or flags.device != device:
+            flags = self.flags = torch.zeros(n + 3, dtype=torch.float32, device=device)
+            self.parts = (flags[0:1], flags[1:3], flags[3:], torch.zeros_like(flags[0:1]))
+            if device.type == "cuda":
+                self.readback = (torch.zeros(1, dtype=torch.float32, pin_memory=True),
+                                 torch.cuda.Event(), torch.zeros_like(flags[0:1]))
+        head, sig, tail, mismatch = self.parts
+        if found_inf is not None:
+            head.copy_(found_inf.reshape(1))
+        else:
+            head.zero_()
+        signature = float(signature)
+        sig[0:1].fill_(signature)  # fills, not a copy from the host: no sync on a GPU
+        sig[1:2].fill_(-signature)
+        partial = any(f.stepped is not None for f in flats)
+        if partial:
+            bits = [b for f in flats for b in (f.stepped if f.stepped is not None else [True] * len(f.params))]
+            tail.copy_(torch.tensor(bits, dtype=torch.float32))
+        else:
+            tail.fill_(1.0)
+        self.comm.all_reduce(flags, "max")
+        torch.add(sig[0:1], sig[1:2], out=mismatch).ne_(0)  # 1.0 where they differ
+        if device.type == "cpu":  # host memory: read at once
+            self.pending = mismatch
+        else:
+            pinned, event, skip = self.readback
+            torch.maximum(head, mismatch, out=head)
+            if found_inf is None:
+                found_inf = skip
+            pinned.copy_(mismatch, non_blocking=True)
+            event.record()
+            self.pending = (pinned, event)
+        return found_inf, partial
+
+    def finish(self, flats, found_inf, partial: bool):
+        """The agreed answers: ``stepped`` of each of ``flats`` (a parameter steps if any
+        rank has its gradient) and ``found_inf`` (returned; None if it was None)."""
+        head, _, tail, _ = self.parts
+        if partial:  # only a rank that lacks some gradient needs the answer on the host
+            agreed = (tail > 0).tolist()
+            at = 0
+            for f in flats:
+                mine = agreed[at:at + len(f.params)]
+                at += len(f.params)
+                f.stepped = None if all(mine) else mine
+        if found_inf is None:
+            return None
+        found_inf.copy_(head.reshape(found_inf.shape).to(found_inf.device))
+        return found_inf
+
+    def launches_differed(self) -> bool:
+        """Whether the last agreement found different launches (on a GPU: once its
+        read-back has landed, never waiting for it; False until then)."""
+        pending = self.pending
+        if pending is None:
+            return False
+        if isinstance(pending, tuple):
+            pinned, event = pending
+            if not event.query():
+                return False
+            differ = bool(pinned.item())
+        else:
+            differ = bool(pending.item())
+        self.pending = None
+        return differ
