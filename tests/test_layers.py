@@ -6,6 +6,7 @@
 - No import circles between modules.
 - Outside ``optim/``, no module reads an optimizer's private attributes: what checkpoint,
   overlap, clipping, memory and the tools need is published by the optimizer.
+- The patches of other libraries (``integrations/``) touch nothing until a ZeroAdam exists.
 
 ``__main__.py`` files are programs (``python -m zero_triton``), imported by no module:
 they may start a tool.
@@ -13,6 +14,10 @@ they may start a tool.
 from __future__ import annotations
 
 import ast
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +167,39 @@ def test_the_rules_see_a_planted_violation(tmp_path, graph):
         test_every_import_runs_downwards(planted)
     with pytest.raises(AssertionError, match="circles"):
         test_no_import_circles(planted)
+
+
+_PATCHES = r"""
+import os, torch, torch.nn.utils as U, torch.nn.utils.clip_grad as CG
+import torch.distributed as dist
+clip, unscale, unscale_ = U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_
+def patched():
+    return (U.clip_grad_norm_ is not clip, CG.clip_grad_norm_ is not clip,
+            torch.amp.GradScaler._unscale_grads_ is not unscale, torch.amp.GradScaler.unscale_ is not unscale_)
+import zero_triton
+m = torch.nn.Linear(4, 4)
+zero_triton.FusedAdamW(m.parameters())
+print("fused", patched())
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+zero_triton.ZeroAdamW(m.parameters())
+once = (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_)
+zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters())
+print("zero", patched(), once == (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_,
+                                  torch.amp.GradScaler.unscale_))
+dist.destroy_process_group()
+"""
+
+
+def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
+    """``import zero_triton`` and FusedAdam change nothing of torch; the first ZeroAdam
+    applies every patch of ``integrations/`` (both names of clip_grad_norm_, GradScaler's
+    two methods), and a second one applies none again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", _PATCHES], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PORT": str(port)})
+    assert out.returncode == 0, out.stderr
+    assert "fused (False, False, False, False)" in out.stdout, out.stdout
+    assert "zero (True, True, True, True) True" in out.stdout, out.stdout
