@@ -102,7 +102,8 @@ EXT_MODULES, EXT_CMDCLASS = native_extensions()
 
 PACKAGES = ["zero_triton", "zero_triton.native", "zero_triton.state", "zero_triton.comm", "zero_triton.optim",
             "zero_triton.integrations", "zero_triton.checkpoint", "zero_triton.memory",
-            "zero_triton.tools", "zero_triton.tools.profiling", "zero_triton.kernels"]
+            "zero_triton.tools", "zero_triton.tools.bench", "zero_triton.tools.profiling",
+            "zero_triton.kernels"]
 PACKAGE_DIR = {"zero_triton": "zero_triton", "zero_triton.kernels": "kernels"}
 
 install_requires = ["torch>=2.4", "numpy", "triton; platform_system == 'Linux'"]

@@ -203,3 +203,14 @@ def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     assert out.returncode == 0, out.stderr
     assert "fused (False, False, False, False)" in out.stdout, out.stdout
     assert "zero (True, True, True, True) True" in out.stdout, out.stdout
+
+
+def test_setup_installs_every_package():
+    """A regular (non-editable) install ships each folder of the layout: setup.py's
+    PACKAGES names every package under zero_triton/ (kernels/ is installed as one)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    listed = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PACKAGES")
+    found = {module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("__init__.py")}
+    found.add("zero_triton.kernels")
+    assert set(listed) == found, (sorted(found - set(listed)), sorted(set(listed) - found))
