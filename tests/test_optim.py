@@ -835,10 +835,11 @@ def test_unsupported_parameter_dtype():
 
 def test_master_weights_false_with_bf16():
     p = nn.Parameter(torch.randn(5).bfloat16())
-    before = p.detach().clone()
+    before, where = p.detach().clone(), p.data_ptr()
     with pytest.raises(ValueError, match="master_weights=False.*keep master_weights=None"):
         FusedAdam([p], backend="torch", master_weights=False)
     assert_bitwise(p.detach(), before, "param changed")
+    assert p.data_ptr() == where, "the parameter was moved into a flat buffer before the error"
 
 
 # -- the Triton launcher -------------------------------------------------------------------------

@@ -42,6 +42,12 @@ class FlatShard:
                  bucket_numel=None, key=0, reducer=None, stage=1):
         self.params = params
         self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
+        self.has_master = self.dtype in LOW_PRECISION
+        if self.has_master and not master_weights:  # before the parameters are re-homed
+            raise ValueError(
+                f"master_weights=False with {self.dtype} parameters is not supported: Adam "
+                "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
+                "for fp16/bf16 parameters) or train the parameters in float32")
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.bucket_numel, self.key, self.reducer, self.stage = bucket_numel, key, reducer, stage
@@ -71,13 +77,6 @@ class FlatShard:
         # The hooks live on the parameters, which outlive an optimizer that is dropped
         # (a sweep building one per trial): take them off when this buffer goes away.
         weakref.finalize(self, _remove_all, self.hooks)
-        self.has_master = self.dtype in LOW_PRECISION
-        if self.has_master and not master_weights:
-            self.remove_hooks()
-            raise ValueError(
-                f"master_weights=False with {self.dtype} parameters is not supported: Adam "
-                "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
-                "for fp16/bf16 parameters) or train the parameters in float32")
         self.state = ShardState(self.param_parts, self.segments, self.layout,
                                 has_master=self.has_master, amsgrad=amsgrad)
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
