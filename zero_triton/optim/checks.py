@@ -126,6 +126,46 @@ def with_grads(params):
     return params, tensors
 
 
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
+
+
+def check_no_dtensors(groups: list, who: str, first_group: int = 0) -> None:
+    """Refuse DTensor parameters (FSDP2's ``fully_shard``, tensor parallel), before anything
+    is built or communicated: their storage is the engine's, sharded already. ``groups``:
+    param-group dicts with their parameters listed, the first numbered ``first_group``."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return
+    for gi, group in enumerate(groups, first_group):
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else members
+        for i, p in enumerate(members):
+            p = p[1] if isinstance(p, tuple) else p
+            if not isinstance(p, dtensor):
+                continue
+            where = f"parameter {i} of param group {gi} is a DTensor {tuple(p.shape)} " \
+                    f"with placements {tuple(p.placements)}"
+            if who.startswith("Zero"):
+                raise TypeError(
+                    f"{who}: {where}: the engine that made it (FSDP2's fully_shard, tensor "
+                    "parallel) shards it already, and ZeroAdam would shard it again. Optimize "
+                    "DTensor parameters with torch.optim.AdamW(fused=True) (zero_triton's "
+                    "FusedAdam does not step them yet), or build ZeroAdam over the plain, "
+                    "unsharded model")
+            raise TypeError(
+                f"{who}: {where}: FusedAdam does not step DTensor parameters yet (it would "
+                "move them into a flat buffer of its own, and FSDP2 or tensor parallel owns "
+                "their storage). Optimize them with torch.optim.AdamW(fused=True) for now")
+
+
 def check_group_params(params: list, param_groups: list, *, materialised: bool) -> None:
     """A new param group's ``params``: tensors on one device, leaves, of a supported dtype,
     with dense gradients, in no other group of ``param_groups``, sharing no memory with

@@ -21,8 +21,8 @@ from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.edits import FollowsUserEdits
 from zero_triton.optim.checks import (check_drop_in_flags, check_flag, check_group_params,
-                                      check_hyperparameters, check_params_argument, to_float,
-                                      with_grads)
+                                      check_hyperparameters, check_no_dtensors,
+                                      check_params_argument, to_float, with_grads)
 from zero_triton.optim.shard import FlatShard, build_flats
 from zero_triton.state import watch
 
@@ -171,6 +171,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                                group.get("foreach"), group.get("capturable", False))
         if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
             param_group = {**param_group, "betas": tuple(to_float(b) for b in betas)}
+        check_no_dtensors([{"params": params}], type(self).__name__, len(self.param_groups))
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.

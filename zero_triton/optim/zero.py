@@ -28,7 +28,7 @@ from zero_triton.optim import owners
 from zero_triton.state import watch
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
-from zero_triton.optim.checks import check_params_argument
+from zero_triton.optim.checks import check_no_dtensors, check_params_argument
 from zero_triton.optim.fused import FusedAdam
 
 _FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
@@ -113,6 +113,7 @@ class ZeroAdam(FusedAdam):
         for g in groups:  # materialise generators once: we read them twice
             if not isinstance(g["params"], torch.Tensor):
                 g["params"] = list(g["params"])
+        check_no_dtensors(groups, type(self).__name__)  # before any collective
         self._check_same_model(comm, groups)
         # Built after the model check, which every rank passes together: the ordinal
         # (how many ZeroAdams this process built on this group before) is the same on all.
