@@ -210,7 +210,7 @@ std::pair<int64_t, int64_t> flat_status(const pybind11::list& params,
 }
 
 // The first parameter whose version counter is not seen[i] (written by the user since
-// the optimizer last looked: zero_triton.watch), or -1: one pass in C instead of a Python
+// the optimizer last looked: zero_triton.state.watch), or -1: one pass in C instead of a Python
 // attribute read per parameter on every step.
 int64_t first_written(const pybind11::list& params, const pybind11::list& seen) {
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
