@@ -17,6 +17,7 @@ import torch
 from zero_triton.comm import buckets
 from zero_triton.comm.group import LocalComm, phase
 from zero_triton.native import backends
+from zero_triton.optim import clipping
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.edits import FollowsUserEdits
@@ -342,33 +343,11 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not _in_step:  # step() has entered and averaged already
             self._reduce_grads(entry="clip_grad_norm_")
-        flats = [flat for _, flat in self._all_flats()]
-        if not flats:
+        shards = [flat.grad_shard for _, flat in self._all_flats()]
+        if not shards:
             return torch.zeros(())
-        device = flats[0].device
-        if norm_type == math.inf:
-            parts = [flat.grad_shard.abs().max().float() if flat.grad_shard.numel() else
-                     torch.zeros((), device=device) for flat in flats]
-            total = torch.stack([p.to(device) for p in parts]).max()
-            self._comm.all_reduce(total, "max")
-        else:
-            # Over ranks, in float64: the sum of per-shard parts then rounds to the same
-            # float32 for any bucket size (whose shards split the sum differently).
-            acc = torch.float64 if self._comm.world_size > 1 else torch.float32
-            parts = [torch.linalg.vector_norm(flat.grad_shard, norm_type, dtype=acc) ** norm_type
-                     for flat in flats]
-            total = torch.stack([p.to(device) for p in parts]).sum()
-            self._comm.all_reduce(total, "sum")
-            total = (total ** (1.0 / norm_type)).float()
-        if _grad_scale is not None:  # GradScaler still holds the gradients scaled
-            total = total / _grad_scale.to(device, torch.float32).reshape(())
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
-        if self._clip_coef is not None:
-            # Clipped already this step: as a second call of torch's function would, see
-            # the clipped gradients and clip them again (the coefficients multiply).
-            total = total * self._clip_coef.reshape(())
-            coef = self._clip_coef * torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
-        self._clip_coef = coef
+        total = clipping.global_norm(shards, self._comm, norm_type)
+        total, self._clip_coef = clipping.coefficient(total, max_norm, _grad_scale, self._clip_coef)
         self.grad_norm = total
         return total
 
