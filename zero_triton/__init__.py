@@ -5,12 +5,12 @@ buffer. ZeroAdam / ZeroAdamW: the same step with optimizer state sharded over a
 torch.distributed process group (ZeRO-1), averaged bucket by bucket during backward;
 ``overlap(model, optimizer)`` overlaps its parameter all-gathers with the next forward.
 """
-from zero_triton.state.flat import FlatLayout, flatten_params, unflatten_into
+from zero_triton import integrations
+from zero_triton.integrations import ZeroGradScaler, ddp_local_grads_hook
 from zero_triton.optim.fused import FusedAdam, FusedAdamW
 from zero_triton.optim.overlap import overlap
 from zero_triton.optim.zero import ZeroAdam, ZeroAdamW
-from zero_triton import integrations
-from zero_triton.integrations import ZeroGradScaler, ddp_local_grads_hook
+from zero_triton.state.flat import FlatLayout, flatten_params, unflatten_into
 
 integrations.install()  # armed here, applied when the first ZeroAdam is built
 

@@ -21,9 +21,9 @@ import math
 import torch
 
 from zero_triton.checkpoint.errors import CheckpointError, ModelMismatchError
-from zero_triton.state.flat import is_dense
 from zero_triton.checkpoint.files import (EXTRA_FILE, HEADER_BYTES, MAX_MANIFEST_BYTES,
                                           MODEL_EXTRA_FILE, MODEL_FILE, file_crc, rank_file)
+from zero_triton.state.flat import is_dense
 
 FORMAT = "zero_triton.checkpoint"
 VERSION = 2

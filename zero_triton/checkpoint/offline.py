@@ -7,14 +7,13 @@ import zlib
 
 import torch
 
-from zero_triton.optim import state_dict as adam_state
 from zero_triton.checkpoint import directory as dirs
 from zero_triton.checkpoint.errors import CheckpointError
-from zero_triton.checkpoint.files import (HEADER_BYTES, MODEL_EXTRA_FILE, Readers,
-                                          file_crc, header)
+from zero_triton.checkpoint.files import HEADER_BYTES, MODEL_EXTRA_FILE, Readers, file_crc, header
 from zero_triton.checkpoint.protocol import read_model_flat, read_state_range
-from zero_triton.state.flat import shaped
 from zero_triton.checkpoint.target import own_bytes
+from zero_triton.optim import state_dict as adam_state
+from zero_triton.state.flat import shaped
 
 
 def consolidate(path) -> tuple[dict, dict]:

@@ -26,8 +26,8 @@ import functools
 
 import torch
 
-from zero_triton.native import ext as _ext
 from zero_triton.comm import hooks
+from zero_triton.native import ext as _ext
 from zero_triton.state.flat import as_param
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# The parameters' dtypes FusedAdam steps (complex ones as (real, imaginary) pairs).
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
-             torch.complex128)
+from zero_triton.optim.shard import SUPPORTED
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay, foreach=None, capturable=False):

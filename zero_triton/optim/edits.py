@@ -17,13 +17,13 @@ from zero_triton.optim.shard import FlatShard
 
 class FollowsUserEdits:
     """FusedAdam's part that keeps ``opt.state`` and the user's writes in step with the
-    flat state (its ``_tracked`` table, ``_group_sizes``, ``_comm``, ``_all_flats``)."""
+    flat state (its ``_tracked`` table, ``_group_sizes``, ``_views_state``, ``_all_flats``)."""
 
     def _expose_state(self, *flats: FlatShard) -> None:
         """One rank: optimizer.state[p] holds views of the flat state, as torch.optim.Adam's
         would. Several ranks: a rank holds a shard of each parameter's state, not a tensor
         of its shape, so ``opt.state`` has no entries of ours (``state_dict()`` gathers)."""
-        if self._comm.world_size > 1:
+        if not self._views_state:
             return
         for flat in flats:
             views, table = flat.state_views(), self._tracked

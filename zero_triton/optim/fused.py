@@ -20,13 +20,12 @@ from zero_triton.native import backends
 from zero_triton.optim import clipping
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.edits import FollowsUserEdits
 from zero_triton.optim.checks import (check_drop_in_flags, check_flag, check_group_params,
                                       check_hyperparameters, check_no_dtensors,
                                       check_params_argument, to_float, with_grads)
+from zero_triton.optim.edits import FollowsUserEdits
 from zero_triton.optim.shard import FlatShard, build_flats
 from zero_triton.state import watch
-
 
 
 class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
@@ -104,6 +103,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._stage = stage
         self._bucket_cap_mb = bucket_cap_mb
         self._comm = comm
+        # One rank holds whole parameters' state: opt.state views it (``_expose_state``).
+        self._views_state = comm.world_size == 1
         self._reducer = buckets.Reducer(comm)
         # bucket_cap_mb=None: one bucket per flat buffer, averaged in step() only (never
         # from backward's hooks: safe for models whose ranks reach different parameters).
@@ -404,9 +405,10 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         if self._comm.world_size > 1 and self._overlap is None:
             with phase("zero_triton.all_gather", cuda):
                 self._reducer.wait_gathers()
-        for _, flat in flats:
-            if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
-                self._expose_state(flat)
+        if self._views_state:
+            for _, flat in flats:
+                if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
+                    self._expose_state(flat)
         self._grads_reduced = False
         self._clip_coef = None
         self._stepped()
@@ -520,6 +522,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             out.append(flat.flat_param)
             out.extend(flat.param_parts)
         return out
+
 
 class FusedAdamW(FusedAdam):
     """AdamW: FusedAdam with decoupled weight decay (default 1e-2), as torch.optim.AdamW."""

@@ -18,6 +18,8 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # The dtypes of flat buffers; complex parameters live in their real dtype's buffer as
 # (real, imaginary) pairs (zero_triton.state.flat.real_dtype), float64 ones step in float64.
 FLAT_DTYPES = (torch.float32,) + LOW_PRECISION + (torch.float64,)
+SUPPORTED = FLAT_DTYPES + (torch.complex64, torch.complex128)
+
 
 def _remove_all(handles: list) -> None:
     """Remove hook handles (in place: a finalizer holds the same list)."""

@@ -22,16 +22,17 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zero_triton.optim import state_dict as adam_state
 from zero_triton.comm import agreement
-from zero_triton.optim import owners
-from zero_triton.state import watch
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
+from zero_triton.optim import owners
+from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import check_no_dtensors, check_params_argument
 from zero_triton.optim.fused import FusedAdam
+from zero_triton.state import watch
 
 _FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
+
 
 def _signature(param_groups) -> list:
     """What every rank must agree on: per group, each parameter's shape and dtype."""

@@ -29,7 +29,6 @@ import torch
 
 from zero_triton.native import ext as _ext
 
-
 _VERSION = operator.attrgetter("_version")
 
 

@@ -36,7 +36,6 @@ LEGEND = {
 }
 
 
-
 # -- sizes and cases ------------------------------------------------------------------
 
 def parse_size(text: str) -> int:

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from zero_triton.tools import outputs
-from zero_triton.tools.machine import cpu_model, git_commit
-from zero_triton.tools.units import SUFFIXES, positive_number, whole_number
 from zero_triton.tools.bench.cases import (ALL_CASES, BYTES_PER_PARAM, GUARD_LP_RTOL, GUARD_RTOL,
-                                          GUARD_STEPS, LEGEND, LR, PROVIDER_IDS, build_cases,
-                                          parse_many, positive_float, size_list)
+                                           GUARD_STEPS, LEGEND, LR, PROVIDER_IDS, build_cases,
+                                           parse_many, positive_float, size_list)
 from zero_triton.tools.bench.providers import load_cpu_limit
 from zero_triton.tools.bench.run import run_case
+from zero_triton.tools.machine import cpu_model, git_commit
+from zero_triton.tools.units import SUFFIXES, positive_number, whole_number
 
 # -- output -----------------------------------------------------------------------------
 

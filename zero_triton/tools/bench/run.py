@@ -12,13 +12,14 @@ import time
 import torch
 
 from zero_triton.tools.bench import providers as provide
-from zero_triton.tools.machine import cache_bytes
 from zero_triton.tools.bench.cases import (BETAS, BYTES_PER_PARAM, EPS, GUARD_LP_RTOL, GUARD_RTOL,
-                                          GUARD_STEPS, INTERPRET_MAX_NUMEL, LR, REF_SLICE,
-                                          format_size)
+                                           GUARD_STEPS, INTERPRET_MAX_NUMEL, LR, REF_SLICE,
+                                           format_size)
 from zero_triton.tools.bench.providers import Provider
+from zero_triton.tools.machine import cache_bytes
 
 # -- timing -----------------------------------------------------------------------------
+
 
 class Timer:
     def __init__(self, device):

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zero_triton.tools import outputs
 from zero_triton.comm.group import phase
-from zero_triton.tools.gpt import GPTConfig, build_gpt, synthetic_batch
 from zero_triton.memory.model import stage_bytes
-from zero_triton.tools.profiling import bandwidth, timeline, wire
 from zero_triton.memory.probe import MemoryProbe
+from zero_triton.tools import outputs
+from zero_triton.tools.gpt import GPTConfig, build_gpt, synthetic_batch
+from zero_triton.tools.profiling import bandwidth, timeline, wire
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1

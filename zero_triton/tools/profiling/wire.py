@@ -26,6 +26,7 @@ import torch.distributed as dist
 from zero_triton.comm.group import GroupComm
 from zero_triton.state.flat import FlatLayout
 
+
 def ring_bytes(buffer_bytes: int, world_size: int) -> dict:
     """Bytes each rank sends for one collective on a buffer of ``buffer_bytes`` (a
     multiple of ``world_size``), by the ring formulas."""
