@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from zero_triton.optim.local_shard import is_dtensor
 from zero_triton.optim.shard import SUPPORTED
 
 
@@ -66,7 +67,8 @@ def check_no_shared_memory(existing, params) -> None:
     spans = []
     for where, group in (("an earlier param group's", existing), ("the group's", params)):
         for i, p in enumerate(group):
-            if p.numel() == 0 or p.device.type == "meta":
+            # A DTensor's storage is its engine's and stays so (zero_triton.optim.local_shard).
+            if p.numel() == 0 or p.device.type == "meta" or is_dtensor(p):
                 continue
             start = p.data_ptr()
             spans.append((p.untyped_storage().data_ptr(), start,
@@ -124,44 +126,24 @@ def with_grads(params):
     return params, tensors
 
 
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return None
-    return DTensor
-
-
 def check_no_dtensors(groups: list, who: str, first_group: int = 0) -> None:
-    """Refuse DTensor parameters (FSDP2's ``fully_shard``, tensor parallel), before anything
-    is built or communicated: their storage is the engine's, sharded already. ``groups``:
-    param-group dicts with their parameters listed, the first numbered ``first_group``."""
-    dtensor = _dtensor_type()
-    if dtensor is None:
-        return
+    """ZeroAdam refuses DTensor parameters (FSDP2's ``fully_shard``, tensor parallel),
+    before anything is built or communicated: the engine shards them already, and
+    FusedAdam steps them where it keeps them. ``groups``: param-group dicts with their
+    parameters listed, the first numbered ``first_group``."""
     for gi, group in enumerate(groups, first_group):
         members = group["params"]
         members = [members] if isinstance(members, torch.Tensor) else members
         for i, p in enumerate(members):
             p = p[1] if isinstance(p, tuple) else p
-            if not isinstance(p, dtensor):
-                continue
-            where = f"parameter {i} of param group {gi} is a DTensor {tuple(p.shape)} " \
-                    f"with placements {tuple(p.placements)}"
-            if who.startswith("Zero"):
+            if is_dtensor(p):
                 raise TypeError(
-                    f"{who}: {where}: the engine that made it (FSDP2's fully_shard, tensor "
-                    "parallel) shards it already, and ZeroAdam would shard it again. Optimize "
-                    "DTensor parameters with torch.optim.AdamW(fused=True) (zero_triton's "
-                    "FusedAdam does not step them yet), or build ZeroAdam over the plain, "
-                    "unsharded model")
-            raise TypeError(
-                f"{who}: {where}: FusedAdam does not step DTensor parameters yet (it would "
-                "move them into a flat buffer of its own, and FSDP2 or tensor parallel owns "
-                "their storage). Optimize them with torch.optim.AdamW(fused=True) for now")
+                    f"{who}: parameter {i} of param group {gi} is a DTensor {tuple(p.shape)} "
+                    f"with placements {tuple(p.placements)}: the engine that made it (FSDP2's "
+                    "fully_shard, tensor parallel) shards it already, and ZeroAdam would shard "
+                    "it again. Optimize DTensor parameters with zero_triton.FusedAdamW (the "
+                    "one-line swap from torch.optim.AdamW: it steps each local shard where the "
+                    "engine keeps it), or build ZeroAdam over the plain, unsharded model")
 
 
 def check_group_params(params: list, param_groups: list, *, materialised: bool) -> None:

@@ -7,22 +7,32 @@ import math
 import torch
 
 
-def global_norm(shards: list, comm, norm_type: float) -> torch.Tensor:
-    """The ``norm_type`` norm of the gradient whose pieces are every rank's ``shards``
-    (one all-reduce over ``comm``, no host sync), a 0-dim float32 tensor."""
-    device = shards[0].device
+def global_norm(flats: list, comm, norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm of the gradient whose pieces are every rank's shards of
+    ``flats`` (no host sync), a 0-dim float32 tensor: the shards' terms are reduced over
+    ``comm`` (one all-reduce), or, for DTensor parameters' shards, over their meshes
+    (``zero_triton.optim.local_shard``), as torch's clip_grad_norm_ reduces DTensors."""
+    engine = [f.engine_owned for f in flats]
+    if any(engine) and not all(engine):
+        raise RuntimeError(
+            "clip_grad_norm_ over DTensor parameters (FSDP2, tensor parallel) and plain ones "
+            "together: the plain ones' ranks are not the meshes' (torch's clip_grad_norm_ "
+            "refuses the mix too). Make every parameter a DTensor (replicate the plain ones "
+            "over the mesh: distribute_tensor(p, mesh, [Replicate()])), or clip them apart")
+    device = flats[0].device
     if norm_type == math.inf:
-        parts = [g.abs().max().float() if g.numel() else torch.zeros((), device=device)
-                 for g in shards]
-        total = torch.stack([p.to(device) for p in parts]).max()
-        comm.all_reduce(total, "max")
+        terms = [f.grad_norm_term(norm_type, torch.float32) for f in flats]
+        total = torch.stack([t.to(device) for t in terms]).max()
+        if not all(engine):
+            comm.all_reduce(total, "max")
         return total
     # Over ranks, in float64: the sum of per-shard parts then rounds to the same float32
     # for any bucket size (whose shards split the sum differently).
-    acc = torch.float64 if comm.world_size > 1 else torch.float32
-    parts = [torch.linalg.vector_norm(g, norm_type, dtype=acc) ** norm_type for g in shards]
-    total = torch.stack([p.to(device) for p in parts]).sum()
-    comm.all_reduce(total, "sum")
+    acc = torch.float64 if comm.world_size > 1 or all(engine) else torch.float32
+    terms = [f.grad_norm_term(norm_type, acc) for f in flats]
+    total = torch.stack([t.to(device) for t in terms]).sum()
+    if not all(engine):
+        comm.all_reduce(total, "sum")
     return (total ** (1.0 / norm_type)).float()
 
 

@@ -20,11 +20,12 @@ from zero_triton.native import backends
 from zero_triton.optim import clipping
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
+from zero_triton.optim.build import build_flats
 from zero_triton.optim.checks import (check_drop_in_flags, check_flag, check_group_params,
-                                      check_hyperparameters, check_no_dtensors,
-                                      check_params_argument, to_float, with_grads)
+                                      check_hyperparameters, check_params_argument, to_float,
+                                      with_grads)
 from zero_triton.optim.edits import FollowsUserEdits
-from zero_triton.optim.shard import FlatShard, build_flats
+from zero_triton.optim.shard import FlatShard
 from zero_triton.state import watch
 
 
@@ -173,7 +174,6 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                                group.get("foreach"), group.get("capturable", False))
         if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
             param_group = {**param_group, "betas": tuple(to_float(b) for b in betas)}
-        check_no_dtensors([{"params": params}], type(self).__name__, len(self.param_groups))
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
@@ -344,10 +344,10 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not _in_step:  # step() has entered and averaged already
             self._reduce_grads(entry="clip_grad_norm_")
-        shards = [flat.grad_shard for _, flat in self._all_flats()]
-        if not shards:
+        flats = [flat for _, flat in self._all_flats()]
+        if not flats:
             return torch.zeros(())
-        total = clipping.global_norm(shards, self._comm, norm_type)
+        total = clipping.global_norm(flats, self._comm, norm_type)
         total, self._clip_coef = clipping.coefficient(total, max_norm, _grad_scale, self._clip_coef)
         self.grad_norm = total
         return total
@@ -394,8 +394,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                 plans[flat.key] = (flat, flat.prepare(group, grad_scale, found_inf, clip))
             if self._comm.world_size == 1:
                 for flat, plan in plans.values():
-                    for k in range(len(flat.segments)):
-                        flat.update_bucket(k, plan)
+                    flat.update(plan)
             else:  # each bucket's all-gather starts as soon as its kernel is done
                 self._reducer.gathering = True
                 for b in self._reducer.gather_order():

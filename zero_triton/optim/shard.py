@@ -4,6 +4,7 @@ buffer), the gradients (``zero_triton.comm.grads``), the buckets that average th
 (``zero_triton.state.shards``) and the kernel that steps it (``zero_triton.native``)."""
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -39,6 +40,9 @@ class FlatShard:
     parameter whose ``.grad`` is None is not stepped; ``zero_triton.comm.grads`` says how it
     is told). Parameters that were not stepped keep their state, step count included.
     """
+
+    # The parameters live in our flat buffer (``LocalShard``: their engine's, DTensor).
+    engine_owned = False
 
     def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
                  bucket_numel=None, key=0, reducer=None, stage=1):
@@ -103,9 +107,21 @@ class FlatShard:
 
     def state_views(self) -> dict:
         """Per-parameter views of each state buffer, shaped as the parameters (complex
-        for a complex parameter, as torch.optim.Adam keeps its moments)."""
+        for a complex parameter, as torch.optim.Adam keeps its moments): what
+        ``opt.state`` and ``state_dict()`` hold."""
         return {k: [as_param(v, p) for v, p in zip(views, self.params)]
                 for k, views in self.state.views().items()}
+
+    def local_views(self) -> dict:
+        """Per-parameter views of each state buffer as this process holds them (here the
+        same as ``state_views``): what a value given for parameter ``i`` is copied into
+        after ``local_value``."""
+        return self.state_views()
+
+    def local_value(self, value: torch.Tensor, i: int) -> torch.Tensor:
+        """A state value given for parameter ``i`` (a state dict's, ``opt.state``'s), as
+        this process holds that parameter's state."""
+        return value
 
     # -- the gradients (zero_triton.comm.grads) ------------------------------------------------
     @property
@@ -211,6 +227,11 @@ class FlatShard:
         runs = self.state.count(self.stepped, found_inf)
         return {"kwargs": kwargs, "runs": runs, "amsgrad": group["amsgrad"]}
 
+    def update(self, plan: dict) -> None:
+        """The fused kernel over this rank's whole shard (one process: every bucket)."""
+        for k in range(len(self.segments)):
+            self.update_bucket(k, plan)
+
     def update_bucket(self, k: int, plan: dict) -> None:
         """The fused kernel over this rank's shard of bucket ``k``."""
         lo, hi, s0 = self.segments[k]
@@ -226,10 +247,23 @@ class FlatShard:
         st = self.state
         param = self.param_parts[k][a:b]
         master = st.master[s0 + a:s0 + b] if st.master is not None else param
-        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], st.exp_avg[s0 + a:s0 + b],
+        self.step_fn(master, self._grad(k, s0, a, b), st.exp_avg[s0 + a:s0 + b],
                      st.exp_avg_sq[s0 + a:s0 + b],
                      st.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
                      param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
+
+    def _grad(self, k, s0, a, b) -> torch.Tensor:
+        """The averaged gradient of elements [a, b) of segment ``k`` (state offset ``s0``)."""
+        return self.grad_shard[s0 + a:s0 + b]
+
+    def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
+        """This rank's part of the gradient norm, in ``dtype``: the sum of |g|^norm_type
+        over its averaged shard (the largest |g| for the inf norm), for ``clipping`` to
+        reduce over the optimizer's ranks."""
+        g = self.grad_shard
+        if norm_type == math.inf:
+            return g.abs().max().to(dtype) if g.numel() else torch.zeros((), dtype=dtype, device=self.device)
+        return torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
 
     def gather_bucket(self, k: int) -> None:
         """Start gathering every rank's updated shard of bucket ``k``."""
@@ -250,29 +284,3 @@ class FlatShard:
             "padding": self.layout.padding * elem * 2,
             "scratch": size(self.scratch),
         }
-
-
-def build_flats(trainable: list, comm, *, backend: str, master_weights, amsgrad: bool,
-                reduce_dtype, bucket_numel, key: int, reducer, stage: int) -> list:
-    """The flat buffers of one param group: a ``FlatShard`` per dtype of ``trainable``
-    (complex parameters in their real dtype's), numbered from ``key``;
-    ``bucket_numel(dtype)`` cuts each into buckets. The backend is resolved first (an
-    error names the fix); if one buffer fails, the hooks of those already built are
-    removed and nothing is left behind."""
-    if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
-        backends.resolve(backend, trainable[0].device)  # raises with the fix
-    flats = []
-    try:
-        for dtype in FLAT_DTYPES:
-            members = [p for p in trainable if real_dtype(p.dtype) == dtype]
-            if members:
-                flats.append(FlatShard(members, comm, master_weights=master_weights,
-                                       backend=backend, amsgrad=amsgrad,
-                                       reduce_dtype=reduce_dtype,
-                                       bucket_numel=bucket_numel(dtype),
-                                       key=key + len(flats), reducer=reducer, stage=stage))
-    except BaseException:
-        for flat in flats:
-            flat.remove_hooks()
-        raise
-    return flats

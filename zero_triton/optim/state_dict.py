@@ -229,7 +229,7 @@ def load_shard(flat, entries, step) -> None:
             o = flat.layout.offsets[i] + a - lo + s0
             for key, buf in targets.items():
                 if entries[i] is not None and key in entries[i]:
-                    given = entries[i][key]
+                    given = flat.local_value(entries[i][key], i)
                     if given.is_complex():  # torch's complex moments: (real, imaginary) pairs
                         given = torch.view_as_real(given)
                     # In the parameter's memory order (channels_last keeps its own).
@@ -304,7 +304,7 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
 def plan_user_state(flat, user):
     """(copies, new step counts or None, parameters to re-seed) for one flat buffer
     from the user's ``opt.state``; raises on entries it cannot take."""
-    views, counts = flat.state_views(), flat.state.param_steps()
+    views, counts = flat.local_views(), flat.state.param_steps()
     copies, reseed, steps_changed = [], [], False
     for i, p in enumerate(flat.params):
         entry = dict.get(user, p) if isinstance(user, dict) else None
@@ -327,6 +327,8 @@ def plan_user_state(flat, user):
                         f"'{key}'; assign a tensor of the parameter's shape, or delete the "
                         "whole entry (del optimizer.state[p]) to start it over")
                 continue
+            if isinstance(given, torch.Tensor):
+                given = flat.local_value(given, i)
             if not isinstance(given, torch.Tensor) or given.numel() != v[i].numel():
                 raise ValueError(
                     f"optimizer.state[p]['{key}'] of parameter {i} {tuple(p.shape)} must be "

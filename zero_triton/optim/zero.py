@@ -215,6 +215,7 @@ class ZeroAdam(FusedAdam):
         if getattr(self, "_constructed", False):
             if not isinstance(param_group["params"], torch.Tensor):
                 param_group["params"] = list(param_group["params"])
+            check_no_dtensors([param_group], type(self).__name__, len(self.param_groups))
             self._check_same_model(self._comm, [param_group])
         super().add_param_group(param_group)
         # torch's clip_grad_norm_ comes here (``zero_triton.integrations.clip_grad``) when

@@ -29,8 +29,10 @@ class ShardState:
         self.has_master = has_master
         self.device = param_parts[0].device
         n = layout.shard_numel
-        if has_master:
-            self.master = torch.cat(param_parts).float()
+        if has_master:  # each segment's parameters at its state offset
+            self.master = torch.zeros(n, dtype=torch.float32, device=self.device)
+            for part, (lo, hi, s0) in zip(param_parts, segments):
+                self.master[s0:s0 + hi - lo].copy_(part)
         else:
             self.master = param_parts[0] if len(param_parts) == 1 else None
         # float64 parameters keep float64 state (torch steps them in float64); every

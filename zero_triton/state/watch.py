@@ -136,11 +136,16 @@ for _name in ("__delitem__", "pop", "popitem", "clear"):
     setattr(TrackedState, _name, _removes(getattr(TrackedState, _name)))
 
 
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s memory starts; a DTensor's is its local shard's (the wrapper has none)."""
+    return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
+
+
 def unaliased(state_dict: dict, ours) -> dict:
     """``state_dict`` with every tensor of its ``state`` that shares memory with one of
     ``ours`` (the live state buffers and parameters) replaced by a copy, so that a load
     can overwrite ours first and still read what it was given."""
-    storages = {t.untyped_storage().data_ptr() for t in ours if t is not None and t.numel()}
+    storages = {_storage(t) for t in ours if t is not None and t.numel()}
     state = state_dict.get("state")
     if not isinstance(state, dict) or not storages:
         return state_dict
@@ -150,7 +155,7 @@ def unaliased(state_dict: dict, ours) -> dict:
             continue
         for name, value in entry.items():
             if (isinstance(value, torch.Tensor) and value.numel()
-                    and value.untyped_storage().data_ptr() in storages):
+                    and _storage(value) in storages):
                 if copied is None:
                     copied = {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
                 copied[key][name] = value.clone()

@@ -1,0 +1,41 @@
+"""A param group's parameters to the shards that step them: plain tensors re-homed into a
+``FlatShard`` per dtype (``zero_triton.optim.shard``), DTensor parameters left where their
+engine keeps them, stepped by a ``LocalShard`` per dtype (``zero_triton.optim.local_shard``)."""
+from __future__ import annotations
+
+from zero_triton.native import backends
+from zero_triton.optim.local_shard import LocalShard, is_dtensor
+from zero_triton.optim.shard import FLAT_DTYPES, FlatShard
+from zero_triton.state.flat import real_dtype
+
+
+def build_flats(trainable: list, comm, *, backend: str, master_weights, amsgrad: bool,
+                reduce_dtype, bucket_numel, key: int, reducer, stage: int) -> list:
+    """The shards of one param group, numbered from ``key``: a ``FlatShard`` per dtype of
+    the plain tensors of ``trainable`` (complex parameters in their real dtype's;
+    ``bucket_numel(dtype)`` cuts each into buckets), then a ``LocalShard`` per dtype of
+    its DTensors. The backend is resolved first (an error names the fix); if one shard
+    fails, the hooks of those already built are removed and nothing is left behind."""
+    if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
+        backends.resolve(backend, trainable[0].device)  # raises with the fix
+    plain = [p for p in trainable if not is_dtensor(p)]
+    engine = [p for p in trainable if is_dtensor(p)]
+    flats = []
+    try:
+        for dtype in FLAT_DTYPES:
+            members = [p for p in plain if real_dtype(p.dtype) == dtype]
+            if members:
+                flats.append(FlatShard(members, comm, master_weights=master_weights,
+                                       backend=backend, amsgrad=amsgrad,
+                                       reduce_dtype=reduce_dtype,
+                                       bucket_numel=bucket_numel(dtype),
+                                       key=key + len(flats), reducer=reducer, stage=stage))
+        for dtype in dict.fromkeys(p.dtype for p in engine):
+            members = [p for p in engine if p.dtype == dtype]
+            flats.append(LocalShard(members, comm, master_weights=master_weights,
+                                    backend=backend, amsgrad=amsgrad, key=key + len(flats)))
+    except BaseException:
+        for flat in flats:
+            flat.remove_hooks()
+        raise
+    return flats
