@@ -170,6 +170,46 @@ def test_dcp_resume_continues_from_the_saved_moments(tmp_path):
         assert torch.equal(a, b), f"param {i}: {(a - b).abs().max().item()}"
 
 
+def _zero_dcp(rank, world, path):
+    """get_optimizer_state_dict on a trained ZeroAdamW, then the DCP round trip."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    model = _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.0005)
+    _train(model, opt, 2, torch.float32, seed=rank)
+    before = copy.deepcopy(opt.state_dict())
+    saved = get_optimizer_state_dict(model, opt)
+    after = opt.state_dict()
+    untouched = all(torch.equal(after["state"][k][name], t)
+                    for k, entry in before["state"].items() for name, t in entry.items())
+    dcp.save({"optim": saved}, checkpoint_id=path)
+    _train(model, opt, 2, torch.float32, seed=10 + rank)
+    fresh = _mlp(seed=9)
+    fresh.load_state_dict(model.state_dict())
+    fresh_opt = ZeroAdamW(fresh.parameters(), lr=1e-2, bucket_cap_mb=0.0005)
+    sd = {"optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+    loaded = fresh_opt.state_dict()
+    resumed = all(torch.equal(loaded["state"][k][name], t)
+                  for k, entry in before["state"].items() for name, t in entry.items())
+    return untouched, resumed, sorted({float(e["step"]) for e in after["state"].values()})
+
+
+def test_zero_get_optimizer_state_dict_leaves_the_state_alone(tmp_path):
+    """torch's get_optimizer_state_dict steps an optimizer whose ``optimizer.state`` is
+    empty (zero gradients, lr 0) to make its state; a ZeroAdam at several ranks lists no
+    per-parameter tensors there, and was stepped: its step count moved on and its moments
+    decayed. Now its state counts as present: the call changes nothing, and the DCP round
+    trip restores exactly what was saved."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    del dcp
+    for untouched, resumed, steps in run_ranks(_zero_dcp, 2, str(tmp_path / "ckpt"), timeout=300):
+        assert untouched and steps == [2.0], steps
+        assert resumed
+
+
 # -- under ZeRO: the same, agreed over the ranks -----------------------------------------------
 def _zero_writes(rank, world, stage):
     """Item 1 and 4 under ZeroAdamW: bf16 writes after construction on every rank, and

@@ -189,6 +189,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._flats.append(flats)
         self._reducer.rebuild([f for _, f in self._all_flats()])
         self._expose_state(*flats)
+        self._tracked.elsewhere = not self._views_state and any(self._flats)
 
     def _bucket_numel(self, dtype) -> int | None:
         if self._bucket_cap_mb is None or self._comm.world_size == 1:

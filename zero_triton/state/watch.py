@@ -99,6 +99,15 @@ class TrackedState(collections.defaultdict):
         super().__init__(dict)
         self.edited = False
         self.removed = False  # an entry was deleted (clear, del, pop): a reset for ZeroAdam
+        # The optimizer holds state that this table does not list (ZeroAdam at several
+        # ranks: each holds shards, not tensors of the parameters' shapes).
+        self.elsewhere = False
+
+    def __bool__(self) -> bool:
+        """Whether the optimizer has state, as ``if optimizer.state:`` asks it (torch's
+        ``get_optimizer_state_dict`` steps an optimizer whose state is empty, with zero
+        gradients, to make some): True for a ZeroAdam with parameters, at any rank count."""
+        return self.elsewhere or dict.__len__(self) > 0
 
     def _edited(self) -> None:
         self.edited = True
