@@ -78,13 +78,14 @@ else
     run_stage info 45 bash -c "nvidia-smi; $PY -m zero_triton info"
     # --no-deps: the GPU machine may be offline; torch and triton are there already.
     run_stage build 165 env ZERO_TRITON_BUILD_EXT=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
-    run_stage test-marked 50 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
+    # test-marked includes FSDP2 on the GPU with the compiled list kernel (tests/test_dtensor.py).
+    run_stage test-marked 70 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
     # test-named includes two gloo ranks on the GPU (tests/test_side_stream.py).
     run_stage test-named 75 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
     # The benchmark drops its slow multi-pass providers by itself at sizes whose
     # buffers would not all fit in device memory.
-    run_stage bench 120 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
-        --cases fp32,bf16,gpt2,many --repeats 30 --out "$OUT"
+    run_stage bench 100 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
+        --cases fp32,bf16,gpt2,many --repeats 20 --out "$OUT"
     run_stage e2e 100 "$PY" bench/e2e.py --device cuda --ranks 1 --steps 10 --warmup 3 \
         --layers 12 --width 768 --heads 12 --vocab 50304 --seq 512 --batch 8 --out "$OUT"
 fi

@@ -30,6 +30,56 @@ def _one_minus_pow(log_beta, t):
 
 
 @triton.jit
+def _adam_update(
+    p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
+    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+    ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+):
+    """The update of one block: (parameter, exp_avg, exp_avg_sq, max_exp_avg_sq) from
+    the loaded fp32 values (``vmax``: the old max_exp_avg_sq, read only with AMSGRAD)."""
+    if HAS_GRAD_SCALE:
+        g = g / tl.load(grad_scale_ptr)
+    if HAS_CLIP:
+        g = g * tl.load(clip_coef_ptr)
+    if MAXIMIZE:
+        g = -g
+    if HAS_WEIGHT_DECAY:
+        if ADAMW:
+            p = p * (1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    if AMSGRAD:
+        vmax = tl.maximum(vmax, v)
+    else:
+        vmax = v
+
+    bias_correction1 = _one_minus_pow(log_beta1, t)
+    bias_correction2_sqrt = tl.sqrt(_one_minus_pow(log_beta2, t))
+    step_size = lr / bias_correction1
+    # eps is added after the bias correction, as torch.optim.Adam does.
+    denom = tl.sqrt(vmax) / bias_correction2_sqrt + eps
+    p = p - step_size * (m / denom)
+    return p, m, v, vmax
+
+
+@triton.jit
+def _store_low_precision(ptrs, p, mask, PARAM_LP_BF16: tl.constexpr):
+    if PARAM_LP_BF16:
+        # Round to nearest even with integer ops: the same bits on every device
+        # (the Triton CPU interpreter truncates in .to(bfloat16)).
+        bits = p.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(p != p, 0x7FC0, rounded)
+        tl.store(ptrs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, p.to(tl.float16), mask=mask)
+
+
+@triton.jit
 def _adam_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, param_lp_ptr,
     step_ptr, lr_ptr, grad_scale_ptr, found_inf_ptr, clip_coef_ptr,
@@ -55,47 +105,78 @@ def _adam_kernel(
     p = tl.load(param_ptr + offs, mask=mask, other=0.0)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-
-    if HAS_GRAD_SCALE:
-        g = g / tl.load(grad_scale_ptr)
-    if HAS_CLIP:
-        g = g * tl.load(clip_coef_ptr)
-    if MAXIMIZE:
-        g = -g
-    if HAS_WEIGHT_DECAY:
-        if ADAMW:
-            p = p * (1.0 - lr * weight_decay)
-        else:
-            g = g + weight_decay * p
-
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
+    vmax = v
     if AMSGRAD:
-        vmax = tl.maximum(tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0), v)
-        tl.store(max_exp_avg_sq_ptr + offs, vmax, mask=mask)
-    else:
-        vmax = v
-
-    bias_correction1 = _one_minus_pow(log_beta1, t)
-    bias_correction2_sqrt = tl.sqrt(_one_minus_pow(log_beta2, t))
-    step_size = lr / bias_correction1
-    # eps is added after the bias correction, as torch.optim.Adam does.
-    denom = tl.sqrt(vmax) / bias_correction2_sqrt + eps
-    p = p - step_size * (m / denom)
-
+        vmax = tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    p, m, v, vmax = _adam_update(p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
+                                 beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                                 ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
+                                 HAS_CLIP)
     tl.store(param_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if AMSGRAD:
+        tl.store(max_exp_avg_sq_ptr + offs, vmax, mask=mask)
+    if HAS_PARAM_LP:
+        _store_low_precision(param_lp_ptr + offs, p, mask, PARAM_LP_BF16)
+
+
+@triton.jit
+def _adam_list_kernel(
+    table_ptr, tiles_ptr, lr_ptr, grad_scale_ptr, found_inf_ptr, clip_coef_ptr,
+    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+    ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr, HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
+    GRAD_KIND: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The same step over a list of tensors in one launch: program ``i`` updates BLOCK
+    elements of one tensor, from element ``tiles[i, 1]`` of tensor ``tiles[i, 0]``, whose
+    row of ``table`` holds the addresses of its parameter (fp32), gradient
+    (GRAD_KIND: 0 fp32, 1 fp16, 2 bf16), moments, low-precision copy, step count, and
+    its element count (columns as ``_row`` writes them)."""
+    if HAS_FOUND_INF:
+        if tl.load(found_inf_ptr) != 0.0:
+            return
+    pid = tl.program_id(0).to(tl.int64)
+    row = table_ptr + tl.load(tiles_ptr + 2 * pid) * 8
+    offs = tl.load(tiles_ptr + 2 * pid + 1) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(row + 7)
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
+    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    if GRAD_KIND == 1:
+        g = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.float16)) + offs, mask=mask, other=0.0)
+    elif GRAD_KIND == 2:
+        g = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.bfloat16)) + offs, mask=mask, other=0.0)
+    else:
+        g = tl.load(tl.load(row + 1).to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+    g = g.to(tl.float32)
+
+    lr = tl.load(lr_ptr)
+    t = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)))
+    p = tl.load(param_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    vmax = v
+    if AMSGRAD:
+        max_exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        vmax = tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    p, m, v, vmax = _adam_update(p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
+                                 beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                                 ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
+                                 HAS_CLIP)
+    tl.store(param_ptr + offs, p, mask=mask)
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if AMSGRAD:
+        tl.store(max_exp_avg_sq_ptr + offs, vmax, mask=mask)
     if HAS_PARAM_LP:
         if PARAM_LP_BF16:
-            # Round to nearest even with integer ops: the same bits on every device
-            # (the Triton CPU interpreter truncates in .to(bfloat16)).
-            bits = p.to(tl.uint32, bitcast=True)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            rounded = tl.where(p != p, 0x7FC0, rounded)
-            tl.store(param_lp_ptr + offs, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+            lp_ptr = tl.load(row + 5).to(tl.pointer_type(tl.bfloat16))
         else:
-            tl.store(param_lp_ptr + offs, p.to(tl.float16), mask=mask)
+            lp_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float16))
+        _store_low_precision(lp_ptr + offs, p, mask, PARAM_LP_BF16)
 
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -179,4 +260,103 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         HAS_CLIP=clip_coef is not None,
         BLOCK=block, num_warps=warps,
+    )
+
+
+def _row(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step) -> list:
+    """One tensor's row of the list kernel's table: its tensors' addresses (0 for the
+    absent ones), then its element count."""
+    return [param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+            0 if max_exp_avg_sq is None else max_exp_avg_sq.data_ptr(),
+            0 if param_lp is None else param_lp.data_ptr(), step.data_ptr(), param.numel()]
+
+
+def _list_block(numels) -> int:
+    if INTERPRET:  # few program instances: one block covers the largest tensor
+        return max(16, min(1 << 17, triton.next_power_of_2(max(numels, default=1))))
+    return 2048
+
+
+def adam_step_list(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params_lp, steps, lr, *,
+                   beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+                   grad_scale=None, found_inf=None, clip_coef=None):
+    """``adam_step`` over lists of tensors (the local shards of DTensor parameters,
+    wherever they live), in one launch: ``params[i]`` (float32, flat: a master or an
+    fp32 parameter) with ``grads[i]``, ``exp_avgs[i]``, ``exp_avg_sqs[i]``,
+    ``max_exp_avg_sqs[i]`` (amsgrad; else None), ``params_lp[i]`` (fp16/bf16 written
+    from the update, or None for all) and ``steps[i]`` (float32 [1], already incremented).
+    Every gradient has one dtype. The addresses travel in a table the kernel reads on
+    the device; ``lr`` and the optional scalars are as in ``adam_step``."""
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    if params_lp is not None:
+        lists["params_lp"] = params_lp
+    for name, values in lists.items():
+        if values is None or len(values) != n:
+            raise ValueError(f"`{name}` must list one tensor per parameter ({n}), got "
+                             f"{None if values is None else len(values)}")
+    if n == 0:
+        return
+    device = params[0].device
+    grad_dtypes = {g.dtype for g in grads}
+    if len(grad_dtypes) != 1:
+        raise ValueError(f"the gradients have several dtypes {sorted(map(str, grad_dtypes))}; "
+                         "one launch reads one: call once per dtype")
+    lp_dtypes = {t.dtype for t in params_lp} if params_lp is not None else set()
+    if len(lp_dtypes) > 1:
+        raise ValueError(f"`params_lp` mixes {sorted(map(str, lp_dtypes))}; call once per dtype")
+    rows, tiles = [], []
+    block = _list_block([p.numel() for p in params])
+    for i in range(n):
+        p = params[i]
+        numel = p.numel()
+        _check(f"params[{i}]", p, numel, (torch.float32,), device)
+        _check(f"grads[{i}]", grads[i], numel, _GRAD_DTYPES, device)
+        _check(f"exp_avgs[{i}]", exp_avgs[i], numel, (torch.float32,), device)
+        _check(f"exp_avg_sqs[{i}]", exp_avg_sqs[i], numel, (torch.float32,), device)
+        _check(f"steps[{i}]", steps[i], 1, (torch.float32,), device)
+        vmax = max_exp_avg_sqs[i] if amsgrad else None
+        if vmax is not None:
+            _check(f"max_exp_avg_sqs[{i}]", vmax, numel, (torch.float32,), device)
+        lp = params_lp[i] if params_lp is not None else None
+        if lp is not None:
+            _check(f"params_lp[{i}]", lp, numel, (torch.float16, torch.bfloat16), device)
+        rows.extend(_row(p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, lp, steps[i]))
+        for start in range(0, numel, block):
+            tiles.extend((i, start))
+    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf),
+                    ("clip_coef", clip_coef)):
+        if t is not None:
+            _check(name, t, 1, (torch.float32,), device)
+    if device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(
+            f"the Triton kernel got {device} tensors; Triton runs on CUDA tensors, or on CPU "
+            "tensors with TRITON_INTERPRET=1 set before zero_triton is imported; "
+            "otherwise use backend='cpu' or 'torch'")
+    if not tiles:
+        return
+    table = torch.tensor(rows + tiles, dtype=torch.int64)
+    if device.type == "cuda":  # pinned, so the copy queues behind the work before it
+        table = table.pin_memory().to(device, non_blocking=True)
+    tile_table = table[len(rows):]
+    dummy = params[0]  # never dereferenced: its branch is compiled out
+    grad_dtype = grad_dtypes.pop()
+    _adam_list_kernel[(len(tiles) // 2,)](
+        table, tile_table, lr,
+        grad_scale if grad_scale is not None else dummy,
+        found_inf if found_inf is not None else dummy,
+        clip_coef if clip_coef is not None else dummy,
+        float(beta1), float(beta2),
+        math.log(beta1) if beta1 > 0 else -math.inf,
+        math.log(beta2) if beta2 > 0 else -math.inf,
+        float(eps), float(weight_decay),
+        ADAMW=bool(adamw), AMSGRAD=bool(amsgrad), MAXIMIZE=bool(maximize),
+        HAS_WEIGHT_DECAY=weight_decay != 0, HAS_PARAM_LP=params_lp is not None,
+        PARAM_LP_BF16=lp_dtypes == {torch.bfloat16},
+        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        HAS_CLIP=clip_coef is not None,
+        GRAD_KIND={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[grad_dtype],
+        BLOCK=block, num_warps=8 if not INTERPRET else 4,
     )

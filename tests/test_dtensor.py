@@ -92,7 +92,15 @@ def _matches_torch(rank, world_size, engine, options):
     before = _locals(ours)
     cls = zero_triton.FusedAdamW if options.get("adamw", True) else zero_triton.FusedAdam
     hyper = dict(lr=1e-2, weight_decay=0.1, amsgrad=options.get("amsgrad", False))
-    opt = cls(ours.parameters(), **hyper)
+    launches = []
+    if options.get("backend") == "triton":  # count the kernel's launches
+        from zero_triton.kernels import adam as kadam
+        for name in ("adam_step", "adam_step_list"):
+            def counted(*args, _launch=getattr(kadam, name), _name=name, **kwargs):
+                launches.append(_name)
+                return _launch(*args, **kwargs)
+            setattr(kadam, name, counted)
+    opt = cls(ours.parameters(), backend=options.get("backend", "auto"), **hyper)
     assert _locals(ours) == before, "the engine's parameters were moved"
     torch_cls = torch.optim.AdamW if options.get("adamw", True) else torch.optim.Adam
     norms = _train([(ours, opt), (ref, torch_cls(ref.parameters(), fused=True, **hyper))], 4,
@@ -103,10 +111,11 @@ def _matches_torch(rank, world_size, engine, options):
         for k, v in opt.state[p].items():
             same = k == "step" or (tuple(v.placements) == tuple(p.placements) and v.shape == p.shape)
             kinds[k] = (type(v).__name__, kinds.get(k, (None, True))[1] and same)
-    return _max_diff(ours, ref), norms, kinds
+    return _max_diff(ours, ref), norms, kinds, launches
 
 
 @pytest.mark.parametrize("engine,options", [
+    ("fsdp2", {"backend": "triton", "amsgrad": True}),
     ("fsdp2", {"reshard": True}),
     ("fsdp2", {"reshard": False, "amsgrad": True, "adamw": False}),
     ("fsdp2", {"mp": True, "clip": 0.05}),
@@ -117,9 +126,11 @@ def test_fused_adamw_on_dtensors_matches_torch_adamw(engine, options):
     MixedPrecisionPolicy) and tensor parallel (Colwise/Rowwise): the same parameters as
     torch.optim.AdamW(fused=True) on the same DTensors to fp32 rounding, the same clipped
     norms, state as DTensors with the parameters' placements, and the engine's storage
-    never moved."""
-    for diff, norms, kinds in run_ranks(_matches_torch, 2, engine, options, timeout=600):
+    never moved. The Triton kernel steps every local shard of the group in one launch."""
+    for diff, norms, kinds, launches in run_ranks(_matches_torch, 2, engine, options, timeout=600):
         assert diff < 1e-6, diff
+        if options.get("backend") == "triton":
+            assert launches == ["adam_step_list"] * 4, launches  # one per step
         if "clip" in options:
             assert norms[0] == pytest.approx(norms[1], rel=1e-5), norms
         assert kinds["exp_avg"][0] == "DTensor" and kinds["exp_avg_sq"][0] == "DTensor", kinds
@@ -365,3 +376,69 @@ def test_zero_adam_refuses_dtensors_with_the_fix(engine):
         assert "parameter 0 of param group 0 is a DTensor" in message, message
         assert "would shard it again" in message and "zero_triton.FusedAdamW" in message, message
         assert "torch.distributed.checkpoint" in checkpoint_message, checkpoint_message
+
+
+_CUDA_SCRIPT = r"""
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("nccl", rank=0, world_size=1)
+torch.cuda.set_device(0)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import zero_triton
+from zero_triton.kernels import adam as kadam
+mesh = init_device_mesh("cuda", (1,))
+launches = []
+listed = kadam.adam_step_list
+kadam.adam_step_list = lambda *a, **k: (launches.append(1), listed(*a, **k))[1]
+worst = {}
+for dtype in (torch.float32, torch.bfloat16):
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).to("cuda", dtype)
+        for layer in m:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+    ours, ref = build(), build()
+    opt = zero_triton.FusedAdamW(ours.parameters(), lr=1e-3)  # auto: Triton on CUDA
+    params = list(ref.parameters())
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    torch_opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+    for step in range(5):
+        x = torch.randn(8, 256, device="cuda", dtype=dtype)
+        for m in (ours, ref):
+            m(x).float().square().mean().backward()
+        opt.step(); opt.zero_grad()
+        with torch.no_grad():
+            for m_, p in zip(masters, params):
+                m_.grad = p.grad.float()
+            torch_opt.step()
+            for m_, p in zip(masters, params):
+                p.copy_(m_)
+        ref.zero_grad()
+    worst[str(dtype)] = max((p.full_tensor().float() - q.full_tensor().float()).abs().max().item()
+                            for p, q in zip(ours.parameters(), ref.parameters()))
+print("RESULT", worst, len(launches), opt.backend)
+assert opt.backend == "triton", opt.backend
+assert len(launches) == 10, launches
+assert worst["torch.float32"] < 1e-5 and worst["torch.bfloat16"] <= 2 ** -7, worst
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_fsdp2_on_cuda_steps_with_one_compiled_launch_per_group(tmp_path):
+    """On a GPU (NCCL at world size 1): FSDP2 + FusedAdamW with the compiled Triton list
+    kernel, one launch per step for the group, matches torch's fused AdamW on fp32 masters
+    (fp32 and bf16 parameters)."""
+    import subprocess
+
+    from dist_utils import free_port
+    script = tmp_path / "fsdp2_cuda.py"
+    script.write_text(_CUDA_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, str(script), str(free_port())], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "RESULT" in run.stdout

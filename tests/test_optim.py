@@ -1012,3 +1012,68 @@ def test_interpreter_is_on_for_cpu_triton_tests():
     if not interpreter_on():
         pytest.skip("TRITON_INTERPRET is set to something else by the caller")
     assert backends.why_not("triton", torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("lp_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_list_launcher_equals_one_launch_per_tensor(monkeypatch, lp_dtype, grad_dtype, amsgrad):
+    """adam_step_list (the local shards of DTensor parameters, one launch) gives the
+    bits adam_step gives tensor by tensor: several blocks per tensor, an empty tensor,
+    a step count per tensor, GradScaler's scale and clipping, and nothing written past
+    any tensor's end."""
+    _triton_launcher()
+    from zero_triton.kernels import adam as kadam
+    monkeypatch.setattr(kadam, "_list_block", lambda numels: 16)
+    sizes = [5, 100, 0, 33, 1]
+
+    def make():
+        g = torch.Generator().manual_seed(1)
+        guarded = []
+
+        def tensor(values):  # with 9 guard elements of 7.0 after it
+            t = torch.full((values.numel() + 9,), 7.0, dtype=values.dtype)
+            t[:values.numel()].copy_(values)
+            guarded.append(t)
+            return t[:values.numel()]
+        out = {"params": [tensor(torch.randn(n, generator=g)) for n in sizes],
+               "grads": [torch.randn(n, generator=g).to(grad_dtype) for n in sizes],
+               "exp_avgs": [tensor(torch.randn(n, generator=g) * 0.1) for n in sizes],
+               "exp_avg_sqs": [tensor(torch.rand(n, generator=g) * 0.1) for n in sizes],
+               "max": [tensor(torch.rand(n, generator=g) * 0.2) for n in sizes] if amsgrad else None,
+               "lp": [tensor(torch.randn(n, generator=g).to(lp_dtype)) for n in sizes] if lp_dtype else None,
+               "steps": [torch.tensor([float(k + 2)]) for k in range(len(sizes))]}
+        return out, guarded
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, amsgrad=amsgrad,
+              maximize=False, grad_scale=torch.tensor([2.0]), clip_coef=torch.tensor([0.5]),
+              found_inf=torch.tensor([0.0]))
+    lr = torch.tensor([1e-2])
+    (one, _), (listed, guards) = make(), make()
+    for i in range(len(sizes)):
+        kadam.adam_step(one["params"][i], one["grads"][i], one["exp_avgs"][i], one["exp_avg_sqs"][i],
+                        one["max"][i] if amsgrad else None, one["lp"][i] if lp_dtype else None,
+                        one["steps"][i], lr, **kw)
+    kadam.adam_step_list(listed["params"], listed["grads"], listed["exp_avgs"], listed["exp_avg_sqs"],
+                         listed["max"], listed["lp"], listed["steps"], lr, **kw)
+    for key in ("params", "exp_avgs", "exp_avg_sqs", "max", "lp"):
+        if one[key] is not None:
+            for i, (a, b) in enumerate(zip(one[key], listed[key])):
+                assert_bitwise(b, a, f"{key}[{i}]")
+    assert not torch.equal(listed["params"][1], make()[0]["params"][1]), "nothing was stepped"
+    for t in guards:
+        assert (t[-9:] == 7.0).all(), "the kernel wrote past a tensor's end"
+
+
+def test_list_launcher_refuses_mixed_gradient_dtypes_and_short_lists():
+    _triton_launcher()
+    from zero_triton.kernels.adam import adam_step_list
+    p = [torch.zeros(3), torch.zeros(4)]
+    args = dict(exp_avgs=[torch.zeros(3), torch.zeros(4)], exp_avg_sqs=[torch.zeros(3), torch.zeros(4)],
+                max_exp_avg_sqs=None, params_lp=None, steps=[torch.ones(1), torch.ones(1)],
+                lr=torch.tensor([1e-3]))
+    kw = {**_LAUNCH_KW}
+    with pytest.raises(ValueError, match="several dtypes"):
+        adam_step_list(p, [torch.zeros(3), torch.zeros(4).bfloat16()], **args, **kw)
+    with pytest.raises(ValueError, match="one tensor per parameter"):
+        adam_step_list(p, [torch.zeros(3)], **args, **kw)
+    assert all((t == 0).all() for t in p)

@@ -166,6 +166,16 @@ def step_function(name: str):
     raise ValueError(f"not a concrete backend: {name!r}")
 
 
+def list_step_function(name: str):
+    """The step over lists of tensors in one launch, for a concrete backend that has one
+    (``"triton"``: ``zero_triton.kernels.adam.adam_step_list``), else None: the caller
+    launches ``step_function(name)`` once per tensor."""
+    if name == "triton":
+        from zero_triton.kernels.adam import adam_step_list
+        return adam_step_list
+    return None
+
+
 def availability() -> list[tuple[str, str, str | None]]:
     """(backend, device type, reason it is unusable or None) for every pairing."""
     devices = [torch.device("cpu")]

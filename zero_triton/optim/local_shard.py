@@ -205,6 +205,7 @@ class LocalShard(FlatShard):
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
         self.backend = "torch" if self.dtype == torch.float64 else backends.resolve(backend, self.device)
         self.step_fn = backends.step_function(self.backend)
+        self.step_list = backends.list_step_function(self.backend)  # one launch for all, or None
         self.scratch = torch.empty(self.layout.shard_numel, dtype=self.state.dtype, device=self.device) \
             if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
@@ -285,10 +286,32 @@ class LocalShard(FlatShard):
 
     # -- the step -----------------------------------------------------------------------
     def update(self, plan: dict) -> None:
-        runs = plan["runs"]
-        for k, (lo, hi, s0) in enumerate(self.segments):
-            if hi > lo and (runs is None or runs[k]):
+        """The kernel over every local shard stepped this step: one launch with a backend
+        that takes lists (Triton), else one per shard."""
+        runs, grads = plan["runs"], self.grad_buffer.grads
+        members = [k for k, (lo, hi, _) in enumerate(self.segments)
+                   if hi > lo and (runs is None or runs[k])]
+        if self.step_list is None or len({grads[k].dtype for k in members}) > 1:
+            for k in members:
+                lo, hi, s0 = self.segments[k]
                 self._launch(k, 0, hi - lo, s0, k, plan)
+            return
+        st, lists = self.state, {"params": [], "exp_avgs": [], "exp_avg_sqs": [], "steps": []}
+        amsgrad, lp = plan["amsgrad"], [] if self.has_master else None
+        vmax = [] if amsgrad else None
+        for k in members:
+            lo, hi, s0 = self.segments[k]
+            end = s0 + hi - lo
+            lists["params"].append(st.master[s0:end] if self.has_master else self.param_parts[k])
+            lists["exp_avgs"].append(st.exp_avg[s0:end])
+            lists["exp_avg_sqs"].append(st.exp_avg_sq[s0:end])
+            lists["steps"].append(st.step_of(k))
+            if amsgrad:
+                vmax.append(st.max_exp_avg_sq[s0:end])
+            if lp is not None:
+                lp.append(self.param_parts[k])
+        self.step_list(lists["params"], [grads[k] for k in members], lists["exp_avgs"],
+                       lists["exp_avg_sqs"], vmax, lp, lists["steps"], self.lr, **plan["kwargs"])
 
     def _grad(self, k, s0, a, b) -> torch.Tensor:
         return self.grad_buffer.grads[k][a:b]
