@@ -172,10 +172,13 @@ def test_the_rules_see_a_planted_violation(tmp_path, graph):
 _PATCHES = r"""
 import os, torch, torch.nn.utils as U, torch.nn.utils.clip_grad as CG
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as DCP
 clip, unscale, unscale_ = U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_
+state_dict_fn = DCP._state_dict_fn
 def patched():
     return (U.clip_grad_norm_ is not clip, CG.clip_grad_norm_ is not clip,
-            torch.amp.GradScaler._unscale_grads_ is not unscale, torch.amp.GradScaler.unscale_ is not unscale_)
+            torch.amp.GradScaler._unscale_grads_ is not unscale, torch.amp.GradScaler.unscale_ is not unscale_,
+            DCP._state_dict_fn is not state_dict_fn)
 import zero_triton
 m = torch.nn.Linear(4, 4)
 zero_triton.FusedAdamW(m.parameters())
@@ -183,10 +186,11 @@ print("fused", patched())
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 zero_triton.ZeroAdamW(m.parameters())
-once = (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_)
+once = (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_,
+        DCP._state_dict_fn)
 zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters())
 print("zero", patched(), once == (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_,
-                                  torch.amp.GradScaler.unscale_))
+                                  torch.amp.GradScaler.unscale_, DCP._state_dict_fn))
 dist.destroy_process_group()
 """
 
@@ -194,15 +198,16 @@ dist.destroy_process_group()
 def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     """``import zero_triton`` and FusedAdam change nothing of torch; the first ZeroAdam
     applies every patch of ``integrations/`` (both names of clip_grad_norm_, GradScaler's
-    two methods), and a second one applies none again."""
+    two methods, DCP's way to an optimizer's state dict), and a second one applies none
+    again."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = subprocess.run([sys.executable, "-c", _PATCHES], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PORT": str(port)})
     assert out.returncode == 0, out.stderr
-    assert "fused (False, False, False, False)" in out.stdout, out.stdout
-    assert "zero (True, True, True, True) True" in out.stdout, out.stdout
+    assert "fused (False, False, False, False, False)" in out.stdout, out.stdout
+    assert "zero (True, True, True, True, True) True" in out.stdout, out.stdout
 
 
 def test_setup_installs_every_package():

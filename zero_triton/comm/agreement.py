@@ -29,7 +29,8 @@ import torch.distributed as dist
 from zero_triton.comm.group import without_python_tls
 
 ENTRIES = ("backward", "step", "clip_grad_norm_", "GradScaler", "state_dict",
-           "load_state_dict", "consolidated_state_dict", "checkpoint.save", "checkpoint.load")
+           "load_state_dict", "consolidated_state_dict", "checkpoint.save", "checkpoint.load",
+           "sharded_state_dict")
 _CODE = {name: i + 1 for i, name in enumerate(ENTRIES)}
 
 # Row layout (int64).
@@ -54,6 +55,8 @@ _FIXES = {
     "load_state_dict": "load_state_dict is collective: call it on every rank with the same "
                        "state dict",
     "checkpoint.save": "zero_triton.checkpoint.save is collective: call it on every rank",
+    "sharded_state_dict": "get_optimizer_state_dict (ZeroAdam.sharded_state_dict) is "
+                          "collective, as DCP's save and load are: call it on every rank",
     "checkpoint.load": "zero_triton.checkpoint.load is collective: call it on every rank",
     "clip_grad_norm_": "clipping under ZeroAdam all-reduces the norm: clip on every rank or on "
                        "none",

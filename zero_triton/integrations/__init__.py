@@ -5,6 +5,8 @@
   gradients; every other call goes to torch's function unchanged.
 - ``grad_scaler``: ``torch.amp.GradScaler._unscale_grads_`` and ``unscale_``: under
   ZeroAdam every rank agrees on found_inf, and ZeRO-2's shards are unscaled.
+- ``dcp``: torch.distributed.checkpoint's ``get_optimizer_state_dict`` takes a ZeroAdam's
+  shard on each rank (``ZeroAdam.sharded_state_dict``), not the whole state.
 - ``ddp``: a DistributedDataParallel communication hook that communicates nothing (for
   libraries that wrap the model in DDP anyway); nothing is patched.
 
@@ -12,7 +14,7 @@
 when the first ZeroAdam is built (``zero_triton.optim.owners.when_built``): importing
 zero_triton, or using only FusedAdam, changes nothing of torch.
 """
-from zero_triton.integrations import clip_grad, grad_scaler
+from zero_triton.integrations import clip_grad, dcp, grad_scaler
 from zero_triton.integrations.ddp import ddp_local_grads_hook
 from zero_triton.integrations.grad_scaler import ZeroGradScaler
 from zero_triton.optim import owners
@@ -21,6 +23,7 @@ from zero_triton.optim import owners
 def install() -> None:
     owners.when_built(grad_scaler.install)
     owners.when_built(clip_grad.install)
+    owners.when_built(dcp.install)
 
 
 __all__ = ["install", "ddp_local_grads_hook", "ZeroGradScaler"]

@@ -25,6 +25,35 @@ TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": Fals
 GATHER_CHUNK = 4 << 20
 
 
+class Pieces:
+    """This rank's part of one state tensor of a parameter, as a DCP load gives it
+    (``zero_triton.optim.sharded_state.localized``): runs of its elements in flat order,
+    ``(first element, 1-D tensor)``, under the parameter's ``shape``."""
+
+    def __init__(self, shape, runs):
+        self.shape = torch.Size(shape)
+        self.runs = runs
+
+    def is_complex(self) -> bool:
+        return False
+
+    def covers(self, a: int, b: int) -> bool:
+        """Whether the runs hold every element of [a, b)."""
+        for start, run in self.runs:
+            end = start + run.numel()
+            if start <= a < end:
+                a = end
+            if a >= b:
+                return True
+        return a >= b
+
+    def range(self, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b), flat (``covers(a, b)`` was checked)."""
+        parts = [run[max(a, start) - start:min(b, start + run.numel()) - start]
+                 for start, run in self.runs if start < b and a < start + run.numel()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def packed_groups(opt):
     """torch's param_groups with parameters replaced by their state-dict index, and
     the map id(param) -> index."""
@@ -185,6 +214,16 @@ def plan_load(opt, state_dict) -> list:
                         raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
                                          f"has shape {tuple(e[key].shape)}, the parameter "
                                          f"{tuple(p.shape)}")
+            for lo, hi, _ in flat.segments:  # a DCP load's pieces hold this rank's ranges
+                for i, a, b in flat.layout.ranges_in(lo, hi):
+                    for key, value in (entries[i] or {}).items():
+                        if isinstance(value, Pieces) and not value.covers(a, b):
+                            raise ValueError(
+                                f"state '{key}' of parameter {i} in param group {gi}: the "
+                                f"loaded shards lack elements of [{a}, {b}), which this rank "
+                                "owns. Load the checkpoint into the state dict this "
+                                "optimizer's get_optimizer_state_dict returns (dcp.load), "
+                                "then call set_optimizer_state_dict")
             plan.append((flat, entries, steps))
     return plan
 
@@ -230,6 +269,9 @@ def load_shard(flat, entries, step) -> None:
             for key, buf in targets.items():
                 if entries[i] is not None and key in entries[i]:
                     given = flat.local_value(entries[i][key], i)
+                    if isinstance(given, Pieces):  # a DCP load's: this rank's runs
+                        buf[o:o + b - a].copy_(given.range(a, b))
+                        continue
                     if given.is_complex():  # torch's complex moments: (real, imaginary) pairs
                         given = torch.view_as_real(given)
                     # In the parameter's memory order (channels_last keeps its own).

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from zero_triton.comm import agreement
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
-from zero_triton.optim import owners
+from zero_triton.optim import owners, sharded_state
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import check_no_dtensors, check_params_argument
 from zero_triton.optim.fused import FusedAdam
@@ -394,6 +394,23 @@ class ZeroAdam(FusedAdam):
         self._enter("state_dict")
         return adam_state.gathered_state_dict(self, None, self._GATHER_CHUNK)
 
+    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    def sharded_state_dict(self) -> dict:
+        """This rank's shard of the state in torch.optim.Adam's format, for
+        torch.distributed.checkpoint: ``step`` a tensor per parameter, each state tensor
+        a ShardedTensor of the parameter's shape whose local shards are views of this
+        rank's state (``zero_triton.optim.sharded_state``), so that ``dcp.save`` writes
+        ~1/world_size of it per rank and ``dcp.load`` reshards to any world size.
+        ``get_optimizer_state_dict(model, opt)`` returns it (``zero_triton.integrations.
+        dcp``); ``load_state_dict`` takes it back. Collective (every rank agrees on the
+        state first). State-dict hooks run as for ``state_dict``."""
+        self.wait_params()
+
+        def build():
+            self._enter("sharded_state_dict")
+            return sharded_state.sharded_state_dict(self, self._current_flats())
+        return adam_state.with_state_dict_hooks(self, build)
+
     def consolidated_state_dict(self, to_rank: int | None = 0):
         """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
         per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
@@ -412,6 +429,8 @@ class ZeroAdam(FusedAdam):
         if self._comm.world_size == 1:
             return super()._load_full_state_dict(state_dict)
         self._enter("load_state_dict")
+        # A DCP load's ShardedTensors (``sharded_state_dict``'s): this rank's shards, copied.
+        state_dict = sharded_state.localized(state_dict)
         state_dict = watch.unaliased(state_dict, self._live_tensors())
         plan, error = None, None
         try:
