@@ -1,4 +1,6 @@
-"""The fused Adam/AdamW step as one Triton kernel per flat shard, then its launcher.
+"""The fused Adam/AdamW step as one Triton kernel per flat shard, then its launcher; and
+the same step over a list of tensors in one launch (``adam_step_list``: the local shards
+of DTensor parameters, which stay where their engine keeps them).
 
 One launch reads the gradient (fp32/fp16/bf16), the fp32 master (or fp32 parameter),
 exp_avg and exp_avg_sq, and writes master, moments and the low-precision parameter:
@@ -67,6 +69,33 @@ def _adam_update(
 
 
 @triton.jit
+def _step_block(
+    param_ptrs, g, exp_avg_ptrs, exp_avg_sq_ptrs, max_exp_avg_sq_ptrs, mask, lr, t,
+    grad_scale_ptr, clip_coef_ptr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+    ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+):
+    """One block of the step in place: load the fp32 parameter and moments at the given
+    pointers, update them from ``g`` (fp32), store them; returns the new parameter."""
+    p = tl.load(param_ptrs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptrs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptrs, mask=mask, other=0.0)
+    vmax = v
+    if AMSGRAD:
+        vmax = tl.load(max_exp_avg_sq_ptrs, mask=mask, other=0.0)
+    p, m, v, vmax = _adam_update(p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
+                                 beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                                 ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
+                                 HAS_CLIP)
+    tl.store(param_ptrs, p, mask=mask)
+    tl.store(exp_avg_ptrs, m, mask=mask)
+    tl.store(exp_avg_sq_ptrs, v, mask=mask)
+    if AMSGRAD:
+        tl.store(max_exp_avg_sq_ptrs, vmax, mask=mask)
+    return p
+
+
+@triton.jit
 def _store_low_precision(ptrs, p, mask, PARAM_LP_BF16: tl.constexpr):
     if PARAM_LP_BF16:
         # Round to nearest even with integer ops: the same bits on every device
@@ -102,21 +131,10 @@ def _adam_kernel(
     lr = tl.load(lr_ptr)
     t = tl.load(step_ptr)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(param_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-    vmax = v
-    if AMSGRAD:
-        vmax = tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-    p, m, v, vmax = _adam_update(p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
-                                 beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                                 ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
-                                 HAS_CLIP)
-    tl.store(param_ptr + offs, p, mask=mask)
-    tl.store(exp_avg_ptr + offs, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if AMSGRAD:
-        tl.store(max_exp_avg_sq_ptr + offs, vmax, mask=mask)
+    p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
+                    max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
+                    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
     if HAS_PARAM_LP:
         _store_low_precision(param_lp_ptr + offs, p, mask, PARAM_LP_BF16)
 
@@ -155,22 +173,13 @@ def _adam_list_kernel(
 
     lr = tl.load(lr_ptr)
     t = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)))
-    p = tl.load(param_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-    vmax = v
+    max_exp_avg_sq_ptr = exp_avg_sq_ptr  # never read without AMSGRAD
     if AMSGRAD:
         max_exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-        vmax = tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-    p, m, v, vmax = _adam_update(p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
-                                 beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                                 ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
-                                 HAS_CLIP)
-    tl.store(param_ptr + offs, p, mask=mask)
-    tl.store(exp_avg_ptr + offs, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if AMSGRAD:
-        tl.store(max_exp_avg_sq_ptr + offs, vmax, mask=mask)
+    p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
+                    max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
+                    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
     if HAS_PARAM_LP:
         if PARAM_LP_BF16:
             lp_ptr = tl.load(row + 5).to(tl.pointer_type(tl.bfloat16))
@@ -195,6 +204,19 @@ def _check(name, t, numel, dtypes, device):
         raise ValueError(f"`{name}` has {t.numel()} elements, expected {numel}")
     if t.device != device:
         raise ValueError(f"`{name}` is on {t.device}, expected {device} like `param`")
+
+
+def _check_scalars_and_device(device, **scalars) -> None:
+    """The 1-element float32 scalars given (None: absent) on ``device``, and a device
+    Triton can run on here."""
+    for name, t in scalars.items():
+        if t is not None:
+            _check(name, t, 1, (torch.float32,), device)
+    if device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(
+            f"the Triton kernel got {device} tensors; Triton runs on CUDA tensors, or on CPU "
+            "tensors with TRITON_INTERPRET=1 set before zero_triton is imported; "
+            "otherwise use backend='cpu' or 'torch'")
 
 
 def _block_and_warps(n):
@@ -228,15 +250,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
         _check("max_exp_avg_sq", max_exp_avg_sq, n, (torch.float32,), device)
     if param_lp is not None:
         _check("param_lp", param_lp, n, (torch.float16, torch.bfloat16), device)
-    for name, t in (("step", step), ("lr", lr), ("grad_scale", grad_scale),
-                    ("found_inf", found_inf), ("clip_coef", clip_coef)):
-        if t is not None:
-            _check(name, t, 1, (torch.float32,), device)
-    if device.type != "cuda" and not INTERPRET:
-        raise RuntimeError(
-            f"the Triton kernel got {device} tensors; Triton runs on CUDA tensors, or on CPU "
-            "tensors with TRITON_INTERPRET=1 set before zero_triton is imported; "
-            "otherwise use backend='cpu' or 'torch'")
+    _check_scalars_and_device(device, step=step, lr=lr, grad_scale=grad_scale,
+                              found_inf=found_inf, clip_coef=clip_coef)
     if n == 0:
         return
     block, warps = _block_and_warps(n)
@@ -326,15 +341,8 @@ def adam_step_list(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params
         rows.extend(_row(p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, lp, steps[i]))
         for start in range(0, numel, block):
             tiles.extend((i, start))
-    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf),
-                    ("clip_coef", clip_coef)):
-        if t is not None:
-            _check(name, t, 1, (torch.float32,), device)
-    if device.type != "cuda" and not INTERPRET:
-        raise RuntimeError(
-            f"the Triton kernel got {device} tensors; Triton runs on CUDA tensors, or on CPU "
-            "tensors with TRITON_INTERPRET=1 set before zero_triton is imported; "
-            "otherwise use backend='cpu' or 'torch'")
+    _check_scalars_and_device(device, lr=lr, grad_scale=grad_scale, found_inf=found_inf,
+                              clip_coef=clip_coef)
     if not tiles:
         return
     table = torch.tensor(rows + tiles, dtype=torch.int64)

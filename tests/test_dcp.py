@@ -104,7 +104,8 @@ def test_zero_adam_state_is_sharded_through_dcp_and_reshards_exactly(tmp_path):
     """Saved at 2 ranks (several buckets): each rank hands DCP about half the state, as
     views (StateDictOptions(full_state_dict=True) still gives the whole state); loaded at
     1, 2 (another bucket size) and 3 ranks, every rank holds exactly the saved state (fp32
-    and bf16 + master, a 0-dim parameter, a 3-D one)."""
+    and bf16 + master, a 0-dim parameter, a 3-D one). Saved at 1 rank, loaded at 2, the
+    same."""
     path = str(tmp_path / "ckpt")
     saved = run_ranks(_save, 2, path, timeout=300)
     want, params = saved[0][0], saved[0][1]
@@ -116,6 +117,11 @@ def test_zero_adam_state_is_sharded_through_dcp_and_reshards_exactly(tmp_path):
     for world_size, bucket in ((1, None), (2, None), (3, 0.0005)):
         for got in run_ranks(_load, world_size, path, params, bucket, timeout=300):
             assert got == want, f"world size {world_size}, bucket_cap_mb={bucket}"
+    # and from one rank (whole tensors in the checkpoint) to two
+    path = str(tmp_path / "one")
+    want, params = run_ranks(_save, 1, path, timeout=300)[0][:2]
+    for got in run_ranks(_load, 2, path, params, 0.0008, timeout=300):
+        assert got == want, "world size 1 -> 2"
 
 
 def _stateful(rank, world_size, path, mode):

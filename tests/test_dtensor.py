@@ -184,6 +184,35 @@ def test_bf16_sharded_parameters_keep_an_fp32_master():
         assert worst_param <= 2 ** -8, worst_param  # at most a bf16 rounding apart
 
 
+def _scaled(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    import zero_triton
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for name in ("ours", "torch"):
+        model = _fsdp2(mesh)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2) if name == "ours" else \
+            torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        g = torch.Generator().manual_seed(1)
+        for i in range(3):
+            scaler.scale(model(torch.randn(4, 8, generator=g)).square().mean()).backward()
+            if i == 1 and rank == 0:  # an inf on one rank: the step is skipped
+                next(model.parameters()).grad._local_tensor[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        out[name] = (model, scaler.get_scale())
+    return _max_diff(out["ours"][0], out["torch"][0]), out["ours"][1], out["torch"][1]
+
+
+def test_grad_scaler_on_fsdp2_matches_torch():
+    """torch.amp.GradScaler over FSDP2 (an inf on one rank's shard skips the step):
+    FusedAdamW ends where torch's fused AdamW ends, with the same scale."""
+    for diff, ours, theirs in run_ranks(_scaled, 2, timeout=300):
+        assert diff < 1e-6 and ours == theirs == 2.0 ** 9, (diff, ours, theirs)
+
+
 def _two_d(rank, world_size, layout):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -31,6 +31,16 @@ from zero_triton.native import ext as _ext
 from zero_triton.state.flat import as_param
 
 
+def zero_in_place(g: torch.Tensor, target: torch.Tensor | None = None) -> None:
+    """``zero_grad(set_to_none=False)`` on one gradient, as torch.optim.Optimizer does it:
+    out of any graph, then zeroed (``target``: the memory to zero, ``g`` itself by default)."""
+    if g.grad_fn is not None:
+        g.detach_()
+    else:
+        g.requires_grad_(False)
+    (g if target is None else target).zero_()
+
+
 def _adopt(views: list, dirty: bytearray, i: int, param) -> None:
     """Post-accumulate-grad hook (world size 1): a gradient that autograd put in a
     tensor of its own (``.grad`` was None) moves into the parameter's view."""
@@ -164,11 +174,7 @@ class LocalGrads:
                 g = p.grad
                 if g is None:
                     continue
-                if g.grad_fn is not None:
-                    g.detach_()
-                else:
-                    g.requires_grad_(False)
-                g.zero_()
+                zero_in_place(g)
                 if g is view:
                     self.dirty[i] = 0
         self.seen_version = self.flat._version
@@ -247,8 +253,7 @@ class ShardedGrads:
                 p.grad = None
                 reached[i] = 0
             elif g is not None:  # set by hand: zeroed in place, handed over at step
-                g.detach_() if g.grad_fn is not None else g.requires_grad_(False)
-                g.zero_()
+                zero_in_place(g)
                 reached[i] = 0
             elif reached[i]:
                 reached[i] = 3

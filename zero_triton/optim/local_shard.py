@@ -28,6 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from zero_triton.comm.grads import zero_in_place
 from zero_triton.native import backends
 from zero_triton.optim.shard import LOW_PRECISION, FlatShard
 from zero_triton.state import watch
@@ -139,13 +140,8 @@ class EngineGrads:
                 p.grad = None
                 continue
             g = p.grad
-            if g is None:
-                continue
-            if g.grad_fn is not None:
-                g.detach_()
-            else:
-                g.requires_grad_(False)
-            (g._local_tensor if is_dtensor(g) else g).zero_()
+            if g is not None:
+                zero_in_place(g, g._local_tensor if is_dtensor(g) else None)
         self.grads = [None] * len(self.params)
 
     def carry_over(self, old) -> None:
