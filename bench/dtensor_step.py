@@ -4,7 +4,7 @@
 
 One model (``layers`` blocks of two Linear layers, width ``width``, each block and the
 root ``fully_shard``ed over ``ranks`` gloo ranks, one thread each), gradients made once
-by a backward; then each configuration steps that model's parameters ``steps`` times per
+by a backward (then set to random values of a usual scale); then each configuration steps that model's parameters ``steps`` times per
 round, rounds interleaved across configurations, and the table gives the slowest rank's
 time per step (median and min-max over rounds) and its ratio to torch's fused AdamW:
 
@@ -40,6 +40,13 @@ def _model(layers, width, dtype, mesh):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model(torch.randn(4, width, dtype=dtype)).float().square().mean().backward()
+    # Gradients of a usual scale: a deep stack's own are tiny, and their squares would be
+    # subnormal floats, which CPUs step many times slower (both optimizers alike).
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.grad._local_tensor
+            local.copy_(torch.randn(local.shape, generator=g) * 1e-2)
     return model
 
 

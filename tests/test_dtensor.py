@@ -116,6 +116,7 @@ def _matches_torch(rank, world_size, engine, options):
 
 @pytest.mark.parametrize("engine,options", [
     ("fsdp2", {"backend": "triton", "amsgrad": True}),
+    ("fsdp2", {"backend": "torch", "amsgrad": True}),
     ("fsdp2", {"reshard": True}),
     ("fsdp2", {"reshard": False, "amsgrad": True, "adamw": False}),
     ("fsdp2", {"mp": True, "clip": 0.05}),

@@ -207,6 +207,7 @@ class LocalShard(FlatShard):
         self.fused = self.device.type == "cuda"
         self.stepped = None
         self.exposed_steps = None
+        self._slot_key, self._slot_views = None, None
 
     @property
     def flat_grad(self):
@@ -281,36 +282,42 @@ class LocalShard(FlatShard):
         return value
 
     # -- the step -----------------------------------------------------------------------
+    def _slots(self) -> list:
+        """Per segment, the views of its state slot: (master or None, exp_avg, exp_avg_sq,
+        max_exp_avg_sq or None), made again only when a state buffer is replaced (amsgrad
+        switched on, a re-home)."""
+        st = self.state
+        key = (st.master, st.exp_avg, st.exp_avg_sq, st.max_exp_avg_sq)
+        if self._slot_key is None or any(a is not b for a, b in zip(key, self._slot_key)):
+            self._slot_views = [tuple(None if buf is None else buf[s0:s0 + hi - lo] for buf in key)
+                                for lo, hi, s0 in self.segments]
+            self._slot_key = key
+        return self._slot_views
+
     def update(self, plan: dict) -> None:
         """The kernel over every local shard stepped this step: one launch with a backend
         that takes lists (Triton), else one per shard."""
-        runs, grads = plan["runs"], self.grad_buffer.grads
+        runs, grads, slots = plan["runs"], self.grad_buffer.grads, self._slots()
         members = [k for k, (lo, hi, _) in enumerate(self.segments)
                    if hi > lo and (runs is None or runs[k])]
+        kwargs, amsgrad, st = plan["kwargs"], plan["amsgrad"], self.state
         if self.step_list is None or len({grads[k].dtype for k in members}) > 1:
             for k in members:
-                lo, hi, s0 = self.segments[k]
-                self._launch(k, 0, hi - lo, s0, k, plan)
+                master, exp_avg, exp_avg_sq, vmax = slots[k]
+                param = self.param_parts[k]
+                if self.scratch is not None:  # the torch backend's work space
+                    lo, hi, s0 = self.segments[k]
+                    kwargs = {**plan["kwargs"], "scratch": self.scratch[s0:s0 + hi - lo]}
+                self.step_fn(param if master is None else master, grads[k], exp_avg, exp_avg_sq,
+                             vmax if amsgrad else None, param if self.has_master else None,
+                             st.step_of(k), self.lr, **kwargs)
             return
-        st, lists = self.state, {"params": [], "exp_avgs": [], "exp_avg_sqs": [], "steps": []}
-        amsgrad, lp = plan["amsgrad"], [] if self.has_master else None
-        vmax = [] if amsgrad else None
-        for k in members:
-            lo, hi, s0 = self.segments[k]
-            end = s0 + hi - lo
-            lists["params"].append(st.master[s0:end] if self.has_master else self.param_parts[k])
-            lists["exp_avgs"].append(st.exp_avg[s0:end])
-            lists["exp_avg_sqs"].append(st.exp_avg_sq[s0:end])
-            lists["steps"].append(st.step_of(k))
-            if amsgrad:
-                vmax.append(st.max_exp_avg_sq[s0:end])
-            if lp is not None:
-                lp.append(self.param_parts[k])
-        self.step_list(lists["params"], [grads[k] for k in members], lists["exp_avgs"],
-                       lists["exp_avg_sqs"], vmax, lp, lists["steps"], self.lr, **plan["kwargs"])
-
-    def _grad(self, k, s0, a, b) -> torch.Tensor:
-        return self.grad_buffer.grads[k][a:b]
+        params = [self.param_parts[k] if slots[k][0] is None else slots[k][0] for k in members]
+        self.step_list(params, [grads[k] for k in members], [slots[k][1] for k in members],
+                       [slots[k][2] for k in members],
+                       [slots[k][3] for k in members] if amsgrad else None,
+                       [self.param_parts[k] for k in members] if self.has_master else None,
+                       [st.step_of(k) for k in members], self.lr, **kwargs)
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
         """The ``norm_type`` norm's term of these gradients over every rank of their

@@ -247,14 +247,10 @@ class FlatShard:
         st = self.state
         param = self.param_parts[k][a:b]
         master = st.master[s0 + a:s0 + b] if st.master is not None else param
-        self.step_fn(master, self._grad(k, s0, a, b), st.exp_avg[s0 + a:s0 + b],
+        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], st.exp_avg[s0 + a:s0 + b],
                      st.exp_avg_sq[s0 + a:s0 + b],
                      st.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
                      param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
-
-    def _grad(self, k, s0, a, b) -> torch.Tensor:
-        """The averaged gradient of elements [a, b) of segment ``k`` (state offset ``s0``)."""
-        return self.grad_shard[s0 + a:s0 + b]
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
         """This rank's part of the gradient norm, in ``dtype``: the sum of |g|^norm_type
