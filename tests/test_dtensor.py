@@ -214,6 +214,33 @@ def test_grad_scaler_on_fsdp2_matches_torch():
         assert diff < 1e-6 and ours == theirs == 2.0 ** 9, (diff, ours, theirs)
 
 
+def _edited(rank, world_size):
+    """opt.state of DTensor parameters edited by hand, the same way on both optimizers."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import zero_triton
+    mesh = init_device_mesh("cpu", (world_size,))
+    ours, ref = _fsdp2(mesh), _fsdp2(mesh)
+    opt = zero_triton.FusedAdamW(ours.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    pairs = [(ours, opt), (ref, torch_opt)]
+    _train(pairs, 2, seed=1)
+    for model, o in pairs:
+        first, second, third = list(model.parameters())[:3]
+        with torch.no_grad():
+            o.state[first]["exp_avg"].mul_(0.5)  # in place, through the DTensor
+        o.state[second]["exp_avg_sq"] = o.state[second]["exp_avg_sq"] * 2  # a new DTensor
+        del o.state[third]  # this parameter starts over
+    _train(pairs, 2, seed=2)
+    return _max_diff(ours, ref)
+
+
+def test_opt_state_edits_of_dtensor_parameters_are_followed_as_torch_follows_them():
+    """An in-place change through opt.state's DTensor, a new DTensor assigned, an entry
+    deleted: the next steps go as torch's fused AdamW's go after the same edits."""
+    for diff in run_ranks(_edited, 2, timeout=300):
+        assert diff < 1e-6, diff
+
+
 def _two_d(rank, world_size, layout):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
