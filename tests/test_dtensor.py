@@ -234,6 +234,35 @@ def _edited(rank, world_size):
     return _max_diff(ours, ref)
 
 
+def _copied(rank, world_size):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zero_triton
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _fsdp2(mesh, torch.bfloat16)
+    opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2)
+    _train([(model, opt)], 2, seed=1)
+    twin = copy.deepcopy(opt)
+    want = {k: {n: v.full_tensor() if hasattr(v, "full_tensor") else v for n, v in e.items()}
+            for k, e in opt.state_dict()["state"].items()}
+    _train([(model, opt)], 1, seed=2)  # the original moves on; the copy keeps its own state
+    got = twin.state_dict()["state"]
+    same = all(torch.equal(got[k][n].full_tensor() if hasattr(got[k][n], "full_tensor") else got[k][n], v)
+               for k, e in want.items() for n, v in e.items())
+    kinds = {type(p).__name__ for p in twin.param_groups[0]["params"]}
+    return same, kinds
+
+
+def test_a_deep_copy_of_fused_adamw_over_dtensors_keeps_its_own_state():
+    """copy.deepcopy (torch's optimizer tests do it) of a FusedAdamW over bf16 FSDP2
+    parameters: the copy's parameters are DTensors, its state (master included) is the
+    original's at the copy, and stays so when the original steps."""
+    for same, kinds in run_ranks(_copied, 2, timeout=300):
+        assert same and kinds == {"DTensor"}, (same, kinds)
+
+
 def test_opt_state_edits_of_dtensor_parameters_are_followed_as_torch_follows_them():
     """An in-place change through opt.state's DTensor, a new DTensor assigned, an entry
     deleted: the next steps go as torch's fused AdamW's go after the same edits."""

@@ -445,7 +445,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                 "its state is sharded over the ranks. Save it with zero_triton.checkpoint.save, "
                 "or take consolidated_state_dict() and load it into a new optimizer")
         return {"defaults": self.defaults, "param_groups": self.param_groups,
-                "state_dict": self.state_dict(),
+                "state_dict": adam_state.copyable(self.state_dict()),
                 "options": {"master_weights": self._master_weights, "backend": self._backend,
                             "max_grad_norm": self._max_grad_norm}}
 

@@ -151,6 +151,17 @@ def local_state_dict(opt) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+def copyable(state_dict: dict) -> dict:
+    """``state_dict`` with each tensor subclass of its state (the DTensor views of the
+    state of DTensor parameters) cloned: ``copy.deepcopy`` and ``pickle`` of a subclass
+    that views another tensor's memory fail ("invalid python storage"); plain views are
+    copied by them as they are."""
+    state = {k: {n: v.clone() if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
+                 and not isinstance(v, torch.nn.Parameter) else v for n, v in e.items()}
+             if isinstance(e, dict) else e for k, e in state_dict["state"].items()}
+    return {**state_dict, "state": state}
+
+
 def _as_param_policy(p, key, value):
     """torch.optim.Optimizer.load_state_dict's cast of a loaded extra: floating tensors
     to the parameter's dtype and device, other tensors to its device."""
