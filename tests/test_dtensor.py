@@ -187,6 +187,7 @@ def test_bf16_sharded_parameters_keep_an_fp32_master():
 
 def _scaled(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
+
     import zero_triton
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
@@ -217,6 +218,7 @@ def test_grad_scaler_on_fsdp2_matches_torch():
 def _edited(rank, world_size):
     """opt.state of DTensor parameters edited by hand, the same way on both optimizers."""
     from torch.distributed.device_mesh import init_device_mesh
+
     import zero_triton
     mesh = init_device_mesh("cpu", (world_size,))
     ours, ref = _fsdp2(mesh), _fsdp2(mesh)
