@@ -272,6 +272,59 @@ def test_opt_state_edits_of_dtensor_parameters_are_followed_as_torch_follows_the
         assert diff < 1e-6, diff
 
 
+def _accelerate_fsdp2(rank, world_size, which, stepped):
+    """accelerate's FSDP2 prepare, as Accelerator._prepare_fsdp2 runs it on GPUs (on CPU
+    accelerate applies no FSDP): the optimizer is built over the plain model, each of its
+    parameters is swapped for a placeholder, the model is fully_shard-ed, and accelerate's
+    own fsdp2_switch_optimizer_parameters puts the DTensors in param_groups."""
+    from accelerate.utils.fsdp_utils import fsdp2_switch_optimizer_parameters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import zero_triton
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _mlp()
+    opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2) if which == "ours" else \
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if stepped:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    old = dict(model.named_parameters())
+    for group in opt.param_groups:
+        for i, p in enumerate(group["params"]):
+            group["params"][i] = torch.empty(1, dtype=p.dtype)
+            group["params"][i].data_ptr = p.data_ptr()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    new = dict(model.named_parameters())
+    fsdp2_switch_optimizer_parameters(opt, {old[n].data_ptr(): new[n] for n in old})
+    try:
+        _train([(model, opt)], 3, seed=1)
+    except RuntimeError as exc:
+        return str(exc)
+    return [p.full_tensor().detach().tolist() for p in model.parameters()]
+
+
+def test_accelerate_fsdp2_prepare_swaps_the_parameters_and_fused_adamw_follows():
+    """accelerate replaces each parameter in param_groups by its DTensor after the
+    optimizer was built. FusedAdamW rebuilds the group over the DTensors (it has not
+    stepped yet) and trains them as torch's fused AdamW does; before, it kept stepping
+    the plain parameters it was given, which had no gradients: the model never trained,
+    silently. After a step the swap is refused with the fix, nothing changed."""
+    pytest.importorskip("accelerate.utils.fsdp_utils", reason="needs accelerate")
+    ours = run_ranks(_accelerate_fsdp2, 2, "ours", False, timeout=300)
+    theirs = run_ranks(_accelerate_fsdp2, 2, "torch", False, timeout=300)
+    for a, b in zip(ours[0], theirs[0]):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+    assert any(torch.tensor(a).ne(torch.tensor(b0)).any()
+               for a, b0 in zip(ours[0], [p.detach().tolist() for p in _mlp().parameters()]))
+    for message in run_ranks(_accelerate_fsdp2, 2, "ours", True, timeout=300):
+        assert "were replaced in param_groups after the optimizer stepped" in message, message
+
+
 def _two_d(rank, world_size, layout):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -9,9 +9,13 @@ removed starts its parameter over), parameters written have their master re-seed
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from zero_triton.optim import state_dict as adam_state
+from zero_triton.optim.build import build_flats
+from zero_triton.optim.checks import check_group_params
 from zero_triton.optim.shard import FlatShard
 
 
@@ -70,6 +74,56 @@ class FollowsUserEdits:
         self._follow_state_edits(flats)
         self._reseed_written(flats)
         return stale
+
+    def _follow_replaced_params(self) -> None:
+        """A param group whose parameters were replaced by as many others (accelerate's
+        FSDP2 ``prepare`` swaps each for its DTensor after the optimizer was built; model
+        surgery) is rebuilt over them, as torch's optimizers simply step what
+        ``param_groups`` holds, when none of its parameters has stepped yet. After a step
+        their state would be lost: refused with the fix, nothing changed. Under ZeroAdam
+        (several ranks) refused always."""
+        for gi, (group, held) in enumerate(zip(self.param_groups, self._group_params)):
+            params = group["params"]
+            if params is held or len(params) != len(held) or all(map(operator.is_, params, held)):
+                continue  # the same; a changed count is _check_groups' to refuse
+            who = type(self).__name__
+            if self._comm.world_size > 1:
+                raise RuntimeError(
+                    f"{who}: the parameters of param group {gi} were replaced in param_groups "
+                    "after it was built (accelerate's FSDP2 prepare does this: it swaps them "
+                    "for DTensors). ZeroAdam shards what it was given; with FSDP2 use "
+                    "zero_triton.FusedAdamW, else build the optimizer over the new parameters")
+            if any(t > 0 for flat in self._flats[gi] for t in flat.state.param_steps()):
+                raise RuntimeError(
+                    f"{who}: the parameters of param group {gi} were replaced in param_groups "
+                    "after the optimizer stepped them; their state would be lost. Build a new "
+                    "optimizer over the new parameters (loading the old one's state dict if "
+                    "the shapes match). Nothing was changed")
+            self._rebuild_group(gi, list(params))
+
+    def _rebuild_group(self, gi: int, params: list) -> None:
+        """Param group ``gi`` anew over ``params`` (no state yet): the checks, new shards,
+        the old shards' hooks and ``opt.state`` entries removed."""
+        others = [g for k, g in enumerate(self.param_groups) if k != gi]
+        check_group_params(params, others, materialised=False)
+        key = 1 + max((f.key for flats in self._flats for f in flats), default=-1)
+        flats = build_flats([p for p in params if p.requires_grad], self._comm,
+                            backend=self._backend, master_weights=self._master_weights,
+                            amsgrad=self.param_groups[gi]["amsgrad"], reduce_dtype=self._reduce_dtype,
+                            bucket_numel=self._bucket_numel, key=key, stage=self._stage,
+                            reducer=self._reducer if self._stage == 2 else None)
+        for flat in self._flats[gi]:
+            flat.remove_hooks()
+            for p in flat.params:
+                dict.pop(self._tracked, p, None)
+        self._flats[gi] = flats
+        self._group_params[gi] = params
+        self._group_sizes[gi] = len(params)
+        self._frozen = [(g, p) for g, p in self._frozen if g != gi] + [
+            (gi, p) for p in params if not p.requires_grad]
+        self._grads_reduced = False
+        self._reducer.rebuild([f for fs in self._flats for f in fs])
+        self._expose_state(*flats)
 
     def _check_groups(self) -> None:
         """Refuse parameters added to or removed from ``param_groups`` by hand: the

@@ -141,7 +141,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             return
         if "_tracked" not in self.__dict__:  # construction: torch.optim.Optimizer's empty state
             self.state = self._tracked = watch.TrackedState()
-            self._group_sizes = []
+            self._group_sizes, self._group_params = [], []
         params = param_group["params"]
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -185,6 +185,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                             key=sum(len(f) for f in self._flats), reducer=reducer, stage=self._stage)
         super().add_param_group(param_group)
         self._group_sizes.append(len(params))
+        self._group_params.append(params)  # as given: followed if replaced (optim/edits.py)
         self._frozen.extend((len(self._flats), p) for p in params if not p.requires_grad)
         self._flats.append(flats)
         self._reducer.rebuild([f for _, f in self._all_flats()])
@@ -204,7 +205,9 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
     def _current_flats(self, hint: bool = False) -> list:
         """(group, flat) pairs after following parameters that moved since the last call
         (``model.to(device or dtype)`` after the optimizer was built): their flat buffers
-        are rebuilt at the new dtype and device, state carried over."""
+        are rebuilt at the new dtype and device, state carried over. Parameters replaced
+        in ``param_groups`` by others are followed first (``_follow_replaced_params``)."""
+        self._follow_replaced_params()
         moved = False
         for gi, flats in enumerate(self._flats):
             for k, flat in enumerate(flats):
