@@ -284,8 +284,11 @@ def _accelerate_fsdp2(rank, world_size, which, stepped):
     import zero_triton
     mesh = init_device_mesh("cpu", (world_size,))
     model = _mlp()
-    opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2) if which == "ours" else \
-        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if which == "zero":
+        opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2)
+    else:
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2) if which == "ours" else \
+            torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     if stepped:
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
@@ -323,6 +326,8 @@ def test_accelerate_fsdp2_prepare_swaps_the_parameters_and_fused_adamw_follows()
                for a, b0 in zip(ours[0], [p.detach().tolist() for p in _mlp().parameters()]))
     for message in run_ranks(_accelerate_fsdp2, 2, "ours", True, timeout=300):
         assert "were replaced in param_groups after the optimizer stepped" in message, message
+    for message in run_ranks(_accelerate_fsdp2, 2, "zero", False, timeout=300):
+        assert "with FSDP2 use zero_triton.FusedAdamW" in message, message
 
 
 def _two_d(rank, world_size, layout):

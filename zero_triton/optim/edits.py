@@ -80,14 +80,14 @@ class FollowsUserEdits:
         FSDP2 ``prepare`` swaps each for its DTensor after the optimizer was built; model
         surgery) is rebuilt over them, as torch's optimizers simply step what
         ``param_groups`` holds, when none of its parameters has stepped yet. After a step
-        their state would be lost: refused with the fix, nothing changed. Under ZeroAdam
-        (several ranks) refused always."""
+        their state would be lost: refused with the fix, nothing changed. ZeroAdam
+        refuses it always (``_rebuilds_replaced_groups``)."""
         for gi, (group, held) in enumerate(zip(self.param_groups, self._group_params)):
             params = group["params"]
             if params is held or len(params) != len(held) or all(map(operator.is_, params, held)):
                 continue  # the same; a changed count is _check_groups' to refuse
             who = type(self).__name__
-            if self._comm.world_size > 1:
+            if not self._rebuilds_replaced_groups:
                 raise RuntimeError(
                     f"{who}: the parameters of param group {gi} were replaced in param_groups "
                     "after it was built (accelerate's FSDP2 prepare does this: it swaps them "

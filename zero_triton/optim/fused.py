@@ -48,6 +48,9 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    # A param group whose parameters were replaced is rebuilt over the new ones before
+    # its first step (optim/edits.py); ZeroAdam refuses it.
+    _rebuilds_replaced_groups = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,

@@ -92,6 +92,8 @@ class ZeroAdam(FusedAdam):
     all-gathers in flight after ``step()`` for the next forward to wait on.
     """
 
+    _rebuilds_replaced_groups = False  # it shards what it was given, agreed by every rank
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
