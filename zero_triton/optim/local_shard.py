@@ -245,6 +245,12 @@ class LocalShard(FlatShard):
                 "zero_triton: DTensor parameters of one param group were moved to different "
                 f"dtypes or devices ({found}) after the optimizer was built; move the whole "
                 "model at once or build the optimizer after moving it")
+        shapes = [tuple(_local(p).shape) for p in self.params]
+        if shapes != [tuple(t.shape) for t in self.locals]:
+            raise RuntimeError(
+                "zero_triton: the local shards of DTensor parameters changed shape after the "
+                f"optimizer was built (now {shapes}); their state cannot follow them. Build the "
+                "optimizer after the model is sharded and materialised")
         new = LocalShard(self.params, self.comm, master_weights=master_weights, backend=backend,
                          amsgrad=self.state.max_exp_avg_sq is not None, key=self.key)
         with torch.no_grad():
