@@ -14,7 +14,6 @@ import operator
 import torch
 
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.build import build_flats
 from zero_triton.optim.checks import check_group_params
 from zero_triton.optim.shard import FlatShard
 
@@ -107,11 +106,7 @@ class FollowsUserEdits:
         others = [g for k, g in enumerate(self.param_groups) if k != gi]
         check_group_params(params, others, materialised=False)
         key = 1 + max((f.key for flats in self._flats for f in flats), default=-1)
-        flats = build_flats([p for p in params if p.requires_grad], self._comm,
-                            backend=self._backend, master_weights=self._master_weights,
-                            amsgrad=self.param_groups[gi]["amsgrad"], reduce_dtype=self._reduce_dtype,
-                            bucket_numel=self._bucket_numel, key=key, stage=self._stage,
-                            reducer=self._reducer if self._stage == 2 else None)
+        flats = self._group_shards(params, self.param_groups[gi]["amsgrad"], key)
         for flat in self._flats[gi]:
             flat.remove_hooks()
             for p in flat.params:

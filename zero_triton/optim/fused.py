@@ -180,12 +180,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
-        trainable = [p for p in params if p.requires_grad]
-        reducer = self._reducer if self._comm.world_size > 1 or self._stage == 2 else None
-        flats = build_flats(trainable, self._comm, backend=self._backend,
-                            master_weights=self._master_weights, amsgrad=group["amsgrad"],
-                            reduce_dtype=self._reduce_dtype, bucket_numel=self._bucket_numel,
-                            key=sum(len(f) for f in self._flats), reducer=reducer, stage=self._stage)
+        flats = self._group_shards(params, group["amsgrad"], key=sum(len(f) for f in self._flats))
         super().add_param_group(param_group)
         self._group_sizes.append(len(params))
         self._group_params.append(params)  # as given: followed if replaced (optim/edits.py)
@@ -194,6 +189,16 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._reducer.rebuild([f for _, f in self._all_flats()])
         self._expose_state(*flats)
         self._tracked.elsewhere = not self._views_state and any(self._flats)
+
+    def _group_shards(self, params, amsgrad: bool, key: int) -> list:
+        """The shards of a param group's trainable ``params``, numbered from ``key``
+        (``zero_triton.optim.build``)."""
+        reducer = self._reducer if self._comm.world_size > 1 or self._stage == 2 else None
+        return build_flats([p for p in params if p.requires_grad], self._comm,
+                           backend=self._backend, master_weights=self._master_weights,
+                           amsgrad=amsgrad, reduce_dtype=self._reduce_dtype,
+                           bucket_numel=self._bucket_numel, key=key, reducer=reducer,
+                           stage=self._stage)
 
     def _bucket_numel(self, dtype) -> int | None:
         if self._bucket_cap_mb is None or self._comm.world_size == 1:

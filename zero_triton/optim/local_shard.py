@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from zero_triton.comm.grads import zero_in_place
 from zero_triton.native import backends
-from zero_triton.optim.shard import LOW_PRECISION, FlatShard
+from zero_triton.optim.shard import LOW_PRECISION, FlatShard, one_kind
 from zero_triton.state import watch
 from zero_triton.state.flat import FlatLayout
 from zero_triton.state.shards import ShardState
@@ -238,13 +238,8 @@ class LocalShard(FlatShard):
     def rehomed(self, *, master_weights, backend) -> "LocalShard":
         """A new LocalShard over the same parameters at their local shards' new dtype or
         device, this one's state carried over."""
-        kinds = {(_local(p).dtype, _local(p).device) for p in self.params}
-        if len(kinds) != 1:
-            found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
-            raise RuntimeError(
-                "zero_triton: DTensor parameters of one param group were moved to different "
-                f"dtypes or devices ({found}) after the optimizer was built; move the whole "
-                "model at once or build the optimizer after moving it")
+        one_kind({(_local(p).dtype, _local(p).device) for p in self.params},
+                 "DTensor parameters of one param group")
         shapes = [tuple(_local(p).shape) for p in self.params]
         if shapes != [tuple(t.shape) for t in self.locals]:
             raise RuntimeError(

@@ -22,6 +22,18 @@ FLAT_DTYPES = (torch.float32,) + LOW_PRECISION + (torch.float64,)
 SUPPORTED = FLAT_DTYPES + (torch.complex64, torch.complex128)
 
 
+def one_kind(kinds: set, who: str) -> tuple:
+    """The one (dtype, device) of ``kinds`` (the parameters of a shard after a move), or
+    the error that names the fix: they were moved apart."""
+    if len(kinds) != 1:
+        found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
+        raise RuntimeError(
+            f"zero_triton: {who} were moved to different dtypes or devices ({found}) after the "
+            "optimizer was built; move the whole model at once (model.to(device, dtype)) or "
+            "build the optimizer after moving it")
+    return next(iter(kinds))
+
+
 def _remove_all(handles: list) -> None:
     """Remove hook handles (in place: a finalizer holds the same list)."""
     for h in handles:
@@ -140,14 +152,8 @@ class FlatShard:
         """A new FlatShard over the same parameters at their new dtype and device, with
         this one's state carried over (moved to the new device): training continues as
         with an optimizer built after the move."""
-        kinds = {(real_dtype(p.dtype), p.device) for p in self.params}
-        if len(kinds) != 1:
-            found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
-            raise RuntimeError(
-                "zero_triton: parameters that share a flat buffer were moved to different "
-                f"dtypes or devices ({found}) after the optimizer was built; move the whole "
-                "model at once (model.to(device, dtype)) or build the optimizer after moving it")
-        dtype, device = kinds.pop()
+        dtype, device = one_kind({(real_dtype(p.dtype), p.device) for p in self.params},
+                                 "parameters that share a flat buffer")
         if dtype not in FLAT_DTYPES:
             raise RuntimeError(f"zero_triton: parameters were cast to {dtype} after the optimizer "
                                "was built; FusedAdam steps float32, float16, bfloat16, float64 "
