@@ -453,6 +453,120 @@ def test_a_forward_that_did_not_wait_for_the_all_gathers_is_refused(case):
             f"rank {rank}, {case}: {msg}"
 
 
+class _UserMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _job_reads_between_step_and_forward(rank, world_size, stage):
+    """After each overlapped step, before the next forward: what users read parameters
+    for (an EMA by swa_utils and by torch._foreach_lerp_, a clone, a norm, repr,
+    tolist, a copy moved by .to()) against the values once the gathers are waited. Rank 1
+    starts its gathers late, so without the wait rank 0 reads its shard half-gathered."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    from torch.overrides import _get_current_function_mode_stack as modes
+    model = Net()
+    opt = ZeroAdamW(param_groups(model), lr=1e-2, stage=stage, bucket_cap_mb=TINY, backend="torch")
+    zero_triton.overlap(model, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5), use_buffers=False)
+    lerped = [p.detach().clone() for p in model.parameters()]
+    out = {"stale": [], "hidden": [], "stacks": []}
+    if rank == 1:
+        delay_gathers(opt, 0.1)
+    with torch.device("cpu"):  # a DeviceContext at the bottom of the stack stays there
+        for step in range(3):
+            loss_of(model, *batch(rank, step)).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with _UserMode():  # a mode around step() pops its own on exit
+                opt.step()
+            sched.step()
+            opt.zero_grad()
+            x, y = batch(rank, step + 1)
+            guard = opt._reducer.read_guard
+            out["hidden"].append(guard is not None and guard.active)  # nothing above waited
+            out["stacks"].append([type(m).__name__ for m in modes()])
+            params = list(model.parameters())
+            ema_before = [e.detach().clone() for e in ema.parameters()]
+            lerp_before = [t.clone() for t in lerped]
+            seen = {"clone": [p.detach().clone() for p in params] if step != 1 else None,
+                    "norm": torch.cat([p.detach().float().flatten() for p in params]).norm()
+                    if step == 1 else None,
+                    "repr": repr(params[-1]) if step == 2 else None,
+                    "tolist": params[0].tolist() if step == 2 else None}
+            if step == 0:
+                moved = [p.to(torch.float64) for p in params]
+            ema.update_parameters(model)
+            torch._foreach_lerp_(lerped, [p.detach() for p in params], 0.5)
+            opt.wait_params()
+            now = [p.detach().clone() for p in model.parameters()]
+            ok = all(torch.equal(e, torch.lerp(b, n, 0.5)) for e, b, n in zip(ema.parameters(), ema_before, now)) \
+                if step else True
+            ok &= all(torch.equal(t, torch.lerp(b, n, 0.5)) for t, b, n in zip(lerped, lerp_before, now))
+            if seen["clone"] is not None:
+                ok &= all(torch.equal(a, b) for a, b in zip(seen["clone"], now))
+            if seen["norm"] is not None:
+                ok &= bool(seen["norm"] == torch.cat([n.float().flatten() for n in now]).norm())
+            if seen["repr"] is not None:
+                ok &= seen["repr"] == repr(model.head.weight if params[-1] is model.head.weight else params[-1])
+                ok &= seen["tolist"] == now[0].tolist()
+            if step == 0:
+                ok &= all(torch.equal(m, n.to(torch.float64)) for m, n in zip(moved, now))
+            out["stale"].append(not ok)
+            loss_of(model, x, y)  # the next forward
+            out["stacks"].append([type(m).__name__ for m in modes()])
+    out["stacks"].append([type(m).__name__ for m in modes()])
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reading_parameters_between_step_and_forward_waits_for_the_gathers(stage):
+    """Under overlap(), reading a parameter after step() without wait_params() read
+    values half gathered, silently. Any torch operation on a parameter in that window
+    waits for the gathers first, while zero_grad, clipping, a scheduler and building the
+    next batch wait for nothing (the gathers stay hidden behind the next forward); the
+    mode that does it sits under the user's modes and is gone after the forward."""
+    for rank, out in enumerate(run_ranks(_job_reads_between_step_and_forward, 2, stage, timeout=180)):
+        assert out["stale"] == [False] * 3, (rank, out)
+        assert out["hidden"] == [True] * 3, (rank, out)
+        assert out["stacks"] == [["DeviceContext", "PendingReads"], ["DeviceContext"]] * 3 + [[]], (rank, out)
+
+
+def _job_compiled_ema(rank, world_size):
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    zero_triton.overlap(model, opt)
+    ema = [p.detach().clone() for p in model.parameters()]
+
+    @torch.compile(backend="inductor")
+    def update(ema, params):
+        for e, p in zip(ema, params):
+            e.lerp_(p.detach(), 0.5)
+    if rank == 1:
+        delay_gathers(opt, 0.1)
+    stale = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+        opt.step()
+        before = [e.clone() for e in ema]
+        update(ema, list(model.parameters()))
+        opt.zero_grad()
+        opt.wait_params()
+        stale.append(not all(torch.equal(e, torch.lerp(b, p.detach(), 0.5))
+                             for e, b, p in zip(ema, before, model.parameters())))
+    return stale
+
+
+def test_a_compiled_read_between_step_and_forward_waits_too():
+    """An EMA update compiled by inductor ran its graph without the wait (stale from its
+    second call on): operations traced while the gathers are pending break the graph
+    and run the check eagerly."""
+    for rank, stale in enumerate(run_ranks(_job_compiled_ema, 2, timeout=300)):
+        assert stale == [False] * 3, (rank, stale)
+
+
 def _job_lifecycle(rank, world_size):
     model = Net()
     refused = []

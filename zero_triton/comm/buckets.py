@@ -31,10 +31,11 @@ and an optimizer that is dropped must be collectable (its finalizer removes them
 from __future__ import annotations
 
 import collections
+import weakref
 
 import torch
 
-from . import streams
+from . import pending_reads, streams
 
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 
@@ -44,8 +45,9 @@ def _written_while_gathering(bucket: Bucket, param):
         f"zero_triton.overlap: a parameter {tuple(param.shape)} of bucket {bucket.key[1]} of flat "
         f"buffer {bucket.key[0]} was written between step() and the next forward while its "
         "all-gather was in flight: the gathered values may have overwritten the write. "
-        "model.load_state_dict() waits by itself; before any other write to parameters after "
-        "step() (nn.init, copy_, an EMA swap), call optimizer.wait_params()")
+        "Writes on the thread that called step() wait by themselves; before a write from "
+        "another thread (or one torch does not see, through numpy) after step(), call "
+        "optimizer.wait_params()")
 
 
 class Bucket:
@@ -146,6 +148,10 @@ class Reducer:
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
         self.gathering = False            # all-gathers may be in flight
         self.overlapped = False           # zero_triton.overlap: they outlive step()
+        self.read_guard = None            # pending_reads.PendingReads until the next forward
+        # A guard left on the stack (no forward came) goes with the optimizer.
+        self._guards: list = []
+        weakref.finalize(self, pending_reads.drop_all, self._guards)
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
         self.buffer_numel: dict = {}
         self.recv_numel: dict = {}        # receive scratch per (dtype, device)
@@ -457,7 +463,32 @@ class Reducer:
         for b in self.buckets:
             b.wait_reduce()
 
+    def guard_reads(self) -> None:
+        """``step()`` under ``overlap()`` returns with the gathers in flight: until the
+        next forward, a torch operation on a parameter waits for them (``pending_reads``)."""
+        self.release_reads()
+        ranges = []
+        for b in self.buckets:
+            if b.gather is not None:
+                lo = b.param_full.data_ptr()
+                ranges.append((lo, lo + b.param_full.numel() * b.param_full.element_size()))
+        if ranges:
+            self.read_guard = pending_reads.PendingReads(self, ranges)
+            pending_reads.push(self.read_guard)
+            self._guards.append(self.read_guard)
+
+    def release_reads(self) -> None:
+        """The forward has begun (its hooks wait from here on), or the gathers are waited."""
+        guard = self.read_guard
+        if guard is not None:
+            guard.active = False
+            if pending_reads.drop(guard):
+                self.read_guard = None
+                self._guards.remove(guard)
+
     def wait_gathers(self) -> None:
+        if self.read_guard is not None:
+            self.release_reads()
         if not self.gathering:
             return
         for b in self.buckets:

@@ -5,9 +5,9 @@ is done and waits for all of them before returning. With it, ``step()`` returns 
 the all-gathers in flight, and a forward pre-hook on every module that owns parameters
 waits for the buckets holding that module's own parameters only: the gathers of later
 layers run while the earlier layers compute. The optimizer's state dicts, checkpoints
-and next ``step`` wait for whatever is left; code that reads parameters outside the
-model's forward (logging a weight norm, an EMA copy) calls ``optimizer.wait_params()``
-first. A module that uses another module's parameter functionally (not through that
+and next ``step`` wait for whatever is left, and until the forward begins any torch
+operation on a parameter (an EMA, a weight norm) waits for them all first
+(``pending_reads``). A module that uses another module's parameter functionally (not through that
 module's forward) must own it too (tied weights: the same Parameter in both modules).
 A forward that read a parameter without waiting (that, or a graph compiled by
 torch.compile before ``overlap`` was called, which skips the hooks) is refused by the
@@ -33,7 +33,11 @@ def _wait_for_own(reducer_ref, reads, module, _args):
     """Forward pre-hook: wait for the buckets of the module's own parameters, and of the
     parameters its forward was seen reading that it does not own (``reads``)."""
     reducer = reducer_ref()
-    if reducer is None or not reducer.gathering:
+    if reducer is None:
+        return
+    if reducer.read_guard is not None:  # the forward has begun: its hooks wait from here
+        reducer.release_reads()
+    if not reducer.gathering:
         return
     where = reducer.bucket_of_param
     params = list(module._parameters.values())

@@ -275,9 +275,10 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers still in flight. Only needed with
         ``zero_triton.overlap(model, optimizer)``, where ``step`` returns before the
-        parameters have arrived and each module's forward waits for its own: call it
-        before reading parameters outside the model's forward. The optimizer's own state
-        dicts, checkpoints and ``step`` call it themselves."""
+        parameters have arrived and each module's forward waits for its own. A torch
+        operation on a parameter before that forward, on the thread that called
+        ``step``, calls it by itself (``comm.pending_reads``), as do the optimizer's
+        state dicts, checkpoints and ``step``."""
         self._reducer.wait_gathers()
 
     # -- the step -------------------------------------------------------------------
@@ -413,9 +414,12 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                     flat, plan = plans[b.key[0]]
                     flat.update_bucket(b.key[1], plan)
                     flat.gather_bucket(b.key[1])
-        if self._comm.world_size > 1 and self._overlap is None:
-            with phase("zero_triton.all_gather", cuda):
-                self._reducer.wait_gathers()
+        if self._comm.world_size > 1:
+            if self._overlap is None:
+                with phase("zero_triton.all_gather", cuda):
+                    self._reducer.wait_gathers()
+            else:
+                self._reducer.guard_reads()
         if self._views_state:
             for _, flat in flats:
                 if flat.exposed_steps is not flat.state.steps:  # one step became several, or back

@@ -1,0 +1,135 @@
+"""Parameters read while their all-gather is in flight wait for it first.
+
+Under ``zero_triton.overlap`` ``step()`` returns with the all-gathers still writing the
+parameters, and each module's forward waits for its own. Between ``step()`` and that
+forward, anything else that touches a parameter (an EMA update, ``swa_utils``'
+``AveragedModel``, logging a weight norm, ``p.detach().clone()``, ``print(p)``, a write
+such as ``p.copy_(x)``) would read values half old and half new, or be overwritten when
+the gather lands. ``PendingReads``, a torch function mode pushed by ``step()`` on the
+thread that called it and dropped at the next forward (at the bottom of the mode stack), sees every torch operation in
+that window: one whose tensors lie in a parameter buffer still being gathered waits for
+all the gathers first, then runs. Metadata (``.grad``, ``.shape``, ``requires_grad_``,
+``numel()``) waits for nothing, so ``zero_grad()``, GradScaler, schedulers and data
+loading keep the gathers hidden.
+
+Writes from another thread (the mode is per thread) are still caught at the next wait
+(``buckets._written_while_gathering``).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext
+
+# Methods that read no parameter values: what a step, zero_grad or a freeze touches.
+_METADATA = frozenset({
+    "data_ptr", "numel", "nelement", "size", "dim", "ndimension", "stride", "storage_offset",
+    "element_size", "is_contiguous", "is_floating_point", "is_complex", "requires_grad_",
+    "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "__len__",
+    "__hash__", "get_device", "is_shared", "is_pinned", "untyped_storage",
+})
+_DESCRIPTOR_CALLS = ("__get__", "__set__", "__delete__")
+
+
+def _metadata(func) -> bool:
+    """Attribute access (``p.grad``, ``p.shape``, ``p.data``: the alias ``.data`` returns
+    is itself watched) or a method from ``_METADATA``."""
+    name = getattr(func, "__name__", "")
+    return name in _DESCRIPTOR_CALLS or name in _METADATA
+
+
+def _tensors(args, kwargs):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):  # foreach ops, torch.cat, stack
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    yield t
+    if kwargs:
+        yield from _tensors(kwargs.values(), None)
+
+
+def _address(t: torch.Tensor):
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # sparse, fake or storage-less tensors hold none of ours
+        return None
+
+
+class PendingReads(TorchFunctionMode):
+    """Waits for ``reducer``'s gathers before the first torch operation on a tensor that
+    lies in one of ``ranges`` ([lo, hi) byte addresses of the buffers being gathered)."""
+
+    def __init__(self, reducer, ranges):
+        super().__init__()
+        self.reducer_ref = weakref.ref(reducer)
+        self.ranges = ranges
+        self.active = True
+
+    def touches(self, args, kwargs) -> bool:
+        for t in _tensors(args, kwargs):
+            ptr = _address(t)
+            if ptr is not None:
+                for lo, hi in self.ranges:
+                    if lo <= ptr < hi:
+                        return True
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.active and not _metadata(func):
+            _wait_if_touched(self, args, kwargs)
+        return func(*args, **kwargs)
+
+
+# Run as it is inside a function torch.compile traces (a graph break at each operation
+# while the gathers are pending): a compiled graph would otherwise read the parameters
+# without the check.
+@torch._disable_dynamo
+def _wait_if_touched(guard: PendingReads, args, kwargs) -> None:
+    if guard.active and guard.touches(args, kwargs):
+        guard.active = False
+        reducer = guard.reducer_ref()
+        if reducer is not None:
+            reducer.wait_gathers()
+
+
+def push(mode: TorchFunctionMode) -> None:
+    """Put ``mode`` at the bottom of this thread's torch function mode stack (above the
+    default device's ``DeviceContext``, which keeps the bottom), as torch puts
+    ``DeviceContext`` there: a ``with`` mode entered before ``step()`` and left after it
+    pops its own mode, not this one."""
+    stack = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())][::-1]  # bottom first
+    at = 1 if stack and isinstance(stack[0], DeviceContext) else 0
+    stack.insert(at, mode)
+    for m in stack:
+        torch._C._push_on_torch_function_stack(m)
+
+
+def drop(mode: TorchFunctionMode) -> bool:
+    """Take ``mode`` off this thread's torch function mode stack, the modes above it
+    kept in their order. False when it is not there (another thread's, or the mode is
+    running its own ``__torch_function__``, which takes it off the stack meanwhile)."""
+    above = []
+    found = False
+    for _ in range(torch._C._len_torch_function_stack()):
+        m = torch._C._pop_torch_function_stack()
+        if m is mode:
+            found = True
+            break
+        above.append(m)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+    return found
+
+
+def drop_all(modes: list) -> None:
+    """The optimizer is gone: its guards that are still on a stack go with it."""
+    for mode in modes:
+        mode.active = False
+        drop(mode)
+    modes.clear()
