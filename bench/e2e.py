@@ -18,7 +18,9 @@ step, zero_grad -- and we report per world size:
   by torch.profiler (per rank the median iteration by that share; mean over ranks) and cut by ``zero_triton.tools.profiling.timeline`` (the same reading as
   ``python -m zero_triton profile``: time the training thread waits for a collective);
 * peak memory per rank over one iteration (on CPU the process's resident set size,
-  VmHWM after a reset through /proc/self/clear_refs; on a GPU max_memory_allocated).
+  VmHWM after a reset through /proc/self/clear_refs; on a GPU max_memory_allocated), and on
+  CPU with glibc the bytes malloc had handed out at most ("in use", sampled every ms): the
+  RSS peak less that is freed memory the allocator kept.
 
 Profile and memory run in a fresh set of ranks per configuration, which holds that
 configuration alone; the timed rounds hold all of them in one set of ranks, so that
@@ -88,7 +90,8 @@ MAX_CPU_RANKS = 64
 COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "max_ms", "x_ddp",
            "x_ddp_paired", "x_ddp_low", "x_ddp_high",
            "over_compute_pct", "exposed_comm_pct", "exposed_comm_ms", "hidden_comm_ms", "profiled_ms",
-           "peak_mb", "start_mb", "loss", "status", "note"]
+           "peak_mb", "start_mb", "in_use_peak_mb", "in_use_start_mb", "kept_free_mb", "loss",
+           "status", "note"]
 
 
 # -- configurations ------------------------------------------------------------------------
@@ -307,7 +310,7 @@ def detail_rank(args, rank, world, device) -> dict:
     exposed share (one iteration on a shared machine is one sample of noise)."""
     from zero_triton.tools.profiling.harness import _quiet_kineto  # drops kineto's start/stop lines
     torch.manual_seed(0)
-    start = MemoryProbe(device).snapshot()["current"]
+    start = MemoryProbe(device).snapshot()
     sync, batches = _sync(device), _batches(args, rank, device)
     net, opt, _ = build(args.config, args, device)
     iteration(net, opt, batches[0])  # optimizer state and DDP buckets exist from here on
@@ -349,7 +352,10 @@ def detail_rank(args, rank, world, device) -> dict:
     share = [sum(s.rows[k] for k in timeline.KINDS) / s.iteration_ms for s in splits]
     s = splits[sorted(range(PROFILED), key=share.__getitem__)[PROFILED // 2]]
     states = opt.memory_report() if hasattr(opt, "memory_report") else None
-    return {"start": start, "peak": probe.phases["iteration"]["peak"], "memory_how": probe.how,
+    memory = probe.phases["iteration"]
+    return {"start": start["current"], "peak": memory["peak"], "memory_how": probe.how,
+            "in_use_start": start.get("in_use"), "in_use_peak": memory.get("in_use_peak"),
+            "kept_free": memory.get("kept_free"),
             "states": states, "iteration_ms": s.iteration_ms, "rows": s.rows, "hidden": s.hidden,
             "exposed_ms": sum(s.rows[k] for k in timeline.KINDS),
             "hidden_ms": sum(s.hidden.values())}
@@ -422,7 +428,10 @@ def measure(world, args, say) -> list:
         row.update(exposed_comm_ms=exposed, exposed_comm_pct=100 * exposed / profiled,
                    hidden_comm_ms=statistics.fmean(r["hidden_ms"] for r in ranks),
                    profiled_ms=profiled, peak_mb=_mb(max(r["peak"] or 0 for r in ranks) or None),
-                   start_mb=_mb(max(r["start"] or 0 for r in ranks) or None))
+                   start_mb=_mb(max(r["start"] or 0 for r in ranks) or None),
+                   in_use_peak_mb=_mb(max(r["in_use_peak"] or 0 for r in ranks) or None),
+                   in_use_start_mb=_mb(max(r["in_use_start"] or 0 for r in ranks) or None),
+                   kept_free_mb=_mb(max(r["kept_free"] or 0 for r in ranks) or None))
         row["ranks"] = ranks
     return list(rows.values())
 
@@ -440,7 +449,8 @@ def _ratio(r) -> str:
 def format_table(rows, world, args) -> str:
     cuda = args.device == "cuda"
     head = (f"{'configuration':<52} {'median ms':>10} {'min-max ms':>17} {'x DDP (95% CI)':>18} "
-            f"{'over compute':>12} {'exposed comm':>19} {'peak MB/rank':>14}")
+            f"{'over compute':>12} {'exposed comm':>19} {'peak MB/rank':>14}"
+            + ("" if cuda else f" {'in use MB':>12}"))
     lines = [f"world size {world} ({'NCCL' if cuda else 'gloo, 1 thread per rank'})", head,
              "-" * len(head)]
     if all(r["median_ms"] is None for r in rows):
@@ -455,9 +465,14 @@ def format_table(rows, world, args) -> str:
         if r["peak_mb"] is not None and r["start_mb"] is not None and not cuda:
             peak += f" (+{r['peak_mb'] - r['start_mb']:.0f})"
         over = _f(r["over_compute_pct"], ".1f") + ("%" if r["over_compute_pct"] is not None else "")
+        in_use = ""
+        if not cuda:
+            in_use = " " + format(_f(r["in_use_peak_mb"], ".0f") + (
+                f" (+{r['in_use_peak_mb'] - r['in_use_start_mb']:.0f})"
+                if r["in_use_peak_mb"] is not None and r["in_use_start_mb"] is not None else ""), ">12")
         lines.append(f"{r['label'][:52]:<52} {r['median_ms']:>10.1f} "
                      f"{_f(r['min_ms'], '.1f') + '-' + _f(r['max_ms'], '.1f'):>17} "
-                     f"{_ratio(r):>18} {over:>12} {exposed:>19} {peak:>14}")
+                     f"{_ratio(r):>18} {over:>12} {exposed:>19} {peak:>14}{in_use}")
     return "\n".join(lines)
 
 
@@ -599,7 +614,12 @@ def metadata(args) -> dict:
             "peak_mb": "max over ranks; " + ("torch.cuda.max_memory_allocated over one iteration"
                                              if args.device == "cuda" else
                                              "VmHWM over one iteration after /proc/self/clear_refs; "
-                                             "start_mb: VmRSS before the model was built")}
+                                             "start_mb: VmRSS before the model was built"),
+            "in_use_peak_mb": "CPU, glibc: max over ranks of the bytes malloc had handed out "
+                              "(mallinfo2 heap in use + mmapped), sampled every ms over the same "
+                              "iteration; in_use_start_mb before the model was built; kept_free_mb: "
+                              "freed heap memory glibc held at the sampled RSS peak. peak_mb less "
+                              "in_use_peak_mb is what the allocator keeps beyond what the process holds"}
 
 
 # -- options -------------------------------------------------------------------------------------

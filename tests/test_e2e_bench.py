@@ -59,6 +59,8 @@ def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"], (where, r)
         assert 0 <= r["exposed_comm_pct"] <= 100, (where, r["exposed_comm_pct"])
         assert r["profiled_ms"] > 0 and r["peak_mb"] > 0, (where, r)
+        if r["in_use_start_mb"] is not None:  # glibc: what malloc handed out, beside the RSS
+            assert 0 < r["in_use_start_mb"] < r["in_use_peak_mb"], (where, r)
         assert len(r["ranks"]) == 2, where
         assert r["x_ddp_low"] <= r["x_ddp_paired"] <= r["x_ddp_high"], where
         if r["config"] != "compute":  # the share communication costs beside compute alone

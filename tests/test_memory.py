@@ -188,3 +188,24 @@ def test_measure_refuses_a_model_too_big_to_build(capsys):
         main(["--params", "7.5e9", "--world-size", "2", "--measure"])
     assert info.value.code == 2
     assert "--params" in capsys.readouterr().err
+
+
+def test_probe_counts_what_malloc_handed_out_apart_from_the_rss():
+    """On CPU with glibc the probe samples malloc's own count during a phase: a 200 MB
+    tensor made and freed inside it shows in its in-use peak, and the count is back
+    after it, whatever the resident set kept."""
+    import torch
+    from zero_triton.memory import probe as mp
+    if mp._MALLINFO2 is None:
+        pytest.skip("no glibc mallinfo2 here (musl, macOS or glibc < 2.33): the probe measures the RSS only")
+    p = mp.MemoryProbe(torch.device("cpu"))
+    start = p.snapshot()["in_use"]
+    with p.phase("made and freed"):
+        t = torch.ones(50_000_000)  # 200 MB, written
+        import time
+        time.sleep(0.05)  # several samples while it is held
+        del t
+    got = p.phases["made and freed"]
+    assert got["in_use_peak"] - start >= 190e6, (start, got)
+    assert abs(got["in_use"] - start) < 20e6, (start, got)
+    assert got["kept_free"] is not None and "mallinfo2" in p.how
