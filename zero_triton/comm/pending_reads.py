@@ -40,13 +40,20 @@ def _metadata(func) -> bool:
     return name in _DESCRIPTOR_CALLS or name in _METADATA
 
 
+def _plain(a) -> bool:
+    """A tensor that can lie in our buffers: a parameter or a plain tensor (a view, the
+    alias ``.data`` returns). Fake and functional tensors (what torch.compile traces
+    with) and wrapper subclasses hold no memory of ours."""
+    return type(a) is torch.Tensor or isinstance(a, torch.nn.Parameter)
+
+
 def _tensors(args, kwargs):
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if _plain(a):
             yield a
         elif isinstance(a, (list, tuple)):  # foreach ops, torch.cat, stack
             for t in a:
-                if isinstance(t, torch.Tensor):
+                if _plain(t):
                     yield t
     if kwargs:
         yield from _tensors(kwargs.values(), None)
@@ -55,7 +62,7 @@ def _tensors(args, kwargs):
 def _address(t: torch.Tensor):
     try:
         return t.data_ptr()
-    except RuntimeError:  # sparse, fake or storage-less tensors hold none of ours
+    except Exception:  # sparse or storage-less tensors hold none of ours
         return None
 
 
