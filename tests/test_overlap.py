@@ -461,7 +461,8 @@ class _UserMode(torch.overrides.TorchFunctionMode):
 def _job_reads_between_step_and_forward(rank, world_size, stage):
     """After each overlapped step, before the next forward: what users read parameters
     for (an EMA by swa_utils and by torch._foreach_lerp_, a clone, a norm, repr,
-    tolist, a copy moved by .to()) against the values once the gathers are waited. Rank 1
+    tolist, a copy moved by .to()) against the values once the gathers are waited, and
+    a write by ``p.data =`` kept. Rank 1
     starts its gathers late, so without the wait rank 0 reads its shard half-gathered."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
     from torch.overrides import _get_current_function_mode_stack as modes
@@ -486,6 +487,9 @@ def _job_reads_between_step_and_forward(rank, world_size, stage):
             guard = opt._reducer.read_guard
             out["hidden"].append(guard is not None and guard.active)  # nothing above waited
             out["stacks"].append([type(m).__name__ for m in modes()])
+            if step == 1:  # a write by assignment, kept (the gather landed before it)
+                bias = model.blocks[0][1].bias  # (shape and dtype: metadata, no wait)
+                bias.data = torch.full(tuple(bias.shape), 0.5, dtype=bias.dtype)
             params = list(model.parameters())
             ema_before = [e.detach().clone() for e in ema.parameters()]
             lerp_before = [t.clone() for t in lerped]
@@ -512,6 +516,8 @@ def _job_reads_between_step_and_forward(rank, world_size, stage):
                 ok &= seen["tolist"] == now[0].tolist()
             if step == 0:
                 ok &= all(torch.equal(m, n.to(torch.float64)) for m, n in zip(moved, now))
+            if step == 1:
+                ok &= bool((model.blocks[0][1].bias == 0.5).all())
             out["stale"].append(not ok)
             loss_of(model, x, y)  # the next forward
             out["stacks"].append([type(m).__name__ for m in modes()])

@@ -4,13 +4,14 @@ Under ``zero_triton.overlap`` ``step()`` returns with the all-gathers still writ
 parameters, and each module's forward waits for its own. Between ``step()`` and that
 forward, anything else that touches a parameter (an EMA update, ``swa_utils``'
 ``AveragedModel``, logging a weight norm, ``p.detach().clone()``, ``print(p)``, a write
-such as ``p.copy_(x)``) would read values half old and half new, or be overwritten when
-the gather lands. ``PendingReads``, a torch function mode pushed by ``step()`` on the
-thread that called it and dropped at the next forward (at the bottom of the mode stack), sees every torch operation in
-that window: one whose tensors lie in a parameter buffer still being gathered waits for
-all the gathers first, then runs. Metadata (``.grad``, ``.shape``, ``requires_grad_``,
-``numel()``) waits for nothing, so ``zero_grad()``, GradScaler, schedulers and data
-loading keep the gathers hidden.
+such as ``p.copy_(x)`` or ``p.data = x``) would read values half old and half new, or
+be undone when the gather lands. ``PendingReads``, a torch function mode pushed by
+``step()`` on the thread that called it (at the bottom of the mode stack) and dropped
+when the next forward begins, sees every torch operation in that window: one whose
+tensors lie in a parameter buffer still being gathered waits for all the gathers first,
+then runs. Metadata (``.grad``, ``.shape``, ``requires_grad_``, ``numel()``) waits for
+nothing, so ``zero_grad()``, GradScaler, schedulers and data loading keep the gathers
+hidden.
 
 Writes from another thread (the mode is per thread) are still caught at the next wait
 (``buckets._written_while_gathering``).
@@ -34,10 +35,13 @@ _DESCRIPTOR_CALLS = ("__get__", "__set__", "__delete__")
 
 
 def _metadata(func) -> bool:
-    """Attribute access (``p.grad``, ``p.shape``, ``p.data``: the alias ``.data`` returns
-    is itself watched) or a method from ``_METADATA``."""
+    """Attribute access (``p.grad``, ``p.shape``, reading ``p.data``: the alias it
+    returns is itself watched) or a method from ``_METADATA``. Assigning ``p.data = x``
+    is a write: the gather landing after it would put its values back."""
     name = getattr(func, "__name__", "")
-    return name in _DESCRIPTOR_CALLS or name in _METADATA
+    if name in _DESCRIPTOR_CALLS:
+        return not (name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data")
+    return name in _METADATA
 
 
 def _plain(a) -> bool:
