@@ -420,3 +420,46 @@ def test_fused_on_meta_parameters_raises_torchs_error_at_step():
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def _zero_error_inputs(rank, world_size):
+    """Every torch error input against ZeroAdam/ZeroAdamW on this rank: the mismatches."""
+    import re
+    import warnings
+
+    from zero_triton import ZeroAdam, ZeroAdamW
+    zero = {torch.optim.Adam: ZeroAdam, torch.optim.AdamW: ZeroAdamW}
+    wrong = []
+    for info in co.optim_db:
+        if info.optim_cls not in zero:
+            continue
+        cls = zero[info.optim_cls]
+        for err in info.optim_error_inputs_func(device="cpu", dtype=torch.float32):
+            oi = err.optimizer_error_input
+            try:
+                with warnings.catch_warnings():  # a warning torch expects counts as raised
+                    if issubclass(err.error_type, Warning):
+                        warnings.simplefilter("error", err.error_type)
+                    opt = cls(oi.params, **oi.kwargs)
+                    if err.error_on == co.OptimizerErrorEnum.STEP_ERROR:
+                        opt.step()
+                got = "no error"
+            except Exception as exc:  # noqa: BLE001 - the type is what is compared
+                got = f"{type(exc).__name__}: {exc}"
+            if not (got.startswith(err.error_type.__name__ + ":") and re.search(err.error_regex, got)):
+                wrong.append(f"{cls.__name__}, {oi.desc}: wanted {err.error_type.__name__} "
+                             f"/{err.error_regex}/, got {got[:160]}")
+    return wrong
+
+
+def test_zero_adam_raises_what_torch_raises_on_each_rank_before_any_collective():
+    """torch's error inputs against ZeroAdam(W) on 2 ranks: torch's exception types and
+    messages, in torch's order (the hyperparameters before the parameters: it read
+    params=None first, and iterated one tensor's rows), each rank failing alone before
+    the constructor's first collective (no hang)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_utils import run_ranks
+    for rank, wrong in enumerate(run_ranks(_zero_error_inputs, 2, timeout=120)):
+        assert wrong == [], (rank, wrong)

@@ -27,7 +27,8 @@ from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
 from zero_triton.optim import owners, sharded_state
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.checks import check_no_dtensors, check_params_argument
+from zero_triton.optim.checks import (check_drop_in_flags, check_hyperparameters, check_no_dtensors,
+                                      check_params_argument)
 from zero_triton.optim.fused import FusedAdam
 from zero_triton.state import watch
 
@@ -99,7 +100,15 @@ class ZeroAdam(FusedAdam):
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
                  max_grad_norm=None, bucket_cap_mb=25, stage=1, foreach=None, fused=None,
                  capturable=False, differentiable=False):
+        # torch.optim.Adam's order and messages: the hyperparameters, then the parameters;
+        # all before the first collective (the model check), so a bad argument fails on
+        # each rank alone.
+        check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
+        check_drop_in_flags(foreach, fused, capturable, differentiable)
         check_params_argument(params, type(self).__name__)
+        if isinstance(params, torch.Tensor):  # one tensor: iterating it would give its rows
+            raise TypeError("params argument given to the optimizer should be an iterable of "
+                            f"Tensors or dicts, but got {torch.typename(params)}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
                             f"torch.distributed.new_group(ranks)) or None for the default group, "
