@@ -146,6 +146,7 @@ class Reducer:
         # GPU, (buffer, streams.Done of the average that last read it).
         self.pools: dict = {}
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
+        self.param_ranges: list = []      # per bucket: its parameters' byte addresses
         self.gathering = False            # all-gathers may be in flight
         self.overlapped = False           # zero_triton.overlap: they outlive step()
         self.read_guard = None            # pending_reads.PendingReads until the next forward
@@ -177,6 +178,11 @@ class Reducer:
         self.buckets = [b for flat in flats for b in reversed(flat.buckets)]
         self.bucket_of_param = {id(p): b for flat in flats for b in flat.buckets
                                 for p in flat.params[b.geometry.first:b.geometry.end]}
+        # [lo, hi) byte addresses of the parameters each bucket gathers into: what a
+        # read between step() and the next forward is checked against (guard_reads).
+        self.param_ranges = [(b.param_full.data_ptr(), b.param_full.data_ptr()
+                              + b.param_full.numel() * b.param_full.element_size())
+                             for b in self.buckets]
         if [b.key for b in self.buckets] != old or self.order is None:
             self.order, self.seen = None, []
         else:  # same keys: keep the learned order over the new buckets
@@ -467,13 +473,8 @@ class Reducer:
         """``step()`` under ``overlap()`` returns with the gathers in flight: until the
         next forward, a torch operation on a parameter waits for them (``pending_reads``)."""
         self.release_reads()
-        ranges = []
-        for b in self.buckets:
-            if b.gather is not None:
-                lo = b.param_full.data_ptr()
-                ranges.append((lo, lo + b.param_full.numel() * b.param_full.element_size()))
-        if ranges:
-            self.read_guard = pending_reads.PendingReads(self, ranges)
+        if self.gathering:
+            self.read_guard = pending_reads.PendingReads(self, self.param_ranges)
             pending_reads.push(self.read_guard)
             self._guards.append(self.read_guard)
 

@@ -7,8 +7,8 @@ waits for the buckets holding that module's own parameters only: the gathers of 
 layers run while the earlier layers compute. The optimizer's state dicts, checkpoints
 and next ``step`` wait for whatever is left, and until the forward begins any torch
 operation on a parameter (an EMA, a weight norm) waits for them all first
-(``pending_reads``). A module that uses another module's parameter functionally (not through that
-module's forward) must own it too (tied weights: the same Parameter in both modules).
+(``pending_reads``). A module that uses another module's parameter functionally (not
+through that module's forward) must own it too (tied weights: the same Parameter in both modules).
 A forward that read a parameter without waiting (that, or a graph compiled by
 torch.compile before ``overlap`` was called, which skips the hooks) is refused by the
 backward hooks that follow (``hooks.grad_ready``), before the step.
