@@ -412,6 +412,23 @@ def _overlap_job(rank, world, stage):
         out["write"] = "no error"
     except RuntimeError as exc:
         out["write"] = str(exc)
+    # A parameter replaced from another thread (p.data = x) in that window: the gathered
+    # values copied over x would undo the assignment silently; refused alike.
+    opt.wait_params()
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+    def replace():
+        model.b.weight.data = torch.zeros_like(model.b.weight.data)
+    t = threading.Thread(target=replace)
+    t.start()
+    t.join()
+    try:
+        model(torch.randn(4, 16))
+        out["replace"] = "no error" + ("" if bool((model.b.weight == 0).all()) else ", the assignment undone")
+    except RuntimeError as exc:
+        out["replace"] = str(exc)
     return out
 
 
@@ -420,13 +437,14 @@ def test_overlap_reads_and_writes_between_step_and_forward(stage):
     """Under overlap(): a parent's no_grad/detached read of its children's weights sees the
     updated values (the losses equal a run without overlap), and model.load_state_dict()
     between step() and the next forward is never overwritten by that step's gathers;
-    another write in that window waits for them and is kept; one from another thread is
-    refused with the fix."""
+    another write in that window waits for them and is kept; one from another thread (a
+    write or a ``p.data = x``) is refused with the fix."""
     for rank, out in enumerate(run_ranks(_overlap_job, 2, stage, timeout=180)):
         assert out["losses_True"] == out["losses_False"], (rank, out)
         assert out["kept"], f"rank {rank}: the load was overwritten by in-flight gathers"
         assert out["write_kept"], f"rank {rank}: the write was overwritten by in-flight gathers"
         assert "optimizer.wait_params()" in out["write"], (rank, out["write"])
+        assert "optimizer.wait_params()" in out["replace"], (rank, out["replace"])
 
 
 # -- items 10-13: files and arguments ---------------------------------------------------------

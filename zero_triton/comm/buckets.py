@@ -43,8 +43,9 @@ SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 def _written_while_gathering(bucket: Bucket, param):
     return RuntimeError(
         f"zero_triton.overlap: a parameter {tuple(param.shape)} of bucket {bucket.key[1]} of flat "
-        f"buffer {bucket.key[0]} was written between step() and the next forward while its "
-        "all-gather was in flight: the gathered values may have overwritten the write. "
+        f"buffer {bucket.key[0]} was written or replaced (p.data = x) between step() and the "
+        "next forward while its all-gather was in flight: the gathered values may have "
+        "overwritten the write. "
         "Writes on the thread that called step() wait by themselves; before a write from "
         "another thread (or one torch does not see, through numpy) after step(), call "
         "optimizer.wait_params()")
@@ -69,8 +70,9 @@ class Bucket:
         self.accumulated = False  # ZeRO-2: the shard already holds an average this step
         self.grad_out = grad_shard[g.shard_start:g.shard_start + g.shard_numel]
         self.param_full = flat_param[g.start:g.start + g.numel]
-        # (parameter, its view of flat_param): a parameter moved by model.to() while its
-        # all-gather was in flight copied stale values; wait_gather puts the right ones in.
+        # (parameter, its view of flat_param): a parameter moved by model.to() on another
+        # thread while step() gathered copied stale values; wait_gather puts the right ones
+        # in (after step() returned, under overlap, it refuses: see wait_gather).
         self.members = list(members)
         lo, hi = g.shard_range(rank)
         self.param_shard = flat_param[lo:hi]
@@ -114,11 +116,16 @@ class Bucket:
         pending.wait()
         versions, self.versions = self.versions, None
         for i, (p, view) in enumerate(self.members):
-            if p.data_ptr() != view.data_ptr():  # moved (model.to) before the gather landed
+            moved = p.data_ptr() != view.data_ptr()
+            if versions is not None and (moved or p._version != versions[i]):
+                # After step() returned (overlap), off the thread whose torch operations
+                # wait for the gathers first (pending_reads): a write or a `p.data = x`
+                # that the gathered values may have undone, which we cannot tell apart
+                # from model.to() copying half-gathered values.
+                raise _written_while_gathering(self, p)
+            if moved:  # by model.to() on another thread while step() gathered
                 with torch.no_grad():
                     p.copy_(view)
-            elif versions is not None and p._version != versions[i]:
-                raise _written_while_gathering(self, p)
 
     def reset(self) -> None:
         self.arrived[:] = bytes(self.nparams)
