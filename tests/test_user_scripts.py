@@ -251,6 +251,42 @@ def test_frozen_at_construction_then_unfrozen_is_a_clear_error():
     assert torch.equal(model[2].weight, w), "a refused step changed a parameter"
 
 
+class _Quantised(nn.Module):
+    """A frozen int8 weight among trainable ones, as a quantised base model under LoRA
+    holds it (bitsandbytes' Int8Params): ``model.parameters()`` yields it too."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = nn.Parameter(torch.randint(-5, 5, (6, 6), dtype=torch.int8), requires_grad=False)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.q.float()
+
+
+def test_a_frozen_integer_parameter_is_left_out_as_torch_leaves_it():
+    ours, theirs = _Quantised(), _Quantised()
+    opt = FusedAdamW(ours.parameters(), lr=1e-2, backend=CPU_BACKEND)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for x in _batches(3):
+        for model, o in ((ours, opt), (theirs, topt)):
+            model(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert torch.allclose(ours.lin.weight, theirs.lin.weight, rtol=1e-6, atol=1e-7)
+    assert torch.equal(ours.q, theirs.q)
+    sd, tsd = opt.state_dict(), topt.state_dict()
+    assert sd["param_groups"][0]["params"] == tsd["param_groups"][0]["params"] == [0, 1, 2]
+    assert sorted(sd["state"]) == sorted(tsd["state"]) == [1, 2]
+    torch.optim.AdamW(_Quantised().parameters()).load_state_dict(sd)
+    FusedAdamW(_Quantised().parameters(), backend=CPU_BACKEND).load_state_dict(tsd)
+    # One that asks for gradients is refused with the dtypes that are stepped.
+    weird = nn.Parameter(torch.zeros(3, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="float8_e4m3fn; FusedAdam handles float32"):
+        FusedAdamW([weird])
+
+
 def _job_missing_on_some_ranks(rank, world_size):
     from zero_triton import ZeroAdam
     torch.manual_seed(0)

@@ -166,7 +166,8 @@ def check_group_params(params: list, param_groups: list, *, materialised: bool) 
                 "each parameter to exactly one group")
         if not p.is_leaf:
             raise ValueError(f"parameter {i} is not a leaf tensor; optimize leaves (nn.Parameter)")
-        if p.dtype not in SUPPORTED:
+        if p.dtype not in SUPPORTED and p.requires_grad:  # (frozen ones are left out, as torch's
+            # optimizers leave a parameter without gradients: an int8 weight of a quantised model)
             raise ValueError(f"parameter {i} is {p.dtype}; FusedAdam handles float32, "
                              "float16, bfloat16, float64, complex64 and complex128 parameters")
         if p.grad is not None and p.grad.is_sparse:
