@@ -71,6 +71,31 @@ def test_torch_clip_equals_max_grad_norm_and_returns_the_global_norm():
 
 
 @packed
+def _job_accelerate(rank, world_size):
+    imported = "accelerate.accelerator" in sys.modules
+    out = {(name, clip): train(rank, world_size, clip=clip, **RUNS[name])
+           for name in ("stage 1", "stage 2") for clip in ("opt", "accelerate")}
+    return out, imported
+
+
+def test_accelerate_clip_equals_max_grad_norm_even_imported_after_the_optimizer():
+    """accelerate's ``Accelerator.clip_grad_norm_`` without DDP: from accelerate 1.16 it
+    takes the norm of each ``.grad`` itself, which under ZeroAdam clipped each rank by its
+    local norm (stage 1) or nothing (stage 2). It clips by the global norm, with accelerate
+    imported after the first ZeroAdam was built (the import is watched for)."""
+    pytest.importorskip("accelerate", reason="accelerate is not installed (pip install accelerate)")
+    results = ranks(_job_accelerate, 2, timeout=240)
+    for rank, (out, imported) in enumerate(results):
+        assert not imported, "accelerate was imported before the job: the import hook went untested"
+        for name in ("stage 1", "stage 2"):
+            assert_bitwise(out[name, "accelerate"], out[name, "opt"],
+                           f"rank {rank}, {name}: Accelerator.clip_grad_norm_ vs max_grad_norm")
+            norms = out[name, "accelerate"]["norms"]
+            assert norms == results[0][0][name, "accelerate"]["norms"] and norms[0] > 0.5, \
+                f"rank {rank}, {name}: the global norm on every rank, above max_norm: {norms}"
+
+
+@packed
 def _job_unscale(rank, world_size):
     kw = dict(bucket_cap_mb=TINY, use_overlap=True, scaler=True)
     return {clip: train(rank, world_size, clip=clip, **kw) for clip in ("none", "unscale")}

@@ -14,6 +14,7 @@ they may start a tool.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import socket
 import subprocess
@@ -191,6 +192,11 @@ once = (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradS
 zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters())
 print("zero", patched(), once == (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_,
                                   torch.amp.GradScaler.unscale_, DCP._state_dict_fn))
+import importlib.util, sys
+if importlib.util.find_spec("accelerate") is not None:  # imported after the first ZeroAdam
+    before = "accelerate.accelerator" in sys.modules
+    import accelerate.accelerator as A
+    print("accelerate", before, getattr(A.Accelerator.clip_grad_norm_, "_zero_triton_routes", False))
 dist.destroy_process_group()
 """
 
@@ -198,8 +204,9 @@ dist.destroy_process_group()
 def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     """``import zero_triton`` and FusedAdam change nothing of torch; the first ZeroAdam
     applies every patch of ``integrations/`` (both names of clip_grad_norm_, GradScaler's
-    two methods, DCP's way to an optimizer's state dict), and a second one applies none
-    again."""
+    two methods, DCP's way to an optimizer's state dict, and accelerate's
+    ``Accelerator.clip_grad_norm_`` once accelerate is imported, here after it), and a
+    second one applies none again."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -208,6 +215,8 @@ def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     assert out.returncode == 0, out.stderr
     assert "fused (False, False, False, False, False)" in out.stdout, out.stdout
     assert "zero (True, True, True, True, True) True" in out.stdout, out.stdout
+    if importlib.util.find_spec("accelerate") is not None:
+        assert "accelerate False True" in out.stdout, out.stdout
 
 
 def test_setup_installs_every_package():

@@ -85,7 +85,8 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
     "opt" (max_grad_norm=0.5), "torch" (torch.nn.utils.clip_grad_norm_ after backward,
     after GradScaler.unscale_ with a scaler: nanoGPT's loop), "log" (max_grad_norm=0.5
     and, after unscale_, torch's clip_grad_norm_ with max_norm inf, as HF Trainer logs
-    the norm), "none",
+    the norm), "accelerate" (accelerate's ``Accelerator.clip_grad_norm_``, the
+    Accelerator made after the optimizer), "none",
     or "unscale" (no clipping, GradScaler.unscale_ after backward)."""
     model = Net().to(device)
     opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95),
@@ -118,6 +119,11 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
         if clip in ("torch", "log"):  # "log": HF Trainer's grad-norm logging, max_norm inf
             max_norm = 0.5 if clip == "torch" else float("inf")
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        if clip == "accelerate":  # made after the optimizer, as HF Trainer makes it
+            if step == 0:
+                from accelerate import Accelerator
+                accelerator = Accelerator(cpu=True)
+            norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
         if amp is not None:
             amp.step(opt)
             amp.update()

@@ -3,6 +3,8 @@
 - ``clip_grad``: ``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.
   clip_grad_norm_``) on a ZeroAdam's parameters clips by the global norm of the averaged
   gradients; every other call goes to torch's function unchanged.
+- ``accelerate_clip``: accelerate's ``Accelerator.clip_grad_norm_`` (which from 1.16
+  computes the norm itself) does the same on a ZeroAdam's parameters.
 - ``grad_scaler``: ``torch.amp.GradScaler._unscale_grads_`` and ``unscale_``: under
   ZeroAdam every rank agrees on found_inf, and ZeRO-2's shards are unscaled.
 - ``dcp``: torch.distributed.checkpoint's ``get_optimizer_state_dict`` takes a ZeroAdam's
@@ -14,7 +16,7 @@
 when the first ZeroAdam is built (``zero_triton.optim.owners.when_built``): importing
 zero_triton, or using only FusedAdam, changes nothing of torch.
 """
-from zero_triton.integrations import clip_grad, dcp, grad_scaler
+from zero_triton.integrations import accelerate_clip, clip_grad, dcp, grad_scaler
 from zero_triton.integrations.ddp import ddp_local_grads_hook
 from zero_triton.integrations.grad_scaler import ZeroGradScaler
 from zero_triton.optim import owners
@@ -23,6 +25,7 @@ from zero_triton.optim import owners
 def install() -> None:
     owners.when_built(grad_scaler.install)
     owners.when_built(clip_grad.install)
+    owners.when_built(accelerate_clip.install)
     owners.when_built(dcp.install)
 
 
