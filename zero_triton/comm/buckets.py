@@ -156,8 +156,9 @@ class Reducer:
         self.param_ranges: list = []      # per bucket: its parameters' byte addresses
         self.gathering = False            # all-gathers may be in flight
         self.overlapped = False           # zero_triton.overlap: they outlive step()
-        self.read_guard = None            # pending_reads.PendingReads until the next forward
-        # A guard left on the stack (no forward came) goes with the optimizer.
+        # pending_reads.PendingReads of step() under overlap() not yet off the mode stack,
+        # the newest last (one, unless a drop failed); those left there (no forward came)
+        # go with the optimizer.
         self._guards: list = []
         weakref.finalize(self, pending_reads.drop_all, self._guards)
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
@@ -476,26 +477,36 @@ class Reducer:
         for b in self.buckets:
             b.wait_reduce()
 
+    @property
+    def guarded(self) -> bool:
+        """A guard of an overlapped ``step()`` is still on a mode stack."""
+        return bool(self._guards)
+
+    @property
+    def read_guard(self):
+        """The guard of the latest overlapped ``step()`` until the next forward, or None."""
+        return self._guards[-1] if self._guards else None
+
     def guard_reads(self) -> None:
         """``step()`` under ``overlap()`` returns with the gathers in flight: until the
         next forward, a torch operation on a parameter waits for them (``pending_reads``)."""
         self.release_reads()
         if self.gathering:
-            self.read_guard = pending_reads.PendingReads(self, self.param_ranges)
-            pending_reads.push(self.read_guard)
-            self._guards.append(self.read_guard)
+            guard = pending_reads.PendingReads(self, self.param_ranges)
+            pending_reads.push(guard)
+            self._guards.append(guard)
 
     def release_reads(self) -> None:
-        """The forward has begun (its hooks wait from here on), or the gathers are waited."""
-        guard = self.read_guard
-        if guard is not None:
+        """The forward has begun (its hooks wait from here on), or the gathers are waited.
+        A guard that is not on this thread's stack now (running its own check) stays
+        listed, inactive, until a later release or the optimizer's end drops it."""
+        for guard in list(self._guards):
             guard.active = False
             if pending_reads.drop(guard):
-                self.read_guard = None
                 self._guards.remove(guard)
 
     def wait_gathers(self) -> None:
-        if self.read_guard is not None:
+        if self._guards:
             self.release_reads()
         if not self.gathering:
             return

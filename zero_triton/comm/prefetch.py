@@ -35,7 +35,7 @@ def _wait_for_own(reducer_ref, reads, module, _args):
     reducer = reducer_ref()
     if reducer is None:
         return
-    if reducer.read_guard is not None:  # the forward has begun: its hooks wait from here
+    if reducer.guarded:  # the forward has begun: its hooks wait from here
         reducer.release_reads()
     if not reducer.gathering:
         return
