@@ -1,15 +1,39 @@
-"""Run a function on N gloo ranks in spawned CPU processes, with a hard timeout.
+"""Run a function on N gloo ranks in fresh CPU processes, with a hard timeout.
 
 ``run_ranks(fn, world_size, *args)`` returns the list of what ``fn(rank, world_size,
 *args)`` returned on each rank (it must be picklable). An exception on any rank is
 re-raised here with that rank's traceback; a rank that hangs past ``timeout`` fails the
 test instead of hanging it.
+
+The ranks are forked from a server process that imported torch (and torch._dynamo, which
+building any torch optimizer imports) once, not spawned: a spawned rank spent ~3 s of
+imports before its first line, times two ranks, times every multi-rank test. Each rank
+starts with the caller's environment, working directory and sys.path, as a spawned one
+would; what it imports or changes dies with it. ``ZT_TEST_SPAWN=1`` spawns them instead.
 """
+import importlib.util
 import os
 import socket
+import sys
 import traceback
 
 import torch.multiprocessing as mp
+
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "triton")
+_context = None
+
+
+def _mp_context():
+    global _context
+    if _context is None:
+        if os.environ.get("ZT_TEST_SPAWN", "") not in ("", "0") or \
+                "forkserver" not in mp.get_all_start_methods():
+            _context = mp.get_context("spawn")
+        else:
+            _context = mp.get_context("forkserver")
+            _context.set_forkserver_preload(
+                [m for m in _PRELOAD if importlib.util.find_spec(m.split(".")[0]) is not None])
+    return _context
 
 
 def free_port() -> int:
@@ -18,9 +42,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue, pg_timeout_s):
+def _entry(rank, world_size, port, fn, args, queue, pg_timeout_s, caller=None):
     import datetime
 
+    if caller is not None:  # forked from the server: the caller's world, as spawn gives it
+        env, cwd, path = caller
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
     import torch
     import torch.distributed as dist
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -45,10 +75,12 @@ class RankError(RuntimeError):
 
 
 def run_ranks(fn, world_size, *args, timeout=120, pg_timeout_s=60, allow_errors=False):
-    ctx = mp.get_context("spawn")
+    ctx = _mp_context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, pg_timeout_s))
+    caller = (dict(os.environ), os.getcwd(), list(sys.path)) \
+        if ctx.get_start_method() == "forkserver" else None
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, pg_timeout_s, caller))
              for r in range(world_size)]
     for p in procs:
         p.start()
