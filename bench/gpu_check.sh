@@ -13,8 +13,8 @@
 #   bench/gpu_check.sh DIR            the real check (needs an NVIDIA GPU)
 #   bench/gpu_check.sh DIR --dry-run  the same stages on CPU at tiny sizes, to prove
 #                                     the script runs (JIT CPU extension instead of a
-#                                     pip build; CUDA tests collected and skipped;
-#                                     bench --quick --device cpu)
+#                                     pip build; two files' CUDA tests collected and
+#                                     skipped; bench --quick --device cpu)
 #
 # GPU stage timeouts (seconds) add up to 555, under the 600 a device command may run,
 # leaving room for the kill grace periods.
@@ -67,8 +67,11 @@ from zero_triton.native import ext as _ext
 mod = _ext.load()
 print('zero_triton._C:', mod, '| reason:', _ext.unavailable_reason(), '| cuda kernels:', _ext.cuda_available())
 raise SystemExit(0 if mod is not None else 1)"
-    run_stage test-marked 90 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
-    run_stage test-named 60 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
+    # Two of the files that hold CUDA tests: collecting the whole suite twice took ~50 s.
+    run_stage test-marked 90 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py -q \
+        -m cuda -p no:cacheprovider
+    run_stage test-named 60 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py -q \
+        -k cuda -m "not cuda" -p no:cacheprovider
     run_stage bench 150 "$PY" bench/step.py --quick --device cpu --out "$OUT"
     # Two configurations: the peers' own tests cover the rest; this proves the stage runs.
     run_stage e2e 150 "$PY" bench/e2e.py --ranks 2 --steps 2 --warmup 1 --iters 2 --layers 1 \
