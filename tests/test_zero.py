@@ -712,3 +712,38 @@ def test_the_gradient_average_sums_in_rank_order_on_the_scratch_it_asks_for(worl
             # No scratch only at two ranks, into an output of the input's dtype, not added to.
             assert needs == (world_size > 2 or wide), (name, rank, needs)
             assert needs_to_add, (name, rank)
+
+
+def _rank_float64(rank, world_size, stage):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(37, dtype=torch.float64)),
+              torch.nn.Parameter(torch.randn(4, 5, dtype=torch.float64))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ZeroAdamW(params, lr=0.01, weight_decay=0.1, stage=stage)
+    ref = torch.optim.AdamW(twins, lr=0.01, weight_decay=0.1)
+    kept = []
+    for t in range(3):
+        grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * t + 10 * r + i),
+                              dtype=torch.float64) for i, p in enumerate(params)] for r in range(world_size)]
+        for p, g in zip(params, grads[rank]):
+            p.grad = g.clone()
+        given = [p.grad.clone() for p in params] if stage == 1 else None
+        opt.step()
+        if stage == 1:  # the local gradients, as they were given
+            kept.append(all(torch.equal(p.grad, g) for p, g in zip(params, given)))
+        opt.zero_grad()
+        for i, q in enumerate(twins):
+            q.grad = sum(g[i] for g in grads) / world_size
+        ref.step()
+        ref.zero_grad()
+    return [float((p - q).abs().max()) for p, q in zip(params, twins)], kept
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_float64_parameters_equal_torch_adamw_on_the_mean_gradient(stage):
+    """float64 parameters on 2 ranks (torch's ops step them in float64): the first step's
+    check for DDP-averaged gradients squared float64 gradients in place (``.double()`` of a
+    float64 tensor is that tensor), so stage 1 averaged their squares, silently."""
+    for rank, (diffs, kept) in enumerate(run_ranks(_rank_float64, 2, stage, timeout=RANK_TIMEOUT_S)):
+        assert max(diffs) < 1e-12, f"rank {rank}: float64 parameters off torch's by {diffs}"
+        assert all(kept), f"rank {rank}: step() changed the local gradients: {kept}"

@@ -260,9 +260,9 @@ class ZeroAdam(FusedAdam):
         mine = torch.zeros(2, dtype=torch.float64, device=device)
         for f in flats:
             for chunk in f.flat_grad.split(_FINGERPRINT_CHUNK):
-                g = chunk.double()
+                g = chunk.double()  # the gradients themselves when they are float64: read only
                 mine[0] += g.sum().to(device)
-                mine[1] += g.square_().sum().to(device)
+                mine[1] += torch.dot(g, g).to(device)
         return mine
 
     @torch.no_grad()
