@@ -531,6 +531,47 @@ def _job_reads_between_step_and_forward(rank, world_size, stage):
     return out
 
 
+class _ModesSeen(torch.utils.data.Dataset):
+    """Each item: how many torch function modes the worker process that made it holds."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        from torch.overrides import _get_current_function_mode_stack
+        return torch.tensor([len(_get_current_function_mode_stack())])
+
+
+def _job_fork_after_step(rank, world_size):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    zero_triton.overlap(model, opt)
+    if rank == 1:
+        delay_gathers(opt, 0.2)
+    out = {}
+    for epoch in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        out[f"guarded {epoch}"] = opt._reducer.read_guard is not None
+        # An epoch's iter(loader) forks its workers right after the last step().
+        loader = torch.utils.data.DataLoader(_ModesSeen(), batch_size=2, num_workers=1,
+                                             multiprocessing_context="fork")
+        out[f"worker modes {epoch}"] = [int(b.max()) for b in loader]
+    opt.wait_params()
+    return out
+
+
+def test_a_process_forked_after_step_holds_no_guard():
+    """A DataLoader worker forked between step() and the next forward (each epoch's
+    iter(loader)) drops the guard it inherits: it has no gathers to wait for, and its
+    operations are not checked against the parent's buffers."""
+    for rank, out in enumerate(run_ranks(_job_fork_after_step, 2, timeout=120)):
+        for epoch in range(2):
+            assert out[f"guarded {epoch}"], (rank, out)  # the parent holds one
+            assert out[f"worker modes {epoch}"] == [0, 0], (rank, out)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reading_parameters_between_step_and_forward_waits_for_the_gathers(stage):
     """Under overlap(), reading a parameter after step() without wait_params() read

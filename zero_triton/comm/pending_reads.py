@@ -14,10 +14,14 @@ nothing, so ``zero_grad()``, GradScaler, schedulers and data loading keep the ga
 hidden.
 
 Writes from another thread (the mode is per thread) are still caught at the next wait
-(``buckets._written_while_gathering``).
+(``buckets._written_while_gathering``). A process forked in that window (DataLoader
+workers, started at each epoch's ``iter(loader)``, right after the last ``step()``) would
+inherit the mode on its stack, checking its every operation for the parent's gathers and
+waiting on collectives it does not take part in: the child drops every guard at once.
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -79,6 +83,7 @@ class PendingReads(TorchFunctionMode):
         self.reducer_ref = weakref.ref(reducer)
         self.ranges = ranges
         self.active = True
+        _LIVE.add(self)
 
     def touches(self, args, kwargs) -> bool:
         for t in _tensors(args, kwargs):
@@ -144,3 +149,17 @@ def drop_all(modes: list) -> None:
         mode.active = False
         drop(mode)
     modes.clear()
+
+
+_LIVE: "weakref.WeakSet[PendingReads]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of the parent's gathers to wait for."""
+    for mode in list(_LIVE):
+        mode.active = False
+        drop(mode)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
