@@ -7,7 +7,7 @@
   logs it) leaves max_grad_norm in force;
 - GradScaler.unscale_ after backward averaged the buckets: they are averaged again;
 - a subset of the optimizer's parameters, or two optimizers' at once, is refused with
-  the fix; error_if_nonfinite is honoured; a second call sees the clipped gradients;
+  the fix, as is clip_grad_value_ (it would clamp local gradients, or find none); error_if_nonfinite is honoured; a second call sees the clipped gradients;
 - anything else goes to torch's function unchanged: FusedAdam and world size 1, plain
   tensors, a ZeroAdam that was dropped; and the parameters stay picklable.
 """
@@ -134,6 +134,19 @@ def _job_refusals(rank, world_size):
         out["two optimizers"] = "accepted"
     except ValueError as exc:
         out["two optimizers"] = str(exc)
+    # Value clipping would clamp local gradients (stage 1: opt2) or find none (stage 2):
+    # refused under both names, before any gradient changes.
+    loss_of(other, *batch(rank, 1)).backward()
+    local = [p.grad.clone() for p in other.parameters() if p.grad is not None]
+    for what, fn, net in (("value, stage 2", torch.nn.utils.clip_grad_value_, model),
+                          ("value, stage 1", torch.nn.utils.clip_grad.clip_grad_value_, other)):
+        try:
+            fn(net.parameters(), 1e-3)
+            out[what] = "accepted"
+        except ValueError as exc:
+            out[what] = str(exc)
+    out["value: untouched"] = all(torch.equal(p.grad, g) for p, g in zip(
+        [p for p in other.parameters() if p.grad is not None], local))
     # The same module function also reached through torch.nn.utils.clip_grad.
     out["module function"] = float(torch.nn.utils.clip_grad.clip_grad_norm_(model.parameters(), 1e9))
     # A second call sees the clipped gradients: clip to 0.1, then measure.
@@ -166,6 +179,9 @@ def test_refusals_and_a_second_call():
         first, second = out["first, second"]
         assert first > 0.1 and second == pytest.approx(0.1, rel=1e-4), (rank, first, second)
         assert "non-finite" in out["nonfinite"], f"rank {rank}: {out['nonfinite']}"
+        for what in ("value, stage 2", "value, stage 1"):
+            assert "clip_grad_value_" in out[what] and "max_grad_norm=" in out[what], (rank, out[what])
+        assert out["value: untouched"], f"rank {rank}: a refused clip_grad_value_ changed .grad"
 
 
 def test_anything_else_goes_to_torch_unchanged():
@@ -184,6 +200,9 @@ def test_anything_else_goes_to_torch_unchanged():
     plain = [torch.ones(3, requires_grad=True)]
     plain[0].grad = torch.full((3,), 2.0)
     assert float(torch.nn.utils.clip_grad_norm_(plain, 1.0)) == pytest.approx(12 ** 0.5)
+    model(torch.randn(4, 8)).pow(2).sum().backward()  # and value clipping, as torch does
+    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+    assert all(float(p.grad.abs().max()) <= 1e-4 for p in model.parameters())
 
 
 @packed

@@ -175,9 +175,11 @@ import os, torch, torch.nn.utils as U, torch.nn.utils.clip_grad as CG
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as DCP
 clip, unscale, unscale_ = U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_
+value = U.clip_grad_value_
 state_dict_fn = DCP._state_dict_fn
 def patched():
     return (U.clip_grad_norm_ is not clip, CG.clip_grad_norm_ is not clip,
+            U.clip_grad_value_ is not value and CG.clip_grad_value_ is not value,
             torch.amp.GradScaler._unscale_grads_ is not unscale, torch.amp.GradScaler.unscale_ is not unscale_,
             DCP._state_dict_fn is not state_dict_fn)
 import zero_triton
@@ -213,8 +215,8 @@ def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     out = subprocess.run([sys.executable, "-c", _PATCHES], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PORT": str(port)})
     assert out.returncode == 0, out.stderr
-    assert "fused (False, False, False, False, False)" in out.stdout, out.stdout
-    assert "zero (True, True, True, True, True) True" in out.stdout, out.stdout
+    assert "fused (False, False, False, False, False, False)" in out.stdout, out.stdout
+    assert "zero (True, True, True, True, True, True) True" in out.stdout, out.stdout
     if importlib.util.find_spec("accelerate") is not None:
         assert "accelerate False True" in out.stdout, out.stdout
 

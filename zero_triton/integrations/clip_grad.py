@@ -58,6 +58,33 @@ def install() -> None:
     clip_grad_norm_._zero_triton_routes = True
     clip_grad.clip_grad_norm_ = clip_grad_norm_
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    _refuse_value_clipping(clip_grad)
+
+
+def _refuse_value_clipping(clip_grad) -> None:
+    """``clip_grad_value_`` on a ZeroAdam's parameters is refused, before it changes
+    anything: it would clamp each rank's local gradients, whose average is not DDP's
+    clamped average (stage 1), or find no ``.grad`` (stage 2, where torch raises an error
+    about an empty tensor list). Other calls go to torch's function unchanged."""
+    original = clip_grad.clip_grad_value_
+    if getattr(original, "_zero_triton_routes", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_value_(parameters, clip_value, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(owner_of(p) is not None for p in params):
+            raise ValueError(
+                "zero_triton: torch.nn.utils.clip_grad_value_ on a ZeroAdam's parameters would "
+                "clamp this rank's local gradients before they are averaged (stage 2: there "
+                "are none), not the averaged gradients as under DDP. Clip by norm instead "
+                "(torch.nn.utils.clip_grad_norm_, or max_grad_norm= on the optimizer), or "
+                "train with zero_triton.FusedAdamW and DDP where value clipping is needed")
+        return original(params, clip_value, foreach)
+
+    clip_grad_value_._zero_triton_routes = True
+    clip_grad.clip_grad_value_ = clip_grad_value_
+    torch.nn.utils.clip_grad_value_ = clip_grad_value_
 
 
 def _check_call(params, owners, unowned):
