@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from zero_triton.optim.owners import owner as owner_of
+from zero_triton.integrations.clip_grad import any_owned, as_list
 
 _MODULE = "accelerate.accelerator"
 
@@ -43,8 +43,8 @@ def _wrap(module) -> None:
 
     @functools.wraps(original)
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not any(owner_of(p) is not None for p in params):
+        params = as_list(parameters)
+        if not any_owned(params):
             return original(self, params, max_norm, norm_type)
         self.unscale_gradients()
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)

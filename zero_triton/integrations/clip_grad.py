@@ -26,6 +26,16 @@ import torch
 from zero_triton.optim.owners import owner as owner_of
 
 
+def as_list(parameters) -> list:
+    """The parameters a clipping call was given, as torch's functions read them."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def any_owned(params) -> bool:
+    """Some of ``params`` belong to a live ZeroAdam that routes clipping."""
+    return any(owner_of(p) is not None for p in params)
+
+
 def install() -> None:
     """Route torch's ``clip_grad_norm_`` (both of its names) through ``_check_call``; once."""
     import torch.nn.utils.clip_grad as clip_grad
@@ -36,7 +46,7 @@ def install() -> None:
     @functools.wraps(original)
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                         foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = as_list(parameters)
         owners, unowned = {}, []
         for p in params:
             opt = owner_of(p)
@@ -72,8 +82,8 @@ def _refuse_value_clipping(clip_grad) -> None:
 
     @functools.wraps(original)
     def clip_grad_value_(parameters, clip_value, foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if any(owner_of(p) is not None for p in params):
+        params = as_list(parameters)
+        if any_owned(params):
             raise ValueError(
                 "zero_triton: torch.nn.utils.clip_grad_value_ on a ZeroAdam's parameters would "
                 "clamp this rank's local gradients before they are averaged (stage 2: there "
