@@ -243,10 +243,11 @@ def build(key, args, device):
     return net, opt, f"DDP + AdamW({how})"
 
 
-def iteration(net, opt, batch, sync_ranges=None):
+def iteration(net, opt, batch, sync_ranges=None, after_backward=None):
     """One training iteration inside the ranges ``timeline`` cuts; returns the loss.
     ``sync_ranges``: a device synchronize that ends each range (profiled GPU runs, so
-    that each range holds its own kernels)."""
+    that each range holds its own kernels); ``after_backward``: called between backward
+    and the step."""
     record = torch.profiler.record_function
     end = sync_ranges or (lambda: None)
     idx, targets = batch
@@ -257,6 +258,8 @@ def iteration(net, opt, batch, sync_ranges=None):
         with record(timeline.BACKWARD):
             getattr(opt, "backward", torch.Tensor.backward)(loss)
             end()
+        if after_backward is not None:
+            after_backward()
         with record(timeline.OPTIMIZER):
             opt.step()
             end()
@@ -315,8 +318,10 @@ def detail_rank(args, rank, world, device) -> dict:
     net, opt, _ = build(args.config, args, device)
     iteration(net, opt, batches[0])  # optimizer state and DDP buckets exist from here on
     probe = MemoryProbe(device)
+    states = []  # ZeroAdamW's bytes where it holds the most: averaged, not yet stepped
+    report = (lambda: states.append(opt.memory_report())) if hasattr(opt, "memory_report") else None
     with probe.phase("iteration"):
-        iteration(net, opt, batches[1])
+        iteration(net, opt, batches[1], after_backward=report)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -351,7 +356,7 @@ def detail_rank(args, rank, world, device) -> dict:
         raise RuntimeError(f"the trace holds {len(splits)} iterations, {PROFILED} were profiled")
     share = [sum(s.rows[k] for k in timeline.KINDS) / s.iteration_ms for s in splits]
     s = splits[sorted(range(PROFILED), key=share.__getitem__)[PROFILED // 2]]
-    states = opt.memory_report() if hasattr(opt, "memory_report") else None
+    states = states[0] if states else None
     memory = probe.phases["iteration"]
     return {"start": start["current"], "peak": memory["peak"], "memory_how": probe.how,
             "in_use_start": start.get("in_use"), "in_use_peak": memory.get("in_use_peak"),
@@ -503,7 +508,8 @@ def format_phases(rows, world) -> str:
 
 
 def format_states(rows, world, args) -> str:
-    """ZeroAdamW's own bytes per rank (its ``memory_report()``, largest rank) beside
+    """ZeroAdamW's own bytes per rank (its ``memory_report()`` between backward and the
+    step, where it holds its averaged shard too; largest rank) beside
     ``python -m zero_triton memory``'s formula for the same parameters, world size and
     stage: what it holds for the model states, and what it holds besides (the buckets'
     receive and staging buffers)."""
@@ -517,7 +523,7 @@ def format_states(rows, world, args) -> str:
     table = memory_table(params, world, "none" if args.dtype == "fp32" else "fp32")
     formula = {row["stage"]: row for row in table["stages"]}
     mib = 2**20
-    lines = [f"ZeroAdamW's bytes per rank (memory_report(), MiB) against `python -m zero_triton "
+    lines = [f"ZeroAdamW's bytes per rank (memory_report() after backward, MiB) against `python -m zero_triton "
              f"memory --params {params} --world-size {world}"
              + ("" if args.dtype != "fp32" else " --master-dtype none") + "`"]
     for r in zero:

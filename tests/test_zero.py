@@ -103,15 +103,29 @@ def _make_zero(case: Case, params):
                reduce_dtype=case.reduce_dtype)
 
 
-def _snapshot(opt):
+def _record_averages(opt) -> dict:
+    """{bucket index: a copy of this rank's averaged shard of it}, taken as each step's
+    kernel lets it go (the step keeps no averages between steps)."""
+    seen = {}
+    for b in opt._flats[0][0].buckets:
+        def release(b=b, release=b.release):
+            seen[b.key[1]] = b.averaged().clone()
+            release()
+        b.release = release
+    return seen
+
+
+def _snapshot(opt, averages=None):
     flat = opt._flats[0][0]
-    return {"params": [p.detach().clone() for p in flat.params],
-            "flat_param": flat.flat_param.clone(),
-            "master": flat.state.master.detach().clone(),
-            "exp_avg": flat.state.exp_avg.clone(),
-            "exp_avg_sq": flat.state.exp_avg_sq.clone(),
-            "grad_shard": flat.grad_shard.clone(),
-            "step": float(flat.state.step)}
+    out = {"params": [p.detach().clone() for p in flat.params],
+           "flat_param": flat.flat_param.clone(),
+           "master": flat.state.master.detach().clone(),
+           "exp_avg": flat.state.exp_avg.clone(),
+           "exp_avg_sq": flat.state.exp_avg_sq.clone(),
+           "step": float(flat.state.step)}
+    if averages is not None:
+        out["grad_shard"] = torch.cat([averages[k] for k in sorted(averages)])
+    return out
 
 
 def _describe_flat(opt):
@@ -124,6 +138,7 @@ def _describe_flat(opt):
 def _job_trajectory(rank, world_size, case: Case):
     params = _init_params(case.shapes, case.dtype)
     opt = _make_zero(case, params)
+    averages = _record_averages(opt)
     out = {**_describe_flat(opt), "steps": [], "norms": []}
     for t in range(1, case.steps + 1):
         opt.zero_grad()
@@ -133,7 +148,7 @@ def _job_trajectory(rank, world_size, case: Case):
             max_norm = case.max_norms[(t - 1) % len(case.max_norms)]
             out["norms"].append(opt.clip_grad_norm_(max_norm))
         opt.step()
-        out["steps"].append(_snapshot(opt))
+        out["steps"].append(_snapshot(opt, averages))
     return out
 
 
@@ -188,8 +203,14 @@ def _job_profile(rank, world_size, case: Case):
 def _job_memory(rank, world_size, case: Case):
     params = _init_params(case.shapes, case.dtype)
     opt = _make_zero(case, params)
-    return {**_describe_flat(opt), "report": opt.memory_report(),
-            "element_size": params[0].element_size()}
+    built = opt.memory_report()
+    for p, g in zip(params, _rank_grads(case, rank, 1)):
+        p.grad = g.to(p.dtype).clone()
+    opt.clip_grad_norm_(1.0)  # averages the gradients: the step's kernel reads them next
+    averaged = opt.memory_report()
+    opt.step()
+    return {**_describe_flat(opt), "built": built, "averaged": averaged,
+            "stepped": opt.memory_report(), "element_size": params[0].element_size()}
 
 
 _JOBS = {"trajectory": _job_trajectory, "inf_step": _job_inf_step, "profile": _job_profile,
@@ -607,7 +628,7 @@ def test_profiler_trace_has_the_three_phases_in_order(case):
 def test_memory_report_counts_shard_state_and_full_buffers(case):
     layout = FlatLayout.build(case.shapes, case.world_size)
     for rank, r in enumerate(_results("memory", case)):
-        rep, s = r["report"], layout.shard_numel
+        rep, s = r["built"], layout.shard_numel
         where = f"rank {rank} ({case.world_size} ranks, {case.dtype}, shard {s} of {layout.padded_numel})"
         master = 4 * s if case.dtype != torch.float32 else 0  # fp32 parameters are their own master
         assert rep["master"] == master, f"{where}: master {rep['master']} B, expected {master}"
@@ -616,9 +637,12 @@ def test_memory_report_counts_shard_state_and_full_buffers(case):
             assert rep["optimizer_state"] == 12 * s, f"{where}: optimizer_state {rep['optimizer_state']} B"
         full = layout.padded_numel * r["element_size"]
         assert rep["params"] == full, f"{where}: params {rep['params']} B, expected the padded buffer {full}"
-        # The local gradients (the padded buffer) and, over several ranks, the averaged shard.
-        grads = full + (s * r["element_size"] if case.world_size > 1 else 0)
-        assert rep["grads"] == grads, f"{where}: grads {rep['grads']} B, expected {grads}"
+        # The local gradients (the padded buffer) and, over several ranks, the averaged
+        # shard from the average to the step's kernel.
+        averaged = full + (s * r["element_size"] if case.world_size > 1 else 0)
+        for when, grads in (("built", full), ("averaged", averaged), ("stepped", full)):
+            got = r[when]["grads"]
+            assert got == grads, f"{where}: grads {got} B {when}, expected {grads}"
 
 
 def _rank_mismatched_shapes(rank, world_size):
@@ -747,3 +771,49 @@ def test_float64_parameters_equal_torch_adamw_on_the_mean_gradient(stage):
     for rank, (diffs, kept) in enumerate(run_ranks(_rank_float64, 2, stage, timeout=RANK_TIMEOUT_S)):
         assert max(diffs) < 1e-12, f"rank {rank}: float64 parameters off torch's by {diffs}"
         assert all(kept), f"rank {rank}: step() changed the local gradients: {kept}"
+
+
+def _rank_averages_held(rank, world_size, stage, numel):
+    """3 steps of ZeroAdamW against torch's AdamW on the mean gradient, and the bytes of
+    gradients the optimizer holds after the average and after each step."""
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, numel)), torch.nn.Parameter(torch.ones(5, 3))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = ZeroAdamW(params, lr=0.01, weight_decay=0.1, stage=stage, bucket_cap_mb=None)
+    ref = torch.optim.AdamW(twins, lr=0.01, weight_decay=0.1)
+    held = []
+    for t in range(3):
+        grads = [[torch.full(p.shape, 0.1 * (r + 1) * (t + 1)) + 0.01 * i for i, p in enumerate(params)]
+                 for r in range(world_size)]
+        for p, g in zip(params, grads[rank]):
+            p.grad = g.clone()
+        opt.clip_grad_norm_(1e9)  # averages: the step's kernel reads the averages next
+        averaged = opt.memory_report()["grads"]
+        opt.step()
+        held.append((averaged, opt.memory_report()["grads"]))
+        opt.zero_grad()
+        for i, q in enumerate(twins):
+            q.grad = sum(g[i] for g in grads) / world_size
+        ref.step()
+        ref.zero_grad()
+    layout = opt._flats[0][0].layout
+    diff = max(float((p - q).detach().abs().max()) for p, q in zip(params, twins))
+    return diff, held, layout.padded_numel * 4, layout.shard_numel * 4
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("numel", [1000, 2**24 + 64], ids=["small", "over 32 MiB a rank"])
+def test_averages_are_let_go_after_the_step_unless_too_large_for_the_c_heap(stage, numel):
+    """Each bucket's averaged shard is made by the step's first average and let go once
+    its kernel has read it, as DDP's .grad is let go by zero_grad: no rank holds it while
+    the next forward's activations pile up. On CPUs a bucket's shard above 32 MiB is kept
+    (glibc would map it afresh, page by page, every step); a kept one is written again,
+    not added to, at the next step."""
+    for rank, (diff, held, full, shard) in enumerate(
+            run_ranks(_rank_averages_held, 2, stage, numel, timeout=RANK_TIMEOUT_S)):
+        assert diff < 1e-6, f"rank {rank}: {diff} off torch's AdamW on the mean gradient"
+        local = 0 if stage == 2 else full  # stage 1's local gradients (the padded buffer)
+        kept = shard if shard > 32 * 2**20 else 0
+        for t, (averaged, stepped) in enumerate(held):
+            assert averaged >= local + shard, f"rank {rank}, step {t}: {averaged} B held after the average"
+            assert stepped == local + kept, \
+                f"rank {rank}, step {t}: {stepped} B held after the step, expected {local + kept}"

@@ -54,7 +54,8 @@ def _written_while_gathering(bucket: Bucket, param):
 class Bucket:
     """One bucket of one flat buffer (``flat.Bucket`` ``geometry``) on this rank."""
 
-    def __init__(self, key, geometry, grads, grad_shard, flat_param, rank: int, members=()):
+    def __init__(self, key, geometry, grads, out, flat_param, rank: int, members=(), *,
+                 out_dtype=None, keep_out: bool = True):
         g = geometry
         self.key = key  # (flat buffer ordinal, bucket index): the same on every rank
         self._names = {}
@@ -68,7 +69,15 @@ class Bucket:
         self.sending = None     # ZeRO-2 on CPUs: the staging buffer the reduce in flight reads
         self.staging_pool = None
         self.accumulated = False  # ZeRO-2: the shard already holds an average this step
-        self.grad_out = grad_shard[g.shard_start:g.shard_start + g.shard_numel]
+        # This rank's averaged shard of the bucket (``averaged``). ``out``: where it lives
+        # for good (world size 1: the local gradients themselves, nothing to average);
+        # None: a tensor of its own, made by the step's first launch and, unless
+        # ``keep_out``, let go once the step's kernel has read it (``release``), as
+        # DDP's .grad is let go by zero_grad: between steps, while the next forward's
+        # activations pile up, it takes no memory.
+        self.kept = out is not None or keep_out
+        self.out_dtype = out.dtype if out is not None else out_dtype
+        self.grad_out = None if out is None else out[g.shard_start:g.shard_start + g.shard_numel]
         self.param_full = flat_param[g.start:g.start + g.numel]
         # (parameter, its view of flat_param): a parameter moved by model.to() on another
         # thread while step() gathered copied stale values; wait_gather puts the right ones
@@ -86,6 +95,29 @@ class Bucket:
         self.pool = None
         self.gather = None      # Pending all-gather of the updated parameters
         self.versions = None    # under overlap(): the members' versions when it started
+
+    def averaged(self) -> torch.Tensor:
+        """This rank's averaged shard of the bucket: what the step's kernel, clipping and
+        unscaling read once the bucket is averaged, zeros if it never was (launches write
+        it: ``out``)."""
+        if self.grad_out is None:
+            self.grad_out = torch.zeros(self.geometry.shard_numel, dtype=self.out_dtype,
+                                        device=self.param_full.device)
+        return self.grad_out
+
+    def out(self, accumulate: bool) -> torch.Tensor:
+        """The averaged shard for a launch to write (``accumulate``: to add to)."""
+        if self.grad_out is None:
+            if accumulate:
+                return self.averaged()
+            self.grad_out = torch.empty(self.geometry.shard_numel, dtype=self.out_dtype,
+                                        device=self.param_full.device)
+        return self.grad_out
+
+    def release(self) -> None:
+        """The step's kernel has read the averaged shard: let it go unless it is kept."""
+        if not self.kept:
+            self.grad_out = None
 
     def name(self, what: str) -> str:
         """The phase named in errors, made once (launches happen every step)."""
@@ -202,7 +234,7 @@ class Reducer:
         for b in self.buckets:
             kind = self._kind(b)
             sizes[kind] = max(sizes.get(kind, 0), b.geometry.numel)
-            into_out[kind] = into_out.get(kind, True) and b.grad_out.dtype == b.grad_dtype
+            into_out[kind] = into_out.get(kind, True) and b.out_dtype == b.grad_dtype
         # Receive and staging buffers are made when first needed (a model of two buckets
         # never needs more than two), up to max_in_flight of each kind. Receive scratch is
         # sized for an average into the shard (ZeRO-2's later averages of a step, added
@@ -361,8 +393,9 @@ class Reducer:
         if bucket.sharded and bucket.grad_in is None:  # nothing arrived: this rank adds zeros
             self._stage(bucket)
         accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
+        out = bucket.out(accumulate)
         recv = None
-        if bucket.pool is not None and self.comm.needs_recv(bucket.grad_out, bucket.grad_in, accumulate):
+        if bucket.pool is not None and self.comm.needs_recv(out, bucket.grad_in, accumulate):
             recv = self._take(bucket.pool, bucket, "recv", grow=grow)
         bucket.ready = bucket.stale = False
         bucket.launched = True
@@ -370,7 +403,7 @@ class Reducer:
 
         def start():
             return self.comm.reduce_scatter_avg(
-                bucket.grad_out, bucket.grad_in, recv,
+                out, bucket.grad_in, recv,
                 async_op=True, name=bucket.name("reduce_scatter"), accumulate=accumulate)
 
         if side is not None:

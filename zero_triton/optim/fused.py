@@ -321,7 +321,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             self._reducer.complete_round()
         again = self._enter(entry, pairs, stale=stale)
         self._before_reduce(flats)
-        if self._comm.world_size > 1 or any(f.grad_shard is not f.flat_grad for f in flats):
+        if self._comm.world_size > 1 or any(f.separate_shard for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
                 self._reducer.finish(buffers, again)
         self._grads_reduced = True
@@ -483,10 +483,11 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
 
     # -- reports --------------------------------------------------------------------
     def memory_report(self) -> dict:
-        """This rank's bytes: low-precision params, grads (the local gradients and,
-        under ZeRO, the averaged shard), fp32 master, moments, padding (elements that
-        belong to no parameter, params and grads), scratch, and the buckets in flight
-        (the reduce-scatters' receive buffers)."""
+        """This rank's bytes now: low-precision params, grads (the local gradients and,
+        under ZeRO, the averaged shard, held from the average in backward to the step's
+        kernel; on CPUs a bucket's shard above 32 MiB is kept between steps), fp32 master,
+        moments, padding (elements that belong to no parameter, params and grads),
+        scratch, and the buckets in flight (the reduce-scatters' receive buffers)."""
         total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0,
                  "buckets": self._reducer.bytes}
         for _, flat in self._all_flats():

@@ -191,7 +191,7 @@ class LocalShard(FlatShard):
         self.param_views = self.param_parts
         self.flat_param = None
         self.grad_buffer = EngineGrads(params, locals_)
-        self.grad_shard = None
+        self.separate_shard = False  # the engine's gradients are stepped where they are
         self.buckets, self.hooks = [], []
         self.state = ShardState(self.param_parts, self.segments, self.layout,
                                 has_master=self.has_master, amsgrad=amsgrad)

@@ -34,6 +34,28 @@ def one_kind(kinds: set, who: str) -> tuple:
     return next(iter(kinds))
 
 
+# Larger blocks glibc maps afresh at every allocation (its mmap threshold grows only to
+# this), paying a page fault per 4 KiB page each step (~0.85 ms per MiB measured on a
+# 2-core CPU, 5x a copy): a bucket's averages that large are kept across steps on CPUs.
+_C_HEAP_MAX_BYTES = 32 * 2**20
+
+
+def _keeps_averages(device: torch.device, numel: int, dtype) -> bool:
+    """Whether a bucket's averaged shard is kept between steps rather than made during
+    each backward: on GPUs the caching allocator hands its block to the next forward's
+    activations and back for free; on CPUs only blocks the C heap recycles."""
+    if device.type == "cuda":
+        return False
+    return numel * torch.empty((), dtype=dtype).element_size() > _C_HEAP_MAX_BYTES
+
+
+def _norm_term(g: torch.Tensor, norm_type: float, dtype) -> torch.Tensor:
+    """sum |g|^norm_type of ``g`` in ``dtype`` (its largest |g| for the inf norm)."""
+    if norm_type == math.inf:
+        return g.abs().max().to(dtype) if g.numel() else torch.zeros((), dtype=dtype, device=g.device)
+    return torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
+
+
 def _remove_all(handles: list) -> None:
     """Remove hook handles (in place: a finalizer holds the same list)."""
     for h in handles:
@@ -78,16 +100,20 @@ class FlatShard:
         self.segments = self.layout.shard_segments(comm.rank)
         n = self.layout.shard_numel
         self.param_parts = [self.flat_param[lo:hi] for lo, hi, _ in self.segments]
-        # The averaged gradients of the shard, in reduce_dtype (bf16 grads averaged in
-        # fp32); at world size 1 without a wider dtype, the gradients themselves.
+        # The averaged gradients of the shard, bucket by bucket (``Bucket.averaged``), in
+        # reduce_dtype (bf16 grads averaged in fp32); at world size 1 without a wider
+        # dtype, the gradients themselves. Otherwise each bucket's is made during
+        # backward and let go after the step, unless it is too large to come back from
+        # the C heap (``_keeps_averages``).
         wide = reduce_dtype is not None and reduce_dtype != self.dtype
-        if comm.world_size > 1 or wide or stage == 2:
-            self.grad_shard = torch.zeros(n, dtype=reduce_dtype if wide else self.dtype, device=self.device)
-        else:
-            self.grad_shard = self.flat_grad
+        self.separate_shard = comm.world_size > 1 or wide or stage == 2
+        out_dtype = reduce_dtype if wide else self.dtype
+        own = None if self.separate_shard else self.flat_grad
         local = self.grad_buffer if stage == 1 else None
-        self.buckets = [buckets.Bucket((key, k), g, local, self.grad_shard, self.flat_param, comm.rank,
-                                       zip(params[g.first:g.end], self.param_views[g.first:g.end]))
+        self.buckets = [buckets.Bucket((key, k), g, local, own, self.flat_param, comm.rank,
+                                       zip(params[g.first:g.end], self.param_views[g.first:g.end]),
+                                       out_dtype=out_dtype,
+                                       keep_out=_keeps_averages(self.device, g.shard_numel, out_dtype))
                         for k, g in enumerate(self.layout.buckets)]
         if stage == 2:  # no gradient buffer: backward's hooks hand .grad to the buckets
             self.grad_buffer = grads.ShardedGrads(params, self.layout, reducer, self.buckets)
@@ -244,6 +270,7 @@ class FlatShard:
         runs = [(lo, hi, None)] if plan["runs"] is None else plan["runs"][k]
         for start, end, i in runs:
             self._launch(k, start - lo, end - lo, s0, i, plan)
+        self.buckets[k].release()
 
     def _launch(self, k, a, b, s0, i, plan) -> None:
         """One kernel launch over elements [a, b) of segment ``k`` (state offset ``s0``)."""
@@ -253,7 +280,7 @@ class FlatShard:
         st = self.state
         param = self.param_parts[k][a:b]
         master = st.master[s0 + a:s0 + b] if st.master is not None else param
-        self.step_fn(master, self.grad_shard[s0 + a:s0 + b], st.exp_avg[s0 + a:s0 + b],
+        self.step_fn(master, self.buckets[k].averaged()[a:b], st.exp_avg[s0 + a:s0 + b],
                      st.exp_avg_sq[s0 + a:s0 + b],
                      st.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
                      param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
@@ -262,10 +289,16 @@ class FlatShard:
         """This rank's part of the gradient norm, in ``dtype``: the sum of |g|^norm_type
         over its averaged shard (the largest |g| for the inf norm), for ``clipping`` to
         reduce over the optimizer's ranks."""
-        g = self.grad_shard
-        if norm_type == math.inf:
-            return g.abs().max().to(dtype) if g.numel() else torch.zeros((), dtype=dtype, device=self.device)
-        return torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
+        terms = [_norm_term(b.averaged(), norm_type, dtype) for b in self.buckets]
+        if not terms:
+            return torch.zeros((), dtype=dtype, device=self.device)
+        terms = torch.stack(terms)
+        return terms.max() if norm_type == math.inf else terms.sum()
+
+    def averaged_grads(self) -> list:
+        """This rank's averaged shard of each bucket, in order (zeros where none was
+        averaged since the last step)."""
+        return [b.averaged() for b in self.buckets]
 
     def gather_bucket(self, k: int) -> None:
         """Start gathering every rank's updated shard of bucket ``k``."""
@@ -281,7 +314,8 @@ class FlatShard:
         elem = self.flat_param.element_size()
         return {
             "params": size(self.flat_param),
-            "grads": self.grad_buffer.nbytes() + (size(self.grad_shard) if self.grad_shard is not self.flat_grad else 0),
+            "grads": self.grad_buffer.nbytes() + (sum(size(b.grad_out) for b in self.buckets)
+                                                  if self.separate_shard else 0),
             **self.state.nbytes(),
             "padding": self.layout.padding * elem * 2,
             "scratch": size(self.scratch),

@@ -321,13 +321,15 @@ class ZeroAdam(FusedAdam):
             return
         self._reduce_grads(entry="GradScaler")
         for _, flat in self._all_flats():
-            g = flat.grad_shard
-            if not allow_fp16 and g.dtype == torch.float16:
+            shards = flat.averaged_grads()
+            if not shards:
+                continue
+            if not allow_fp16 and shards[0].dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            flag = per_device.get(g.device)
+            flag = per_device.get(flat.device)
             if flag is None:
-                flag = per_device[g.device] = torch.zeros_like(found_inf, device=g.device)
-            torch._amp_foreach_non_finite_check_and_unscale_([g], flag, inv_scale.to(g.device))
+                flag = per_device[flat.device] = torch.zeros_like(found_inf, device=flat.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, inv_scale.to(flat.device))
 
     def agree_found_inf_(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
