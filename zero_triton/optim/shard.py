@@ -46,7 +46,7 @@ def _keeps_averages(device: torch.device, numel: int, dtype) -> bool:
     activations and back for free; on CPUs only blocks the C heap recycles."""
     if device.type == "cuda":
         return False
-    return numel * torch.empty((), dtype=dtype).element_size() > _C_HEAP_MAX_BYTES
+    return numel * dtype.itemsize > _C_HEAP_MAX_BYTES
 
 
 def _norm_term(g: torch.Tensor, norm_type: float, dtype) -> torch.Tensor:
