@@ -817,3 +817,41 @@ def test_averages_are_let_go_after_the_step_unless_too_large_for_the_c_heap(stag
             assert averaged >= local + shard, f"rank {rank}, step {t}: {averaged} B held after the average"
             assert stepped == local + kept, \
                 f"rank {rank}, step {t}: {stepped} B held after the step, expected {local + kept}"
+
+
+def _rank_group_added_after_the_average(rank, world_size, stage):
+    a, b = torch.nn.Parameter(torch.linspace(-1, 1, 10)), torch.nn.Parameter(torch.ones(6))
+    ta, tb = (torch.nn.Parameter(p.detach().clone()) for p in (a, b))
+    opt = ZeroAdamW([a], lr=0.1, stage=stage)
+    ref = torch.optim.AdamW([ta], lr=0.1)
+    ga = [torch.full((10,), 1.0 + r) for r in range(world_size)]
+    gb = [torch.full((6,), 2.0 + r) for r in range(world_size)]
+    a.grad, b.grad = ga[rank].clone(), gb[rank].clone()
+    opt.clip_grad_norm_(1e9)  # averages this step's gradients
+    with pytest.raises(RuntimeError, match="before backward or after step"):
+        opt.add_param_group({"params": [b]})
+    refused_cleanly = len(opt.param_groups) == 1
+    opt.step()  # the first group's step, unchanged by the refusal
+    ta.grad = sum(ga) / world_size
+    ref.step()
+    opt.zero_grad()
+    ref.zero_grad()
+    opt.add_param_group({"params": [b]})  # after step(): taken, and stepped as torch's
+    ref.add_param_group({"params": [tb]})
+    a.grad, b.grad = ga[rank].clone(), gb[rank].clone()
+    ta.grad, tb.grad = sum(ga) / world_size, sum(gb) / world_size
+    opt.clip_grad_norm_(1e9)
+    opt.step()
+    ref.step()
+    return refused_cleanly, [float((p - q).detach().abs().max()) for p, q in ((a, ta), (b, tb))]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_group_added_after_the_average_is_refused_before_anything_changes(stage):
+    """add_param_group between clip_grad_norm_ and step() left the new group out of the
+    step's averages: its parameter was stepped as if its gradient were zero (weight decay
+    only: 0.1 off torch's AdamW after one step), silently. It is refused on every rank, and the group added after step() trains."""
+    for rank, (refused_cleanly, diffs) in enumerate(
+            run_ranks(_rank_group_added_after_the_average, 2, stage, timeout=RANK_TIMEOUT_S)):
+        assert refused_cleanly, f"rank {rank}: the refused group was added"
+        assert max(diffs) < 1e-6, f"rank {rank}: off torch's AdamW by {diffs}"

@@ -223,6 +223,16 @@ class ZeroAdam(FusedAdam):
     @torch._disable_dynamo  # as torch.optim.Optimizer's
     def add_param_group(self, param_group: dict) -> None:
         """Collective when called after construction: every rank must add the same group."""
+        if getattr(self, "_constructed", False) and self._grads_reduced:
+            # The step's averages exist already (every rank took them together), without
+            # the new group's: its gradients would never be averaged this step, and
+            # averaging everything again would lose stage 2's, held nowhere else.
+            raise RuntimeError(
+                "ZeroAdam.add_param_group after this step's gradients were averaged "
+                "(clip_grad_norm_, or GradScaler.unscale_ at stage 2) and before step(): the "
+                "new group's gradients would not be averaged with them, and its parameters "
+                "would be stepped as if they were zero. Add the group before backward or after "
+                "step(); nothing was changed")
         if getattr(self, "_constructed", False):
             if not isinstance(param_group["params"], torch.Tensor):
                 param_group["params"] = list(param_group["params"])
