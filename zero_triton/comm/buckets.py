@@ -100,18 +100,16 @@ class Bucket:
         """This rank's averaged shard of the bucket: what the step's kernel, clipping and
         unscaling read once the bucket is averaged, zeros if it never was (launches write
         it: ``out``)."""
-        if self.grad_out is None:
-            self.grad_out = torch.zeros(self.geometry.shard_numel, dtype=self.out_dtype,
-                                        device=self.param_full.device)
-        return self.grad_out
+        return self._shard(torch.zeros)
 
     def out(self, accumulate: bool) -> torch.Tensor:
         """The averaged shard for a launch to write (``accumulate``: to add to)."""
+        return self._shard(torch.zeros if accumulate else torch.empty)
+
+    def _shard(self, make) -> torch.Tensor:
         if self.grad_out is None:
-            if accumulate:
-                return self.averaged()
-            self.grad_out = torch.empty(self.geometry.shard_numel, dtype=self.out_dtype,
-                                        device=self.param_full.device)
+            self.grad_out = make(self.geometry.shard_numel, dtype=self.out_dtype,
+                                 device=self.param_full.device)
         return self.grad_out
 
     def release(self) -> None:
