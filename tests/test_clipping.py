@@ -4,7 +4,9 @@
   same bits as max_grad_norm at stage 1 and 2, with tiny buckets and overlap, with
   GradScaler.unscale_ first (nanoGPT's loop), and the norm it returns is torch's norm of
   the whole batch's gradient; measuring the norm with it (max_norm inf, as HF Trainer
-  logs it) leaves max_grad_norm in force;
+  logs it) leaves max_grad_norm in force; so does the function by a name imported before
+  the optimizer was built, and torch's two calls (get_total_norm, clip_grads_with_norm_),
+  whose norm of nothing at stage 2 is refused with the fix;
 - GradScaler.unscale_ after backward averaged the buckets: they are averaged again;
 - a subset of the optimizer's parameters, or two optimizers' at once, is refused with
   the fix, as is clip_grad_value_ (it would clamp local gradients, or find none); error_if_nonfinite is honoured; a second call sees the clipped gradients;
@@ -24,6 +26,8 @@ from dist_utils import run_ranks  # noqa: E402
 from test_overlap import (STEPS, TINY, Net, assert_bitwise, batch, loss_of, packed,  # noqa: E402
                           param_groups, ranks, train)
 
+import test_overlap  # noqa: E402
+
 from zero_triton import FusedAdamW, ZeroAdamW  # noqa: E402
 
 RUNS = {
@@ -39,7 +43,7 @@ RUNS = {
 @packed
 def _job_same_bits(rank, world_size):
     return {(name, clip): train(rank, world_size, clip=clip, **kwargs)
-            for name, kwargs in RUNS.items() for clip in ("opt", "torch", "log")}
+            for name, kwargs in RUNS.items() for clip in ("opt", "torch", "log", "imported")}
 
 
 def test_torch_clip_equals_max_grad_norm_and_returns_the_global_norm():
@@ -48,6 +52,11 @@ def test_torch_clip_equals_max_grad_norm_and_returns_the_global_norm():
         for name in RUNS:
             assert_bitwise(out[name, "torch"], out[name, "opt"],
                            f"rank {rank}, {name}: torch.nn.utils.clip_grad_norm_ vs max_grad_norm")
+            # by a name imported before the optimizer existed (each rank clipped by its
+            # local norm at stage 1, and nothing at stage 2, before it was routed in place)
+            assert_bitwise(out[name, "imported"], out[name, "opt"],
+                           f"rank {rank}, {name}: clip_grad_norm_ imported early vs max_grad_norm")
+            assert out[name, "imported"]["norms"] == out[name, "torch"]["norms"], (name, rank)
             # Measuring the norm with max_norm inf (HF Trainer's logging) leaves the
             # optimizer's own max_grad_norm in force, and reads the same norm.
             assert_bitwise(out[name, "log"], out[name, "opt"],
@@ -68,6 +77,45 @@ def test_torch_clip_equals_max_grad_norm_and_returns_the_global_norm():
     got = results[0]["stage 1", "torch"]["norms"][0]
     assert got == pytest.approx(expect, rel=1e-2), f"global norm {got} vs torch's {expect}"
     assert got > 0.5, "the test must clip: the norm should exceed max_norm"
+
+
+@packed
+def _job_split(rank, world_size):
+    out = {}
+    for name, kwargs in RUNS.items():
+        for clip in ("opt", "split", "split_opt"):
+            try:
+                out[name, clip] = train(rank, world_size, clip=clip, **kwargs)
+            except ValueError as e:
+                out[name, clip] = str(e)
+    return out, test_overlap.ROUTED_AT_IMPORT
+
+
+def test_torch_split_clipping_clips_by_the_global_norm_or_is_refused_with_the_fix():
+    """torch's two calls, ``get_total_norm`` over each ``.grad`` then
+    ``clip_grads_with_norm_``, by names imported before the optimizer was built: left to
+    torch under ZeroAdam, each rank clipped its local gradients by its own norm (stage 1),
+    or nothing at all (stage 2: no ``.grad``), without a word. At stage 1 they clip by the
+    global norm, the same bits as max_grad_norm; at stage 2 the norm of nothing is refused
+    naming the fix, and the optimizer's ``total_grad_norm`` with torch's
+    ``clip_grads_with_norm_`` gives max_grad_norm's bits."""
+    results = ranks(_job_split, 2, timeout=240)
+    for rank, (out, routed_at_import) in enumerate(results):
+        assert not routed_at_import, "the names were imported after the routing: untested"
+        for name in RUNS:
+            assert_bitwise(out[name, "split_opt"], out[name, "opt"],
+                           f"rank {rank}, {name}: total_grad_norm + clip_grads_with_norm_")
+            norms = out[name, "split_opt"]["norms"]
+            assert norms == results[0][0][name, "split_opt"]["norms"] and norms[0] > 0.5, \
+                f"rank {rank}, {name}: the global norm on every rank, above max_norm: {norms}"
+            if name.startswith("stage 2"):
+                message = out[name, "split"]
+                assert isinstance(message, str) and "optimizer.total_grad_norm()" in message, \
+                    (name, message)
+            else:
+                assert_bitwise(out[name, "split"], out[name, "opt"],
+                               f"rank {rank}, {name}: get_total_norm + clip_grads_with_norm_")
+                assert out[name, "split"]["norms"] == norms, (name, rank)
 
 
 @packed

@@ -177,9 +177,13 @@ import torch.distributed.checkpoint.state_dict as DCP
 clip, unscale, unscale_ = U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_
 value = U.clip_grad_value_
 state_dict_fn = DCP._state_dict_fn
+routes = lambda f: getattr(f, "_zero_triton_routes", False)  # routed in place: same objects
+split = (U.get_total_norm, U.clip_grads_with_norm_)
 def patched():
-    return (U.clip_grad_norm_ is not clip, CG.clip_grad_norm_ is not clip,
-            U.clip_grad_value_ is not value and CG.clip_grad_value_ is not value,
+    return (routes(U.clip_grad_norm_) and U.clip_grad_norm_ is clip,
+            routes(CG.clip_grad_norm_) and CG.clip_grad_norm_ is clip,
+            routes(U.clip_grad_value_) and CG.clip_grad_value_ is value,
+            all(map(routes, split)),
             torch.amp.GradScaler._unscale_grads_ is not unscale, torch.amp.GradScaler.unscale_ is not unscale_,
             DCP._state_dict_fn is not state_dict_fn)
 import zero_triton
@@ -205,7 +209,7 @@ dist.destroy_process_group()
 
 def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     """``import zero_triton`` and FusedAdam change nothing of torch; the first ZeroAdam
-    applies every patch of ``integrations/`` (both names of clip_grad_norm_, GradScaler's
+    applies every patch of ``integrations/`` (torch's clipping functions, routed in place, GradScaler's
     two methods, DCP's way to an optimizer's state dict, and accelerate's
     ``Accelerator.clip_grad_norm_`` once accelerate is imported, here after it), and a
     second one applies none again."""
@@ -215,8 +219,8 @@ def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     out = subprocess.run([sys.executable, "-c", _PATCHES], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PORT": str(port)})
     assert out.returncode == 0, out.stderr
-    assert "fused (False, False, False, False, False, False)" in out.stdout, out.stdout
-    assert "zero (True, True, True, True, True, True) True" in out.stdout, out.stdout
+    assert "fused (False, False, False, False, False, False, False)" in out.stdout, out.stdout
+    assert "zero (True, True, True, True, True, True, True) True" in out.stdout, out.stdout
     if importlib.util.find_spec("accelerate") is not None:
         assert "accelerate False True" in out.stdout, out.stdout
 

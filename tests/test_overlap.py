@@ -24,6 +24,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+# Imported before any ZeroAdam is built, as scripts import them at the top: the names keep
+# the function objects of that moment, which ZeroAdam's routing must reach all the same.
+from torch.nn.utils import clip_grad_norm_ as clip_imported_early
+from torch.nn.utils import clip_grads_with_norm_ as clip_with_imported_early
+from torch.nn.utils import get_total_norm as norm_imported_early
+
+ROUTED_AT_IMPORT = any(getattr(f, "_zero_triton_routes", False) for f in (
+    clip_imported_early, clip_with_imported_early, norm_imported_early))
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import RankError, delay_gathers, run_ranks  # noqa: E402
@@ -86,7 +94,10 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
     after GradScaler.unscale_ with a scaler: nanoGPT's loop), "log" (max_grad_norm=0.5
     and, after unscale_, torch's clip_grad_norm_ with max_norm inf, as HF Trainer logs
     the norm), "accelerate" (accelerate's ``Accelerator.clip_grad_norm_``, the
-    Accelerator made after the optimizer), "none",
+    Accelerator made after the optimizer), "imported" (torch's clip_grad_norm_ by a name
+    imported before the optimizer was built), "split" (torch's two calls by such names:
+    get_total_norm over each ``.grad``, then clip_grads_with_norm_), "split_opt" (the norm
+    from the optimizer's total_grad_norm, then torch's clip_grads_with_norm_), "none",
     or "unscale" (no clipping, GradScaler.unscale_ after backward)."""
     model = Net().to(device)
     opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95),
@@ -114,11 +125,18 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
         if touch_grads:  # after backward: what GradScaler.unscale_ or a user does
             for p in model.blocks[0].parameters():
                 p.grad.mul_(0.5)
-        if clip in ("torch", "log", "unscale") and amp is not None:
+        if clip in ("torch", "log", "unscale", "imported", "split", "split_opt") and amp is not None:
             amp.unscale_(opt)
         if clip in ("torch", "log"):  # "log": HF Trainer's grad-norm logging, max_norm inf
             max_norm = 0.5 if clip == "torch" else float("inf")
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        if clip == "imported":
+            norms.append(clip_imported_early(model.parameters(), 0.5).item())
+        if clip in ("split", "split_opt"):
+            total = (opt.total_grad_norm() if clip == "split_opt" else norm_imported_early(
+                [p.grad for p in model.parameters() if p.grad is not None]))
+            clip_with_imported_early(model.parameters(), 0.5, total)
+            norms.append(total.item())
         if clip == "accelerate":  # made after the optimizer, as HF Trainer makes it
             if step == 0:
                 from accelerate import Accelerator

@@ -120,6 +120,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._flats: list[list[FlatShard]] = []   # per param group
         self._grads_reduced = False
         self._clip_coef = None
+        self._norms_given: list = []  # the norms total_grad_norm returned since the last step
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
                         **{**adam_state.TORCH_GROUP_KEYS, "differentiable": self._differentiable})
@@ -295,6 +296,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             flat.zero_grads(set_to_none)
         self._grads_reduced = False
         self._clip_coef = None
+        self._norms_given.clear()
 
     def _check_frozen(self):
         for gi, p in self._frozen:
@@ -365,6 +367,52 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self.grad_norm = total
         return total
 
+    @torch.no_grad()
+    def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm (over every rank's shard of the averaged gradients) as
+        torch.nn.utils.get_total_norm over every ``.grad`` gives it under DDP, of the
+        gradients as this step's clipping left them; a tensor, no host sync. With
+        ``clip_grads_with_norm_`` it is ``clip_grad_norm_`` in two calls, as torch splits
+        it. Under ZeroAdam, torch.nn.utils.get_total_norm over the optimizer's gradients
+        calls this (``zero_triton.integrations.clip_grad``)."""
+        norm_type = float(norm_type)
+        self._reduce_grads(entry="clip_grad_norm_")
+        flats = [flat for _, flat in self._all_flats()]
+        if not flats:
+            total = torch.zeros(())
+        else:
+            total = clipping.global_norm(flats, self._comm, norm_type)
+            if self._clip_coef is not None:
+                total = total * self._clip_coef.reshape(()).to(total.device)
+        self._norms_given.append(total)
+        return total
+
+    @torch.no_grad()
+    def clip_grads_with_norm_(self, max_norm: float, total_norm) -> None:
+        """Scale this step's gradients by min(1, max_norm / (total_norm + 1e-6)) inside the
+        next ``step``'s kernel, as torch.nn.utils.clip_grads_with_norm_ scales ``.grad``.
+        Where the local gradients are not the averaged ones (ZeroAdam at several ranks, or
+        stage 2), ``total_norm`` must be one ``total_grad_norm`` returned this step;
+        another is refused with the fix, before anything changes."""
+        if (self._comm.world_size > 1 or self._stage == 2) and not (
+                isinstance(total_norm, torch.Tensor) and any(t is total_norm for t in self._norms_given)):
+            raise ValueError(
+                "zero_triton: clip_grads_with_norm_ over a ZeroAdam's parameters needs the norm "
+                "of the averaged gradients over every rank, and was given another (this rank's "
+                "local gradients' norm, or, at stage 2 where no .grad is left, the norm of "
+                "nothing). Take it over the optimizer's gradients this step with "
+                "torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]) "
+                "(every parameter of the optimizer, stage 1) or optimizer.total_grad_norm() "
+                "(any stage), or clip in one call: torch.nn.utils.clip_grad_norm_(params, "
+                "max_norm) returns the norm it clipped by")
+        if isinstance(total_norm, torch.Tensor):
+            total = total_norm.detach().to(torch.float32).reshape(())
+        else:
+            total = torch.tensor(float(total_norm), dtype=torch.float32)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).reshape(1)
+        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef.to(
+            self._clip_coef.device)
+
     def step(self, closure=None):
         """One optimizer step. With GradScaler (``scaler.step(opt)``), the scale and the
         inf flag it attaches are applied inside the kernel; a step with inf/nan
@@ -426,6 +474,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                     self._expose_state(flat)
         self._grads_reduced = False
         self._clip_coef = None
+        self._norms_given.clear()
         self._stepped()
         return loss
 

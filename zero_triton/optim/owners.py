@@ -39,3 +39,13 @@ def owner(p):
     """The live ZeroAdam that clips ``p``'s gradients, or None."""
     ref = _OWNER.get(p)
     return ref() if ref is not None else None
+
+
+def live() -> list:
+    """Every live ZeroAdam that clips its parameters' gradients, once each."""
+    found = {}
+    for ref in list(_OWNER.values()):
+        opt = ref()
+        if opt is not None:
+            found[id(opt)] = opt
+    return list(found.values())
