@@ -423,7 +423,7 @@ def measure(world, args, say) -> list:
         say(f"world size {world}: profiled iteration and peak memory of {key}, on its own ranks")
         try:
             ranks = launch.spawn(detail_rank, argparse.Namespace(**vars(args), config=key),
-                                 world, args.device, args.timeout)
+                                 world, args.device, args.timeout, fresh=True)  # RSS measured
         except launch.RankFailure as exc:
             say(f"error: world size {world}, {key} profile/memory: {exc}")
             row.update(status="error", note=str(exc)[:300])

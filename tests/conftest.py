@@ -7,6 +7,11 @@ that wants compiled kernels sets TRITON_INTERPRET=0 explicitly (bench/gpu_check.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The commands' CPU ranks (demo, profile, bench/e2e.py, memory --measure) fork from a
+# server that imported torch once instead of importing it each (~4 s of a core a rank):
+# the tests check what the commands print and write, not resident sets against a fresh
+# process. test_memory's measurement spawns them as the command does by default.
+os.environ.setdefault("ZERO_TRITON_RANK_START", "forkserver")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -128,3 +128,80 @@ def delay_gathers(opt, seconds: float) -> None:
                 time.sleep(seconds)
                 launch(k)
             f.gather_bucket = late
+
+
+def _python_entry(argv, caller, out_path, err_path):
+    """``python ARGV`` (``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT.py ...``) in a
+    process forked from the server: the caller's environment and folder, the sys.path a
+    new interpreter would have, stdout and stderr into files, and the exit status the
+    interpreter would give (SystemExit's code; 1 and a traceback for an exception)."""
+    env, cwd, path = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, name in ((1, out_path), (2, err_path)):
+        target = os.open(name, os.O_WRONLY | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    import runpy
+    if argv[0] == "-m":
+        sys.path[:] = [cwd, *path]
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.path[:] = ["", *path]
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        script = os.path.abspath(argv[0])
+        sys.path[:] = [os.path.dirname(script), *path]
+        sys.argv = list(argv)
+        runpy.run_path(script, run_name="__main__")
+
+
+_INTERPRETER_PATHS: dict = {}
+
+
+def _interpreter_path(env) -> list:
+    """sys.path of a new interpreter in ``env``, less its first entry (the script's
+    folder, the working directory or '')."""
+    import json
+    import subprocess
+    key = (env.get("PYTHONPATH", ""), env.get("PYTHONHOME", ""), env.get("PYTHONNOUSERSITE", ""))
+    if key not in _INTERPRETER_PATHS:
+        out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
+                             capture_output=True, text=True, env=env, check=True, timeout=60)
+        _INTERPRETER_PATHS[key] = json.loads(out.stdout)
+    return _INTERPRETER_PATHS[key]
+
+
+def run_python(argv, *, env=None, cwd=None, timeout=120):
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)``,
+    in a process forked from the server that imported torch (the ~4 s each ``python -m
+    zero_triton ...`` spends importing it), not a new interpreter: for tests of what a
+    command prints and its exit status. Tests of how an interpreter ends (signals, exit
+    at finalisation) or of what a process imports first run a real one. ``ZT_TEST_SPAWN=1``
+    runs a real one here too."""
+    import subprocess
+    import tempfile
+    argv = [str(a) for a in argv]
+    ctx = _mp_context()
+    if ctx.get_start_method() != "forkserver":
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                              env=env, cwd=cwd, timeout=timeout)
+    env = dict(os.environ if env is None else env)
+    caller = (env, os.path.abspath(cwd or os.getcwd()), _interpreter_path(env))
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        for name in (out, err):
+            open(name, "w").close()
+        proc = ctx.Process(target=_python_entry, args=(argv, caller, out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+        with open(out) as fh_out, open(err) as fh_err:
+            stdout, stderr = fh_out.read(), fh_err.read()
+    return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode, stdout, stderr)

@@ -9,7 +9,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import run_python, run_ranks  # noqa: E402
 from test_checkpoint import (_assert_untouched, _snapshot, assert_state_equal,  # noqa: E402
                              full_state, make, synthetic_steps)
 
@@ -66,9 +65,9 @@ def target(seed=5):
 
 
 def cli(*args, timeout=60):
-    """``python -m zero_triton checkpoint ...`` in a subprocess with a hard timeout."""
-    return subprocess.run([sys.executable, "-m", "zero_triton", "checkpoint", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    """``python -m zero_triton checkpoint ...`` in a process of its own with a hard timeout
+    (forked with torch imported: ``dist_utils.run_python``)."""
+    return run_python(["-m", "zero_triton", "checkpoint", *args], timeout=timeout, cwd=ROOT)
 
 
 def assert_one_line_error(proc, *needles):

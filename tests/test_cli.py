@@ -7,12 +7,16 @@ import subprocess
 import sys
 
 import pytest
+from dist_utils import run_python
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _run(args, timeout=240):
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV)
+    if args[0] == sys.executable:  # forked with torch imported (dist_utils.run_python)
+        proc = run_python(args[1:], env=ENV, timeout=timeout)
+    else:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=ENV)
     assert proc.returncode == 0, f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 

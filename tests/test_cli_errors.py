@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from dist_utils import run_python
 
 from zero_triton import FusedAdam, checkpoint
 from zero_triton.tools import bench
@@ -17,9 +18,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CMD = [sys.executable, "-m", "zero_triton"]
 
 
-def _run(args, timeout=120, **kw):
-    return subprocess.run(CMD + [str(a) for a in args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout, **kw)
+def _run(args, timeout=120, cwd=None):
+    """The command in a process of its own (forked with torch imported: what it prints and
+    its exit status are the interpreter's; a closed pipe, below, takes a real one)."""
+    return run_python(CMD[1:] + list(args), env=ENV, timeout=timeout, cwd=cwd)
 
 
 def _no_traceback(proc):

@@ -148,10 +148,8 @@ def test_resume_with_a_scheduler_is_silent_and_a_changed_hyperparameter_is_named
 
 
 def test_info_help_prints_help():
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-m", "zero_triton", "info", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    from dist_utils import run_python
+    out = run_python(["-m", "zero_triton", "info", "--help"], timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: python -m zero_triton info")
     assert "backend" not in out.stdout.split("\n", 3)[0], "info ran instead of printing its help"
 

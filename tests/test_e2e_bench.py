@@ -5,11 +5,10 @@ steady-state window, and a bad option refused with argparse's status 2."""
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "e2e.py"
@@ -23,10 +22,9 @@ OURS = ["ddp", "torch_zero", "zero_s1", "zero_s1_buckets", "zero_s1_overlap", "z
 
 
 def _run(tmp_path, configs):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--ranks", "2", "--steps", "2",
-                           "--warmup", "1", "--timeout", "120", "--out", str(tmp_path),
-                           "--configs", ",".join(configs), *TINY],
-                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=420)
+    proc = run_python([SCRIPT, "--ranks", "2", "--steps", "2", "--warmup", "1", "--timeout", "120",
+                       "--out", tmp_path, "--configs", ",".join(configs), *TINY],
+                      env=ENV, cwd=REPO, timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "world size 2" in proc.stdout, proc.stdout
     with open(tmp_path / "e2e_cpu.csv") as fh:
@@ -122,8 +120,7 @@ def test_the_median_interval_covers_95_percent():
 
 
 def test_bad_flag_is_one_argparse_error(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--ranks", "two", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
+    proc = run_python([SCRIPT, "--ranks", "two", "--out", tmp_path], env=ENV, cwd=REPO, timeout=60)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--ranks" in errors[0] and "2,4" in errors[0], proc.stderr
@@ -131,8 +128,8 @@ def test_bad_flag_is_one_argparse_error(tmp_path):
 
 
 def test_an_unknown_configuration_is_one_argparse_error(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--configs", "ddp,fsdp3", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=ENV, cwd=REPO, timeout=60)
+    proc = run_python([SCRIPT, "--configs", "ddp,fsdp3", "--out", tmp_path], env=ENV, cwd=REPO,
+                      timeout=60)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "fsdp3" in errors[0] and "fsdp2_keep" in errors[0], proc.stderr

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_utils import run_python
 
 from zero_triton.native import cache as ext_cache
 from zero_triton.native import ext as _ext
@@ -52,9 +53,14 @@ def env_for(cache, **extra):
 
 
 def run(args, cache, timeout=QUICK_TIMEOUT, prefix=(), **extra):
+    """``python ARGS`` in a process of its own, where zero_triton is imported afresh: forked
+    with torch imported (``dist_utils.run_python``), or a real interpreter under ``prefix``."""
     start = time.monotonic()
-    proc = subprocess.run([*prefix, sys.executable, *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout, env=env_for(cache, **extra))
+    if prefix:
+        proc = subprocess.run([*prefix, sys.executable, *args], capture_output=True, text=True,
+                              cwd=REPO, timeout=timeout, env=env_for(cache, **extra))
+    else:
+        proc = run_python(args, cwd=REPO, timeout=timeout, env=env_for(cache, **extra))
     proc.seconds = time.monotonic() - start
     return proc
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from dist_utils import run_python, run_ranks
 from zero_triton.tools import cli
 from zero_triton.state.flat import FlatLayout
 from zero_triton.tools.gpt import GPT, GPTConfig, build_gpt, synthetic_batch
@@ -243,9 +243,8 @@ def test_wire_formula_matches_the_optimizer_flat_buffers_exactly(world_size, dty
 
 
 # -- the command on 2 gloo ranks ------------------------------------------------------------
-def _run(args, timeout=240, **kw):
-    return subprocess.run(CMD + [str(a) for a in args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout, **kw)
+def _run(args, timeout=240):
+    return run_python(CMD[1:] + list(args), env=ENV, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -472,17 +472,15 @@ def test_consolidate_refuses_an_output_inside_the_checkpoint(tmp_path, capsys):
 def test_bench_out_replaces_planted_links_never_follows_them(tmp_path):
     """``bench --out D``: a link planted at an output name is replaced by the output; the
     file it pointed to is left as it was."""
-    import subprocess
-    import sys
     out = tmp_path / "out"
     out.mkdir()
     notes = tmp_path / "notes.txt"
     notes.write_text("a user's notes\n")
     for name in ("step_cpu.json", "step_cpu.csv", "step_cpu.png"):
         (out / name).symlink_to(notes)
-    proc = subprocess.run([sys.executable, "-m", "zero_triton", "bench", "--quick", "--cases", "fp32",
-                           "--providers", "zt-cpu", "--out", str(out)], capture_output=True,
-                          text=True, timeout=600)
+    from dist_utils import run_python
+    proc = run_python(["-m", "zero_triton", "bench", "--quick", "--cases", "fp32",
+                       "--providers", "zt-cpu", "--out", out], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert notes.read_text() == "a user's notes\n"
     for name in ("step_cpu.json", "step_cpu.csv"):
@@ -508,11 +506,9 @@ def test_output_writer_replaces_a_link_and_leaves_nothing_on_error(tmp_path):
 
 @pytest.mark.parametrize("command", ["demo", "profile"])
 def test_a_world_size_the_machine_cannot_run_is_refused_before_spawning(command):
-    import subprocess
-    import sys
+    from dist_utils import run_python
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "zero_triton", command, "--world-size", "100000"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python(["-m", "zero_triton", command, "--world-size", "100000"], timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert "more than this machine can run" in lines[-1] and "pass e.g." in lines[-1], lines

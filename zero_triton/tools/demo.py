@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zero_triton.native.backends import NAMES
 from zero_triton.tools.console import run, silence_stdout
+from zero_triton.tools.profiling import launch
 from zero_triton.tools.units import positive_number, rank_count, whole_number
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,7 +124,8 @@ def train(args, rank: int, world_size: int, device) -> dict:
     return {"max_diff": diff.item(), "memory": report, "losses": lines}
 
 
-def _worker(rank, world_size, port, args, use_nccl):
+def _worker(rank, caller, world_size, port, args, use_nccl):
+    launch.as_the_caller(caller)
     backend = "nccl" if use_nccl else "gloo"
     if use_nccl:
         torch.cuda.set_device(rank)
@@ -190,8 +192,9 @@ def main(argv=None) -> int:
     print(f"zero_triton demo: spawning {args.world_size} ranks, {'nccl' if use_nccl else 'gloo'}, "
           f"{args.dtype}, {args.steps} steps", flush=True)
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(args.world_size, _free_port(), args, use_nccl),
-             nprocs=args.world_size, join=True)
+    ctx, caller = launch.start_context("cuda" if use_nccl else "cpu")  # CPU: forked, torch imported once
+    mp.start_processes(_worker, args=(caller, args.world_size, _free_port(), args, use_nccl),
+                       nprocs=args.world_size, join=True, start_method=ctx.get_start_method())
     return 0
 
 

@@ -81,7 +81,8 @@ def measure(params: int, world_size: int, master_dtype: str = "fp32", bucket_cap
         for stage in (1, 2):
             args = argparse.Namespace(params=params, master_dtype=master_dtype, stage=stage,
                                       bucket_cap_mb=bucket_cap_mb)
-            every[stage] = launch.spawn(_rank, args, world_size, "cpu", timeout_s)
+            every[stage] = launch.spawn(_rank, args, world_size, "cpu", timeout_s,
+                                        fresh=True)  # the resident set is measured
     finally:
         if before is None:
             os.environ.pop(_MMAP, None)

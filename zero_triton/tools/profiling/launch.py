@@ -76,7 +76,54 @@ def _write_traceback(out_dir, rank: int) -> str:
         return ""
 
 
-def _spawned_rank(rank, world_size, port, fn, args, device_type, timeout_s, results):
+# On CPUs the ranks are forked from a server process that imported these once: a spawned
+# rank spends ~4 s of a core importing torch before its first line, and a demo starts four.
+_PRELOAD = ["torch", "torch.distributed"]
+START_ENV = "ZERO_TRITON_RANK_START"
+
+
+def start_context(device_type: str, fresh: bool = False):
+    """(the multiprocessing context for ranks on ``device_type``, what a rank started from
+    it needs of the caller: environment, working directory, sys.path; None when spawned).
+
+    CPU ranks fork from a forkserver that preloaded torch, and start as a spawned rank
+    would (the caller's environment and folder, its ``__main__`` imported afresh) without
+    importing torch again. ``fresh`` ranks are spawned: those whose resident set is
+    measured from their start (``bench/e2e.py``'s, ``memory --measure``'s), since a forked
+    rank faults in again the library pages its server touched while importing (~15 MB of
+    rise on a tiny model, the same for every configuration). CUDA ranks are spawned (no
+    CUDA context crosses a fork), as they are where forkserver is missing.
+    ``ZERO_TRITON_RANK_START=spawn|forkserver`` overrides the choice for CPU ranks."""
+    import torch.multiprocessing as mp
+    method = os.environ.get(START_ENV, "")
+    if method not in ("", "spawn", "forkserver"):
+        raise ValueError(f"{START_ENV}={method!r}: use spawn or forkserver (or unset it)")
+    if not method:
+        method = "spawn" if fresh else "forkserver"
+    if device_type != "cpu" or "forkserver" not in mp.get_all_start_methods():
+        method = "spawn"
+    ctx = mp.get_context(method)
+    if method == "spawn":
+        return ctx, None
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx, (dict(os.environ), os.getcwd(), list(sys.path))
+
+
+def as_the_caller(caller) -> None:
+    """In a rank forked from the server: the caller's environment, folder and sys.path,
+    as a spawned rank would have them (the server kept those of when it started)."""
+    if caller is None:
+        return
+    env, cwd, path = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+
+
+def _spawned_rank(rank, world_size, port, fn, args, device_type, timeout_s, results,
+                  caller=None):
+    as_the_caller(caller)
     import torch
     import torch.distributed as dist
     os.dup2(2, 1)  # this rank prints nothing on the caller's stdout
@@ -127,32 +174,32 @@ def _exit_text(code) -> str:
 
 
 def spawn(fn, args, world_size: int, device_type: str, timeout_s: float,
-          run_timeout_s: float | None = None):
-    """``fn`` on ``world_size`` spawned ranks; rank 0's gathered list of results.
+          run_timeout_s: float | None = None, fresh: bool = False):
+    """``fn`` on ``world_size`` new ranks; rank 0's gathered list of results.
     ``timeout_s`` bounds each collective's wait, ``run_timeout_s`` (default: the same)
-    the whole run beyond starting up.
+    the whole run beyond starting up. ``fresh``: spawned, not forked (``start_context``).
 
     A rank that dies of SIGABRT (seen once in five full test runs on 2 loaded cores, DDP
     under torch.profiler on gloo, with no Python error) is run again once, saying so on
     stderr; a second abort, any other death and any Python error are reported."""
     try:
-        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s)
+        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s, fresh)
     except _RankAborted as exc:
         print(f"zero_triton: {exc}; running the ranks again once", file=sys.stderr, flush=True)
     try:
-        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s)
+        return _spawn_once(fn, args, world_size, device_type, timeout_s, run_timeout_s, fresh)
     except _RankAborted as exc:
         raise RankFailure(f"{exc} (twice)") from None
 
 
 def _spawn_once(fn, args, world_size: int, device_type: str, timeout_s: float,
-                run_timeout_s: float | None):
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
+                run_timeout_s: float | None, fresh: bool):
+    ctx, caller = start_context(device_type, fresh)
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_spawned_rank, daemon=True,
-                         args=(r, world_size, port, fn, args, device_type, timeout_s, results))
+                         args=(r, world_size, port, fn, args, device_type, timeout_s, results,
+                               caller))
              for r in range(world_size)]
     for p in procs:
         p.start()
