@@ -688,6 +688,8 @@ def parse_args(argv) -> argparse.Namespace:
                     help="folder for e2e_<device>.csv/.json/.png (bench/results/e2e)")
     args = ap.parse_args([str(a) for a in argv])
     args.argv = [str(a) for a in argv]
+    if launch.start_env_problem():
+        ap.error(launch.start_env_problem())
     if args.width % args.heads:
         ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
     if args.device == "cuda":

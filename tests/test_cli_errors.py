@@ -144,3 +144,19 @@ def test_demo_reader_leaving_stops_the_output_not_the_training():
     assert first.startswith("zero_triton demo: spawning 2 ranks"), first
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "zero_triton", "demo"],
+    ["-m", "zero_triton", "profile"],
+    ["-m", "zero_triton", "memory", "--params", "1e6", "--world-size", "2", "--measure"],
+    [os.path.join(os.path.dirname(__file__), "..", "bench", "e2e.py"), "--ranks", "2"],
+], ids=["demo", "profile", "memory --measure", "bench/e2e.py"])
+def test_a_bad_rank_start_method_is_one_argparse_error_before_any_rank(argv, tmp_path):
+    proc = run_python(argv + ["--out", tmp_path] * ("e2e" in argv[0] or "profile" in argv),
+                      env={**ENV, "ZERO_TRITON_RANK_START": "fork"}, timeout=120)
+    _no_traceback(proc)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert "ZERO_TRITON_RANK_START='fork'" in lines[-1] and "spawn or forkserver" in lines[-1], lines
+    assert not list(tmp_path.iterdir()), "a refused run wrote files"

@@ -170,7 +170,10 @@ def build_parser(prog="python -m zero_triton demo"):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if launch.start_env_problem():
+        parser.error(launch.start_env_problem())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun
         use_nccl = torch.cuda.device_count() >= int(os.environ["WORLD_SIZE"])
         if use_nccl:

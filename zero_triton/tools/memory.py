@@ -194,6 +194,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.measure:
+        from zero_triton.tools.profiling import launch
+        if launch.start_env_problem():
+            parser.error(launch.start_env_problem())
         if args.params > MAX_PARAMS:
             parser.error(f"--measure builds the parameters on this machine: --params "
                          f"{args.params:,} is more than {MAX_PARAMS:,}; pass e.g. 5e7")

@@ -95,6 +95,8 @@ def parse_args(argv) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args([str(a) for a in argv])
     args.argv = [str(a) for a in argv]
+    if launch.start_env_problem():
+        ap.error(launch.start_env_problem())
     model_flags = [k for k in MODEL_DEFAULTS if getattr(args, k) is not None]
     if args.collectives_only:
         if model_flags:

@@ -95,9 +95,10 @@ def start_context(device_type: str, fresh: bool = False):
     CUDA context crosses a fork), as they are where forkserver is missing.
     ``ZERO_TRITON_RANK_START=spawn|forkserver`` overrides the choice for CPU ranks."""
     import torch.multiprocessing as mp
+    problem = start_env_problem()
+    if problem:
+        raise ValueError(problem)
     method = os.environ.get(START_ENV, "")
-    if method not in ("", "spawn", "forkserver"):
-        raise ValueError(f"{START_ENV}={method!r}: use spawn or forkserver (or unset it)")
     if not method:
         method = "spawn" if fresh else "forkserver"
     if device_type != "cpu" or "forkserver" not in mp.get_all_start_methods():
@@ -107,6 +108,15 @@ def start_context(device_type: str, fresh: bool = False):
         return ctx, None
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx, (dict(os.environ), os.getcwd(), list(sys.path))
+
+
+def start_env_problem() -> str | None:
+    """What is wrong with ``ZERO_TRITON_RANK_START``, for a command's argument check
+    (``ap.error``) before it starts anything; None when it is unset or valid."""
+    method = os.environ.get(START_ENV, "")
+    if method in ("", "spawn", "forkserver"):
+        return None
+    return f"{START_ENV}={method!r} is not a way to start ranks: set spawn or forkserver, or unset it"
 
 
 def as_the_caller(caller) -> None:
