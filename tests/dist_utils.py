@@ -42,15 +42,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _as_caller(env, cwd, path) -> None:
+    """In a process forked from the server: the caller's world, as spawn gives it (the
+    server kept the environment, folder and sys.path of when it started)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+
+
 def _entry(rank, world_size, port, fn, args, queue, pg_timeout_s, caller=None):
     import datetime
 
-    if caller is not None:  # forked from the server: the caller's world, as spawn gives it
-        env, cwd, path = caller
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        sys.path[:] = path
+    if caller is not None:
+        _as_caller(*caller)
     import torch
     import torch.distributed as dist
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -136,27 +141,22 @@ def _python_entry(argv, caller, out_path, err_path):
     new interpreter would have, stdout and stderr into files, and the exit status the
     interpreter would give (SystemExit's code; 1 and a traceback for an exception)."""
     env, cwd, path = caller
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    first = {"-m": cwd, "-c": ""}.get(argv[0]) or os.path.dirname(os.path.abspath(argv[0]))
+    _as_caller(env, cwd, [first, *path])  # sys.path[0] as the interpreter sets it
     for fd, name in ((1, out_path), (2, err_path)):
         target = os.open(name, os.O_WRONLY | os.O_TRUNC)
         os.dup2(target, fd)
         os.close(target)
     import runpy
     if argv[0] == "-m":
-        sys.path[:] = [cwd, *path]
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     elif argv[0] == "-c":
-        sys.path[:] = ["", *path]
         sys.argv = ["-c", *argv[2:]]
         exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
     else:
-        script = os.path.abspath(argv[0])
-        sys.path[:] = [os.path.dirname(script), *path]
         sys.argv = list(argv)
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
 
 
 _INTERPRETER_PATHS: dict = {}

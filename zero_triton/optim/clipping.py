@@ -43,8 +43,13 @@ def coefficient(total: torch.Tensor, max_norm: float, grad_scale, previous):
     function would see the clipped gradients and clip them again (the two multiply)."""
     if grad_scale is not None:
         total = total / grad_scale.to(total.device, torch.float32).reshape(())
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
-    if previous is not None:
-        total = total * previous.reshape(())
-        coef = previous * torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
-    return total, coef
+    if previous is None:
+        return total, factor(total, max_norm)
+    total = total * previous.reshape(())
+    return total, previous * factor(total, max_norm)
+
+
+def factor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clipping factor for a gradient of norm ``total``: min(1, max_norm / (total
+    + 1e-6)), shape (1,), where ``total`` is."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)

@@ -356,16 +356,20 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         coefficient is applied inside the next ``step``'s kernel; returns the total
         norm as a tensor (no host sync). Under ZeroAdam, torch.nn.utils.clip_grad_norm_
         over the optimizer's parameters calls this (``zero_triton.integrations.clip_grad``)."""
-        norm_type = float(norm_type)
-        if not _in_step:  # step() has entered and averaged already
-            self._reduce_grads(entry="clip_grad_norm_")
-        flats = [flat for _, flat in self._all_flats()]
-        if not flats:
+        total = self._global_norm(norm_type, averaged=_in_step)
+        if total is None:
             return torch.zeros(())
-        total = clipping.global_norm(flats, self._comm, norm_type)
         total, self._clip_coef = clipping.coefficient(total, max_norm, _grad_scale, self._clip_coef)
         self.grad_norm = total
         return total
+
+    def _global_norm(self, norm_type: float, averaged: bool = False):
+        """The ``norm_type`` norm of the averaged gradients over every rank's shard, None
+        without flat buffers; ``averaged``: step() has entered and averaged already."""
+        if not averaged:
+            self._reduce_grads(entry="clip_grad_norm_")
+        flats = [flat for _, flat in self._all_flats()]
+        return clipping.global_norm(flats, self._comm, float(norm_type)) if flats else None
 
     @torch.no_grad()
     def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -375,15 +379,11 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         ``clip_grads_with_norm_`` it is ``clip_grad_norm_`` in two calls, as torch splits
         it. Under ZeroAdam, torch.nn.utils.get_total_norm over the optimizer's gradients
         calls this (``zero_triton.integrations.clip_grad``)."""
-        norm_type = float(norm_type)
-        self._reduce_grads(entry="clip_grad_norm_")
-        flats = [flat for _, flat in self._all_flats()]
-        if not flats:
+        total = self._global_norm(norm_type)
+        if total is None:
             total = torch.zeros(())
-        else:
-            total = clipping.global_norm(flats, self._comm, norm_type)
-            if self._clip_coef is not None:
-                total = total * self._clip_coef.reshape(()).to(total.device)
+        elif self._clip_coef is not None:  # the gradients as this step's clipping left them
+            total = total * self._clip_coef.reshape(()).to(total.device)
         self._norms_given.append(total)
         return total
 
@@ -409,7 +409,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             total = total_norm.detach().to(torch.float32).reshape(())
         else:
             total = torch.tensor(float(total_norm), dtype=torch.float32)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0).reshape(1)
+        coef = clipping.factor(total, float(max_norm))
         self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef.to(
             self._clip_coef.device)
 
