@@ -705,47 +705,59 @@ class Routed(nn.Module):
         return self.out(h)
 
 
-def _routed(rank, cap, steps=4, mismatch=False):
+def _routed(rank, cap, steps=4, mismatch_at=None):
+    """Rank 1's backward skips ``b`` on odd steps. ``mismatch_at``: at that step rank 1
+    takes its launches for others (as if the ranks had launched different buckets), at
+    step 0 where every rank has every gradient (the step's entry agreement finds it) or
+    at step 1 where rank 1 lacks b's (the all-reduce that learns which finds it). Also
+    counts the all-reduces each step ran on the data group."""
     model = Routed()
     opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=cap, backend="torch")
-    if mismatch:  # as if the ranks had launched different buckets
-        finish = opt._reducer.finish
+    all_reduce, calls = dist.all_reduce, []
 
-        def finish_differently(grads, again=None):
-            finish(grads, again)
-            opt._reducer.last_signature += rank
-        opt._reducer.finish = finish_differently
-    error = None
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
     for step in range(steps):
         g = torch.Generator().manual_seed(10 * step + rank)
         x = torch.randn(5, 8, generator=g)
         model(x, use_b=not (rank == 1 and step % 2 == 1)).pow(2).mean().backward()
+        if step == mismatch_at:
+            opt._reducer.signature += rank
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        dist.all_reduce = counted
         try:
             opt.step()
         except RuntimeError as exc:
-            error = str(exc)
             unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
-            return {"error": error, "unchanged": unchanged}
+            return {"error": str(exc), "unchanged": unchanged}
+        finally:
+            dist.all_reduce = all_reduce
         opt.zero_grad()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "all_reduces": len(calls)}
 
 
 @packed
 def _job_routed(rank, world_size):
-    return (_routed(rank, 0.0003), _routed(rank, None), _routed(rank, 0.0003, mismatch=True))
+    return (_routed(rank, 0.0003), _routed(rank, None), _routed(rank, 0.0003, mismatch_at=0),
+            _routed(rank, 0.0003, mismatch_at=1))
 
 
 def test_rank_dependent_parameters_and_launches_that_differ():
     """A parameter reached on some ranks only: with one backward per step every rank
-    still launches the buckets in the agreed order, so buckets change no bit. If the
-    ranks did launch different buckets (simulated), the step is refused on every rank
-    before it changes anything."""
-    for rank, (tiny, one, differ) in enumerate(ranks(_job_routed, 2, timeout=120)):
+    still launches the buckets in the agreed order, so buckets change no bit. Only the
+    steps where a rank lacks a gradient all-reduce (which parameters step); the others
+    agree on the host. If the ranks did launch different buckets (simulated), the step
+    is refused on every rank before it changes anything, whichever way it agreed."""
+    for rank, (tiny, one, *differ) in enumerate(ranks(_job_routed, 2, timeout=120)):
         for n, p in one["params"].items():
             assert torch.equal(tiny["params"][n], p), f"rank {rank}: {n} differs with buckets"
-        assert "averaged different buckets" in differ["error"] and "bucket_cap_mb=None" in differ["error"], differ
-        assert differ["unchanged"], f"rank {rank}: the refused step changed parameters"
+        for run in (tiny, one):  # 4 steps, rank 1 lacking b's gradient at 2 of them
+            assert run["all_reduces"] == 2, f"rank {rank}: {run['all_reduces']} all-reduces in 4 steps"
+        for d in differ:
+            assert "averaged different buckets" in d["error"] and "bucket_cap_mb=None" in d["error"], d
+            assert d["unchanged"], f"rank {rank}: the refused step changed parameters"
 
 
 def _moved_while_gathering(rank, wait_first):

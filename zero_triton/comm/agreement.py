@@ -8,14 +8,17 @@ process-group timeout (30 minutes), or worse, adds up unrelated buffers.
 
 So each entry point of ZeroAdam that starts collectives (backward's first bucket of a
 round, ``step``, ``clip_grad_norm_``, GradScaler's inf agreement, the state dicts, the
-checkpoints) first exchanges one row of nine integers with every rank over a side gloo
+checkpoints) first exchanges one row of ten integers with every rank over a side gloo
 group of its own (host memory only: no device work, no sync on a GPU, and never paired
 with a data collective): which optimizer, which call, how many steps it has taken, what
 it found locally (gradients edited after their bucket was averaged, parameters written,
-``opt.state`` reset) and whether it refuses the call. Every rank then reads the same
-rows and takes the same decision: go on, do an agreed extra (average again, re-seed,
-reset), or raise — on every rank, naming the ranks, the calls and the fix. A rank that
-exits instead of joining closes its side connections, which fails the others at once.
+``opt.state`` reset, a parameter without a gradient), whether it refuses the call and,
+for ``step``, the signature of the buckets backward launched. Every rank then reads the
+same rows and takes the same decision: go on, do an agreed extra (average again,
+re-seed, reset), or raise — on every rank, naming the ranks, the calls and the fix. A
+rank that exits instead of joining closes its side connections, which fails the others
+at once. The step's other questions (found_inf, which parameters step) need a data
+all-reduce (``zero_triton.comm.step_flags``) only when a rank has something to say.
 """
 from __future__ import annotations
 
@@ -34,13 +37,16 @@ ENTRIES = ("backward", "step", "clip_grad_norm_", "GradScaler", "state_dict",
 _CODE = {name: i + 1 for i, name in enumerate(ENTRIES)}
 
 # Row layout (int64).
-_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR = range(9)
-WORDS = 9
+_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR, _SIGNATURE = range(10)
+WORDS = 10
 MAGIC = 0x7A7401
 
 # Flags: what a rank found locally, OR-ed over the ranks by the caller.
 STALE = 1     # gradients changed after their bucket was averaged (or were never averaged)
 RESET = 2     # opt.state was replaced or cleared: start the state over
+PARTIAL = 4   # a parameter has no gradient on this rank (which ones: step_flags)
+# Not sent: set in what ``check`` returns when the ranks' launch signatures differ.
+DIFFER = 8
 
 # Refusals a rank can send (with its own message raised locally).
 REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited"}
@@ -132,16 +138,19 @@ class Agreement:
         _agreements.add(self)
 
     def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
-              refuse: int = 0, detail: str = "") -> int:
+              refuse: int = 0, detail: str = "", signature: int | None = None) -> int:
         """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
-        ranks; raise on every rank if they are at different calls, have taken different
-        numbers of steps, wrote different parameters (``written``: ints), reset the state
-        on some ranks only, or one refuses (``refuse``: a code of ``REFUSALS``; that rank
-        raises its own error afterwards). ``detail`` names what it was about to start."""
+        ranks, with ``DIFFER`` added when ``signature`` (the buckets launched, in order;
+        None: not compared) is not the same on every rank; raise on every rank if they
+        are at different calls, have taken different numbers of steps, wrote different
+        parameters (``written``: ints), reset the state on some ranks only, or one
+        refuses (``refuse``: a code of ``REFUSALS``; that rank raises its own error
+        afterwards). ``detail`` names what it was about to start."""
         row = self.mine
         row[_MAGIC], row[_ORDINAL], row[_ENTRY], row[_STEPS] = MAGIC, self.ordinal, _CODE[entry], self.steps
         row[_BACKWARDS] = backwards
         row[_FLAGS], row[_COUNT], row[_HASH], row[_ERROR] = flags, len(written), _digest(written), refuse
+        row[_SIGNATURE] = signature if signature is not None else -1
         if self.group is None:
             raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
                                "nothing was changed")
@@ -182,6 +191,8 @@ class Agreement:
         agreed = 0
         for r in rows:
             agreed |= r[_FLAGS]
+        if signature is not None and any(r[_SIGNATURE] != rows[0][_SIGNATURE] for r in rows):
+            agreed |= DIFFER
         return agreed
 
     def stepped(self) -> None:

@@ -1,4 +1,4 @@
-"""The step's one agreement all-reduce under ZeRO.
+"""The step's agreement all-reduce under ZeRO, when the host cannot answer alone.
 
 One MAX all-reduce of [found_inf, the launch signature and its negation, a has-gradient
 flag per parameter], so that every rank skips an inf step together, steps a parameter
@@ -7,6 +7,11 @@ buckets during backward. max(s) == -max(-s) == min(s): every rank launched the s
 buckets in the same order. Otherwise collectives of different buckets were paired and
 the averages are wrong: the step is skipped (as for inf) and the optimizer raises, at
 once on CPU, at the next step on a GPU (read back without a host sync).
+
+Most steps do without it: the step's entry agreement (``zero_triton.comm.agreement``,
+host memory) carries the launch signature and whether any rank lacks a gradient, so the
+all-reduce runs only for GradScaler's found_inf (a device value) or to learn which
+parameters some rank has no gradient for.
 """
 from __future__ import annotations
 

@@ -345,7 +345,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
 
     def _agree(self, flats, found_inf):
         """Every rank's found_inf and gradients agreed before the kernel: nothing to agree
-        on one rank (ZeroAdam's is the step's one all-reduce)."""
+        on one rank (ZeroAdam's: its step's entry agreement, and an all-reduce when that
+        cannot answer)."""
         return found_inf
 
     @torch.no_grad()

@@ -132,6 +132,7 @@ class ZeroAdam(FusedAdam):
         self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.group)) \
             if comm.world_size > 1 else None
         self._step_flags = StepFlags(comm) if comm.world_size > 1 else None
+        self._told = None  # the step's entry agreement's flags, until _agree reads them
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
         self._ddp_checked = comm.world_size == 1 or stage == 2
@@ -184,9 +185,18 @@ class ZeroAdam(FusedAdam):
                     "rank) or a checkpoint. Nothing was changed")
             elif reset:
                 flags |= agreement.RESET
+        signature = None
+        if entry == "step":  # the step's own questions, where the host can answer them
+            if any(f.stepped is not None for _, f in flats):
+                flags |= agreement.PARTIAL
+            reducer = self._reducer
+            signature = reducer.last_signature if self._grads_reduced else reducer.signature
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
         agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
-                                       written=written, refuse=refuse, detail=detail)
+                                       written=written, refuse=refuse, detail=detail,
+                                       signature=signature)
+        if entry == "step":
+            self._told = agreed
         if error is not None:
             raise error
         if agreed & agreement.RESET:
@@ -296,12 +306,20 @@ class ZeroAdam(FusedAdam):
                 stacklevel=4)
 
     def _agree(self, flats, found_inf):
-        """The step's one all-reduce (``zero_triton.comm.step_flags``): found_inf, which
-        parameters step, and whether every rank launched the same buckets; raises if an
-        earlier (GPU) or this (CPU) agreement found that they did not."""
+        """found_inf, which parameters step, and whether every rank launched the same
+        buckets, agreed over the ranks; raises if an earlier (GPU) or this step's
+        agreement found that they did not. The step's entry agreement (``_enter``)
+        answers the last two on the host; an all-reduce (``zero_triton.comm.step_flags``)
+        is needed only for a found_inf (GradScaler: a device value) or when some rank
+        lacks a parameter's gradient (which ones)."""
         if self._step_flags is None or not flats:
             return found_inf
         self._check_launches()
+        told, self._told = self._told, None
+        if told is not None and found_inf is None and not told & agreement.PARTIAL:
+            if told & agreement.DIFFER:
+                self._launches_differ()
+            return None
         found_inf, partial = self._step_flags.exchange(flats, found_inf,
                                                        self._reducer.last_signature)
         if flats[0].device.type == "cpu":  # read at once: raise before anything is agreed
@@ -309,8 +327,10 @@ class ZeroAdam(FusedAdam):
         return self._step_flags.finish(flats, found_inf, partial)
 
     def _check_launches(self) -> None:
-        if not self._step_flags.launches_differed():
-            return
+        if self._step_flags.launches_differed():
+            self._launches_differ()
+
+    def _launches_differ(self) -> None:
         self._grads_reduced = False
         self._clip_coef = None
         raise RuntimeError(
