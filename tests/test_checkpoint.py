@@ -689,12 +689,16 @@ def _soak_ranks(rank, world_size, root, seed):
     return portable((final, params_of(net2), restart, rss))
 
 
-def test_soak_500_steps_restart_and_flat_memory(tmp_path):
+def test_soak_500_steps_restart_and_flat_memory(tmp_path, monkeypatch):
+    # torch.distributed's flight recorder keeps its last 2000 collectives (their stacks
+    # included): its ring fills over the first few hundred steps and then stays, which
+    # would read as growth here. Off, so that the window sees our memory only.
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
     results = run_ranks(_soak_ranks, 2, str(tmp_path), 1234, timeout=200)
     for rank, (final, resumed, restart, rss) in enumerate(results):
         grow = rss[SOAK_STEPS] - rss[100]
         print(f"rank {rank}: restart from step {restart}; RSS at step 100 {rss[100] / 2**20:.1f} MiB, "
               f"at step {SOAK_STEPS} {rss[SOAK_STEPS] / 2**20:.1f} MiB (+{grow / 2**20:.2f} MiB)")
         assert_state_equal(resumed, final, f"rank {rank}: resumed from step {restart} vs uninterrupted")
-        assert grow <= 2 * 2**20, f"rank {rank}: RSS grew {grow / 2**20:.2f} MiB from step 100 to {SOAK_STEPS}"
+        assert grow <= 2**20, f"rank {rank}: RSS grew {grow / 2**20:.2f} MiB from step 100 to {SOAK_STEPS}"
     assert_state_equal(results[0][0], results[1][0], "ranks disagree on the final parameters")

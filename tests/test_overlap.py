@@ -705,15 +705,16 @@ class Routed(nn.Module):
         return self.out(h)
 
 
-def _routed(rank, cap, steps=4, mismatch_at=None):
-    """Rank 1's backward skips ``b`` on odd steps. ``mismatch_at``: at that step rank 1
-    takes its launches for others (as if the ranks had launched different buckets), at
-    step 0 where every rank has every gradient (the step's entry agreement finds it) or
-    at step 1 where rank 1 lacks b's (the all-reduce that learns which finds it). Also
-    counts the all-reduces each step ran on the data group."""
+def _routed(rank, cap, steps=4, mismatch_at=None, skip_b=(1,)):
+    """The ranks ``skip_b``'s backward skips ``b`` on odd steps. ``mismatch_at``: at that
+    step rank 1 takes its launches for others (as if the ranks had launched different
+    buckets), at step 0 where every rank has every gradient (the step's entry agreement
+    finds it) or at step 1 where rank 1 lacks b's (the all-reduce that learns which finds
+    it). Also counts the all-reduces each step ran on the data group, and whether b moved
+    at a step where it had no gradient anywhere."""
     model = Routed()
     opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=cap, backend="torch")
-    all_reduce, calls = dist.all_reduce, []
+    all_reduce, calls, b_moved = dist.all_reduce, [], False
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -721,7 +722,7 @@ def _routed(rank, cap, steps=4, mismatch_at=None):
     for step in range(steps):
         g = torch.Generator().manual_seed(10 * step + rank)
         x = torch.randn(5, 8, generator=g)
-        model(x, use_b=not (rank == 1 and step % 2 == 1)).pow(2).mean().backward()
+        model(x, use_b=not (rank in skip_b and step % 2 == 1)).pow(2).mean().backward()
         if step == mismatch_at:
             opt._reducer.signature += rank
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -733,28 +734,32 @@ def _routed(rank, cap, steps=4, mismatch_at=None):
             return {"error": str(exc), "unchanged": unchanged}
         finally:
             dist.all_reduce = all_reduce
+        if step % 2 == 1 and len(skip_b) == 2:
+            b_moved = b_moved or any(not torch.equal(before[f"b.{n}"], p) for n, p in model.b.named_parameters())
         opt.zero_grad()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "all_reduces": len(calls)}
+            "all_reduces": len(calls), "b_moved": b_moved}
 
 
 @packed
 def _job_routed(rank, world_size):
-    return (_routed(rank, 0.0003), _routed(rank, None), _routed(rank, 0.0003, mismatch_at=0),
-            _routed(rank, 0.0003, mismatch_at=1))
+    return (_routed(rank, 0.0003), _routed(rank, None), _routed(rank, 0.0003, skip_b=(0, 1)),
+            _routed(rank, 0.0003, mismatch_at=0), _routed(rank, 0.0003, mismatch_at=1))
 
 
 def test_rank_dependent_parameters_and_launches_that_differ():
     """A parameter reached on some ranks only: with one backward per step every rank
     still launches the buckets in the agreed order, so buckets change no bit. Only the
-    steps where a rank lacks a gradient all-reduce (which parameters step); the others
-    agree on the host. If the ranks did launch different buckets (simulated), the step
-    is refused on every rank before it changes anything, whichever way it agreed."""
-    for rank, (tiny, one, *differ) in enumerate(ranks(_job_routed, 2, timeout=120)):
+    steps where the ranks lack different gradients all-reduce (which parameters step);
+    the others agree on the host, including steps where every rank lacks b's, which then
+    do not move it. If the ranks did launch different buckets (simulated), the step is
+    refused on every rank before it changes anything, whichever way it agreed."""
+    for rank, (tiny, one, nowhere, *differ) in enumerate(ranks(_job_routed, 2, timeout=120)):
         for n, p in one["params"].items():
             assert torch.equal(tiny["params"][n], p), f"rank {rank}: {n} differs with buckets"
         for run in (tiny, one):  # 4 steps, rank 1 lacking b's gradient at 2 of them
             assert run["all_reduces"] == 2, f"rank {rank}: {run['all_reduces']} all-reduces in 4 steps"
+        assert nowhere["all_reduces"] == 0 and not nowhere["b_moved"], (rank, nowhere["all_reduces"])
         for d in differ:
             assert "averaged different buckets" in d["error"] and "bucket_cap_mb=None" in d["error"], d
             assert d["unchanged"], f"rank {rank}: the refused step changed parameters"

@@ -12,18 +12,20 @@ checkpoints) first exchanges one row of ten integers with every rank over a side
 group of its own (host memory only: no device work, no sync on a GPU, and never paired
 with a data collective): which optimizer, which call, how many steps it has taken, what
 it found locally (gradients edited after their bucket was averaged, parameters written,
-``opt.state`` reset, a parameter without a gradient), whether it refuses the call and,
-for ``step``, the signature of the buckets backward launched. Every rank then reads the
+``opt.state`` reset), whether it refuses the call and, for ``step``, the signature of
+the buckets backward launched and which parameters it has no gradient for. Every rank then reads the
 same rows and takes the same decision: go on, do an agreed extra (average again,
 re-seed, reset), or raise — on every rank, naming the ranks, the calls and the fix. A
 rank that exits instead of joining closes its side connections, which fails the others
 at once. The step's other questions (found_inf, which parameters step) need a data
-all-reduce (``zero_triton.comm.step_flags``) only when a rank has something to say.
+all-reduce (``zero_triton.comm.step_flags``) only for GradScaler's found_inf or when the
+ranks lack gradients for different parameters.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import weakref
 
 import torch
@@ -37,16 +39,18 @@ ENTRIES = ("backward", "step", "clip_grad_norm_", "GradScaler", "state_dict",
 _CODE = {name: i + 1 for i, name in enumerate(ENTRIES)}
 
 # Row layout (int64).
-_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR, _SIGNATURE = range(10)
-WORDS = 10
+(_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR, _SIGNATURE,
+ _MISSING) = range(11)
+WORDS = 11
 MAGIC = 0x7A7401
 
 # Flags: what a rank found locally, OR-ed over the ranks by the caller.
 STALE = 1     # gradients changed after their bucket was averaged (or were never averaged)
 RESET = 2     # opt.state was replaced or cleared: start the state over
-PARTIAL = 4   # a parameter has no gradient on this rank (which ones: step_flags)
-# Not sent: set in what ``check`` returns when the ranks' launch signatures differ.
-DIFFER = 8
+# Not sent: set in what ``check`` returns when the ranks' launch signatures differ, and
+# when they lack gradients for different parameters.
+DIFFER = 4
+GRADS_DIFFER = 8
 
 # Refusals a rank can send (with its own message raised locally).
 REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited"}
@@ -138,10 +142,13 @@ class Agreement:
         _agreements.add(self)
 
     def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
-              refuse: int = 0, detail: str = "", signature: int | None = None) -> int:
+              refuse: int = 0, detail: str = "", signature: int | None = None,
+              missing: int = 0) -> int:
         """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
         ranks, with ``DIFFER`` added when ``signature`` (the buckets launched, in order;
-        None: not compared) is not the same on every rank; raise on every rank if they
+        None: not compared) is not the same on every rank and ``GRADS_DIFFER`` when
+        ``missing`` (a digest of the parameters without a gradient, ``missing_digest``)
+        is not; raise on every rank if they
         are at different calls, have taken different numbers of steps, wrote different
         parameters (``written``: ints), reset the state on some ranks only, or one
         refuses (``refuse``: a code of ``REFUSALS``; that rank raises its own error
@@ -151,6 +158,7 @@ class Agreement:
         row[_BACKWARDS] = backwards
         row[_FLAGS], row[_COUNT], row[_HASH], row[_ERROR] = flags, len(written), _digest(written), refuse
         row[_SIGNATURE] = signature if signature is not None else -1
+        row[_MISSING] = missing
         if self.group is None:
             raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
                                "nothing was changed")
@@ -193,6 +201,8 @@ class Agreement:
             agreed |= r[_FLAGS]
         if signature is not None and any(r[_SIGNATURE] != rows[0][_SIGNATURE] for r in rows):
             agreed |= DIFFER
+        if any(r[_MISSING] != rows[0][_MISSING] for r in rows):
+            agreed |= GRADS_DIFFER
         return agreed
 
     def stepped(self) -> None:
@@ -214,6 +224,17 @@ class Agreement:
         return ("ZeroAdam: the ranks are at different calls (" + "; ".join(name(i, r) for i, r in enumerate(rows)) +
                 "), which would pair unrelated collectives and hang every rank. Nothing was "
                 "changed on any rank. " + " ".join(fixes))
+
+
+def missing_digest(stepped) -> int:
+    """0 when ``stepped`` (per flat buffer: None, every parameter has a gradient, or a
+    list of bools) holds no False, else a 56-bit digest of it plus one: ranks whose
+    digests are equal lack gradients for the same parameters."""
+    lists = [(i, s) for i, s in enumerate(stepped) if s is not None and not all(s)]
+    if not lists:
+        return 0
+    bits = repr([(i, [bool(b) for b in s]) for i, s in lists]).encode()
+    return 1 + int.from_bytes(hashlib.blake2b(bits, digest_size=7).digest(), "little")
 
 
 def _digest(indices) -> int:

@@ -185,16 +185,15 @@ class ZeroAdam(FusedAdam):
                     "rank) or a checkpoint. Nothing was changed")
             elif reset:
                 flags |= agreement.RESET
-        signature = None
+        signature, missing = None, 0
         if entry == "step":  # the step's own questions, where the host can answer them
-            if any(f.stepped is not None for _, f in flats):
-                flags |= agreement.PARTIAL
             reducer = self._reducer
             signature = reducer.last_signature if self._grads_reduced else reducer.signature
+            missing = agreement.missing_digest([f.stepped for _, f in flats])
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
         agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
                                        written=written, refuse=refuse, detail=detail,
-                                       signature=signature)
+                                       signature=signature, missing=missing)
         if entry == "step":
             self._told = agreed
         if error is not None:
@@ -309,14 +308,15 @@ class ZeroAdam(FusedAdam):
         """found_inf, which parameters step, and whether every rank launched the same
         buckets, agreed over the ranks; raises if an earlier (GPU) or this step's
         agreement found that they did not. The step's entry agreement (``_enter``)
-        answers the last two on the host; an all-reduce (``zero_triton.comm.step_flags``)
-        is needed only for a found_inf (GradScaler: a device value) or when some rank
-        lacks a parameter's gradient (which ones)."""
+        answers the last two on the host (every rank lacks the same gradients, if any:
+        each rank's own list is the answer); an all-reduce (``zero_triton.comm.step_flags``)
+        is needed only for a found_inf (GradScaler: a device value) or when the ranks
+        lack different gradients (which ones has none anywhere)."""
         if self._step_flags is None or not flats:
             return found_inf
         self._check_launches()
         told, self._told = self._told, None
-        if told is not None and found_inf is None and not told & agreement.PARTIAL:
+        if told is not None and found_inf is None and not told & agreement.GRADS_DIFFER:
             if told & agreement.DIFFER:
                 self._launches_differ()
             return None
