@@ -676,3 +676,125 @@ def test_state_dict_hooks_run_as_torch_runs_them():
         opt.load_state_dict(sd)
         results[cls.__name__] = (calls, sd.get("extra"))
     assert results["FusedAdam"] == results["Adam"] == (["sd_pre", "sd_post", "lsd_pre", "lsd_post"], 1)
+
+
+# -- inside another library's optimizer wrapper -----------------------------------------------
+def test_param_groups_replaced_before_the_first_step_are_followed_as_torch_follows_them():
+    """A wrapper that puts other parameters in a group before the first step (DeepSpeed
+    puts one flat fp32 partition in place of a client optimizer's parameters): torch steps
+    what param_groups holds; so does FusedAdamW. After a step a changed count is refused."""
+    runs = []
+    for cls in (torch.optim.AdamW, FusedAdamW):
+        model = _model()
+        opt = cls(model.parameters(), lr=1e-2)
+        flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        opt.param_groups[0]["params"] = [flat]
+        for t, x in enumerate(_batches(3)):
+            flat.grad = torch.randn(flat.shape, generator=torch.Generator().manual_seed(t)) * x.mean()
+            opt.step()
+        runs.append((flat.detach().clone(), opt))
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
+    opt = runs[1][1]
+    opt.param_groups[0]["params"] = opt.param_groups[0]["params"] + [nn.Parameter(torch.zeros(3))]
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.step()
+
+
+def _job_deepspeed_client(rank, world_size, stage):
+    """DeepSpeed ZeRO-``stage`` over a client optimizer, torch's AdamW or FusedAdamW."""
+    import logging
+    import os
+    for key, value in dict(LOCAL_RANK=rank, RANK=rank, WORLD_SIZE=world_size,
+                           LOCAL_SIZE=world_size, DS_ACCELERATOR="cpu").items():
+        os.environ[key] = str(value)
+    import deepspeed
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    out = []
+    for cls in (torch.optim.AdamW, FusedAdamW):
+        model = _model()
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                  "gradient_clipping": 0.0, "steps_per_print": 2**62,
+                  "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=cls(model.parameters(), lr=1e-2),
+                                          config=config)
+        for x in _batches(4, seed=10 + rank):
+            engine.backward(engine(x[:4]).pow(2).mean())
+            engine.step()
+        out.append([p.detach().tolist() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeed_zero_with_fused_adamw_as_its_client_optimizer_trains_as_with_torch_adamw(stage):
+    """HF Trainer with a DeepSpeed config and no optimizer section hands DeepSpeed the
+    optimizer it made: DeepSpeed's ZeRO-1/2 then steps its flat fp32 partitions through
+    it. FusedAdamW refused them as a hand edit of param_groups before."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed (pip install -e '.[peers]')")
+    for rank, (theirs, ours) in enumerate(run_ranks(_job_deepspeed_client, 2, stage, timeout=300)):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank}, stage {stage}, param {i}")
+
+
+def _job_torch_zero(rank, world_size, bucket_view):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    out = []
+    for cls in (torch.optim.AdamW, FusedAdamW):
+        torch.manual_seed(0)  # four layers: each rank updates (and buckets) several parameters
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                              nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        ddp = DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=1e-2,
+                                      parameters_as_bucket_view=bucket_view)
+        try:
+            for x in _batches(3, seed=10 + rank):
+                before = [p.detach().clone() for p in model.parameters()]
+                ddp(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        except RuntimeError as exc:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            return {"error": str(exc), "unchanged": unchanged}
+        out.append([p.detach().tolist() for p in model.parameters()])
+    return {"params": out}
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_inside_torchs_zero_redundancy_optimizer_trains_or_names_the_fix(bucket_view):
+    """torch's ZeroRedundancyOptimizer(optimizer_class=FusedAdamW): the same parameters as
+    with torch's AdamW; with parameters_as_bucket_view=True it points every parameter into
+    its buckets after building FusedAdamW, which put them back in its own flat buffers and
+    trained each rank's parameters on that rank only (0.05 off after 5 steps): refused at
+    the first step, naming the fix, before anything changes. (A rank whose bucket holds a
+    single parameter is not told apart from ``p.data = x``: it fails with its peers.)"""
+    for rank, res in enumerate(run_ranks(_job_torch_zero, 2, bucket_view, timeout=120)):
+        if not bucket_view:
+            theirs, ours = res["params"]
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank}, param {i}")
+            continue
+        assert "parameters_as_bucket_view=False" in res.get("error", ""), (rank, res)
+        assert res["unchanged"], f"rank {rank}: the refused step changed a parameter"
+
+
+def test_a_parameter_pointed_into_a_kept_buffer_is_refused_and_memory_of_its_own_followed():
+    """``p.data = t[1]`` with ``t`` kept: torch would go on writing into t; re-homing p
+    would cut it off, so the step refuses, naming the fix, before anything changes. Memory
+    of the parameter's own size (``p.data = x``) is followed as before, x kept or not."""
+    model = _model()
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, _batches(1))
+    w = model[0].weight
+    kept = torch.randn(2, *w.shape)
+    w.data = kept[1]
+    model(_batches(1)[0]).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"copy them in \(p.data.copy_"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), "a refused step changed a parameter"
+    own = kept[1].clone()
+    w.data = own  # kept below: memory of its own size, re-homed all the same
+    opt.step()
+    assert not torch.equal(w.detach(), before[0]) and own.data_ptr() != w.data_ptr(), "w did not train"

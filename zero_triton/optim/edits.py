@@ -75,16 +75,21 @@ class FollowsUserEdits:
         return stale
 
     def _follow_replaced_params(self) -> None:
-        """A param group whose parameters were replaced by as many others (accelerate's
-        FSDP2 ``prepare`` swaps each for its DTensor after the optimizer was built; model
-        surgery) is rebuilt over them, as torch's optimizers simply step what
-        ``param_groups`` holds, when none of its parameters has stepped yet. After a step
-        their state would be lost: refused with the fix, nothing changed. ZeroAdam
-        refuses it always (``_rebuilds_replaced_groups``)."""
+        """A param group whose parameters were replaced by others (accelerate's FSDP2
+        ``prepare`` swaps each for its DTensor after the optimizer was built; DeepSpeed's
+        ZeRO-1/2 puts its flat fp32 partition in place of a client optimizer's
+        parameters; model surgery) is rebuilt over them, as torch's optimizers simply
+        step what ``param_groups`` holds, when none of its parameters has stepped yet.
+        After a step their state would be lost: refused with the fix, nothing changed (a
+        parameter added or removed then is ``_check_groups``' to refuse). ZeroAdam
+        refuses a replacement always (``_rebuilds_replaced_groups``)."""
         for gi, (group, held) in enumerate(zip(self.param_groups, self._group_params)):
             params = group["params"]
-            if params is held or len(params) != len(held) or all(map(operator.is_, params, held)):
-                continue  # the same; a changed count is _check_groups' to refuse
+            if params is held or (len(params) == len(held) and all(map(operator.is_, params, held))):
+                continue
+            stepped = any(t > 0 for flat in self._flats[gi] for t in flat.state.param_steps())
+            if len(params) != len(held) and (stepped or not self._rebuilds_replaced_groups):
+                continue  # added or removed: refused by _check_groups
             who = type(self).__name__
             if not self._rebuilds_replaced_groups:
                 raise RuntimeError(
@@ -92,7 +97,7 @@ class FollowsUserEdits:
                     "after it was built (accelerate's FSDP2 prepare does this: it swaps them "
                     "for DTensors). ZeroAdam shards what it was given; with FSDP2 use "
                     "zero_triton.FusedAdamW, else build the optimizer over the new parameters")
-            if any(t > 0 for flat in self._flats[gi] for t in flat.state.param_steps()):
+            if stepped:
                 raise RuntimeError(
                     f"{who}: the parameters of param group {gi} were replaced in param_groups "
                     "after the optimizer stepped them; their state would be lost. Build a new "
