@@ -11,12 +11,17 @@
   shard on each rank (``ZeroAdam.sharded_state_dict``), not the whole state.
 - ``ddp``: a DistributedDataParallel communication hook that communicates nothing (for
   libraries that wrap the model in DDP anyway); nothing is patched.
+- ``torch_zero``: torch's ``ZeroRedundancyOptimizer._build_param_buckets`` refuses
+  ``parameters_as_bucket_view=True`` over a FusedAdam, naming the fix (its buckets would
+  never see the updates).
 
 ``install()``, called once by ``zero_triton/__init__``, arms the patches; each is applied
-when the first ZeroAdam is built (``zero_triton.optim.owners.when_built``): importing
-zero_triton, or using only FusedAdam, changes nothing of torch.
+when the first ZeroAdam is built (``zero_triton.optim.owners.when_built``), and
+``torch_zero`` when a FusedAdam is built while torch's ZeroRedundancyOptimizer module is
+loaded: importing zero_triton, or using only FusedAdam outside torch's ZeRO, changes
+nothing of torch.
 """
-from zero_triton.integrations import accelerate_clip, clip_grad, dcp, grad_scaler
+from zero_triton.integrations import accelerate_clip, clip_grad, dcp, grad_scaler, torch_zero
 from zero_triton.integrations.ddp import ddp_local_grads_hook
 from zero_triton.integrations.grad_scaler import ZeroGradScaler
 from zero_triton.optim import owners
@@ -27,6 +32,7 @@ def install() -> None:
     owners.when_built(clip_grad.install)
     owners.when_built(accelerate_clip.install)
     owners.when_built(dcp.install)
+    owners.when_any_built(torch_zero.install)
 
 
 __all__ = ["install", "ddp_local_grads_hook", "ZeroGradScaler"]

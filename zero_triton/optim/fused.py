@@ -17,7 +17,7 @@ import torch
 from zero_triton.comm import buckets
 from zero_triton.comm.group import LocalComm, phase
 from zero_triton.native import backends
-from zero_triton.optim import clipping
+from zero_triton.optim import clipping, owners
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.build import build_flats
@@ -134,6 +134,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             for p, g in grads_before:
                 p.grad = g
             raise
+        owners.built()
 
     # -- construction -------------------------------------------------------------
     @torch._disable_dynamo

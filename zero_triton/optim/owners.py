@@ -3,8 +3,8 @@
 A weak map (parameter -> weak reference to its ZeroAdam): nothing is stored on the
 parameters (they must stay picklable), and neither side is kept alive by it. Code above
 the optimizer (``zero_triton.integrations``) reads it through ``owner(p)`` and adds
-what must happen once a ZeroAdam exists with ``when_built(install)``: the optimizer
-never imports the layers above it.
+what must happen once a ZeroAdam exists with ``when_built(install)`` (once any FusedAdam
+does: ``when_any_built``): the optimizer never imports the layers above it.
 """
 from __future__ import annotations
 
@@ -14,12 +14,26 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 _OWNER = WeakIdKeyDictionary()  # parameter -> weakref.ref(ZeroAdam)
 _WHEN_BUILT: list = []
+_WHEN_ANY_BUILT: list = []
 
 
 def when_built(install) -> None:
     """``install()`` runs each time a ZeroAdam registers parameters (it must be idempotent)."""
     if install not in _WHEN_BUILT:
         _WHEN_BUILT.append(install)
+
+
+def when_any_built(install) -> None:
+    """``install()`` runs each time any FusedAdam (ZeroAdam included) is built (it must be
+    idempotent and cheap)."""
+    if install not in _WHEN_ANY_BUILT:
+        _WHEN_ANY_BUILT.append(install)
+
+
+def built() -> None:
+    """A FusedAdam was built."""
+    for install in _WHEN_ANY_BUILT:
+        install()
 
 
 def register(optimizer, params, *, routes_clipping: bool) -> None:

@@ -34,43 +34,6 @@ def one_kind(kinds: set, who: str) -> tuple:
     return next(iter(kinds))
 
 
-def check_not_pointed_at_shared_memory(params, views) -> None:
-    """Refuse parameters whose ``.data`` was pointed, after the optimizer was built, into
-    a larger buffer that another tensor holds (torch's ZeroRedundancyOptimizer with
-    ``parameters_as_bucket_view=True`` points them into buckets it broadcasts after each
-    step; ``p.data = t[i]`` with ``t`` kept): re-homing them into a flat buffer of ours
-    would silently cut them off from it. A parameter given memory of its own size
-    (``p.data = x``) is re-homed, as is one whose larger buffer nothing else holds. Not
-    checked inside backward, where autograd's saved views of the parameters hold their
-    memory too; ``step()`` checks."""
-    if torch._C._current_graph_task_id() != -1:
-        return
-    for i, (p, view) in enumerate(zip(params, views)):
-        if p.device.type == "meta" or p.numel() == 0 or p.data_ptr() == view.data_ptr():
-            continue
-        if _in_a_buffer_held_elsewhere(p):
-            raise RuntimeError(
-                f"zero_triton: parameter {i} {tuple(p.shape)} of a flat buffer was pointed, after "
-                "the optimizer was built, into a larger buffer that another tensor holds "
-                "(torch's ZeroRedundancyOptimizer with parameters_as_bucket_view=True points "
-                "parameters into its buckets; so does `p.data = t[i]` with t kept). The "
-                "optimizer keeps its parameters in flat buffers of its own: moving it back "
-                "would silently cut it off from that buffer. With ZeroRedundancyOptimizer pass "
-                "parameters_as_bucket_view=False (or use zero_triton.ZeroAdamW in its place); "
-                "to give a parameter new values, copy them in (p.data.copy_(t[i]), "
-                "model.load_state_dict). Nothing was changed")
-
-
-def _in_a_buffer_held_elsewhere(p: torch.Tensor) -> bool:
-    """Whether ``p``'s memory is part of a larger buffer that a tensor other than ``p``
-    holds (without torch's use count: part of a larger buffer)."""
-    storage = p.untyped_storage()
-    if storage.nbytes() <= p.numel() * p.element_size():
-        return False
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is None or use_count(storage._cdata) > 2  # p's and ``storage``'s own
-
-
 # Larger blocks glibc maps afresh at every allocation (its mmap threshold grows only to
 # this), paying a page fault per 4 KiB page each step (~0.85 ms per MiB measured on a
 # 2-core CPU, 5x a copy): a bucket's averages that large are kept across steps on CPUs.
@@ -217,8 +180,6 @@ class FlatShard:
         with an optimizer built after the move."""
         dtype, device = one_kind({(real_dtype(p.dtype), p.device) for p in self.params},
                                  "parameters that share a flat buffer")
-        if (dtype, device) == (self.dtype, self.device):  # not model.to(): p.data = t
-            check_not_pointed_at_shared_memory(self.params, self.param_views)
         if dtype not in FLAT_DTYPES:
             raise RuntimeError(f"zero_triton: parameters were cast to {dtype} after the optimizer "
                                "was built; FusedAdam steps float32, float16, bfloat16, float64 "
