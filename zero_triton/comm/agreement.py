@@ -13,13 +13,13 @@ group of its own (host memory only: no device work, no sync on a GPU, and never 
 with a data collective): which optimizer, which call, how many steps it has taken, what
 it found locally (gradients edited after their bucket was averaged, parameters written,
 ``opt.state`` reset), whether it refuses the call and, for ``step``, the signature of
-the buckets backward launched and which parameters it has no gradient for. Every rank then reads the
-same rows and takes the same decision: go on, do an agreed extra (average again,
-re-seed, reset), or raise — on every rank, naming the ranks, the calls and the fix. A
-rank that exits instead of joining closes its side connections, which fails the others
-at once. The step's other questions (found_inf, which parameters step) need a data
-all-reduce (``zero_triton.comm.step_flags``) only for GradScaler's found_inf or when the
-ranks lack gradients for different parameters.
+the buckets backward launched and a digest of the parameters it has no gradient for.
+Every rank then reads the same rows and takes the same decision: go on, do an agreed
+extra (average again, re-seed, reset), or raise — on every rank, naming the ranks, the
+calls and the fix. A rank that exits instead of joining closes its side connections,
+which fails the others at once. The step needs a data all-reduce
+(``zero_triton.comm.step_flags``) only for GradScaler's found_inf or when the ranks lack
+gradients for different parameters.
 """
 from __future__ import annotations
 
@@ -147,12 +147,11 @@ class Agreement:
         """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
         ranks, with ``DIFFER`` added when ``signature`` (the buckets launched, in order;
         None: not compared) is not the same on every rank and ``GRADS_DIFFER`` when
-        ``missing`` (a digest of the parameters without a gradient, ``missing_digest``)
-        is not; raise on every rank if they
-        are at different calls, have taken different numbers of steps, wrote different
-        parameters (``written``: ints), reset the state on some ranks only, or one
-        refuses (``refuse``: a code of ``REFUSALS``; that rank raises its own error
-        afterwards). ``detail`` names what it was about to start."""
+        ``missing`` (``missing_digest`` of the parameters without a gradient) is not;
+        raise on every rank if they are at different calls, have taken different numbers
+        of steps, wrote different parameters (``written``: ints), reset the state on some
+        ranks only, or one refuses (``refuse``: a code of ``REFUSALS``; that rank raises
+        its own error afterwards). ``detail`` names what it was about to start."""
         row = self.mine
         row[_MAGIC], row[_ORDINAL], row[_ENTRY], row[_STEPS] = MAGIC, self.ordinal, _CODE[entry], self.steps
         row[_BACKWARDS] = backwards

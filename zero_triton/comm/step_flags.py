@@ -9,9 +9,9 @@ the averages are wrong: the step is skipped (as for inf) and the optimizer raise
 once on CPU, at the next step on a GPU (read back without a host sync).
 
 Most steps do without it: the step's entry agreement (``zero_triton.comm.agreement``,
-host memory) carries the launch signature and whether any rank lacks a gradient, so the
-all-reduce runs only for GradScaler's found_inf (a device value) or to learn which
-parameters some rank has no gradient for.
+host memory) carries the launch signature and a digest of the parameters each rank has
+no gradient for, so the all-reduce runs only for GradScaler's found_inf (a device value)
+or when the ranks lack different gradients (a parameter steps if any rank has one).
 """
 from __future__ import annotations
 

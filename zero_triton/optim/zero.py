@@ -308,10 +308,11 @@ class ZeroAdam(FusedAdam):
         """found_inf, which parameters step, and whether every rank launched the same
         buckets, agreed over the ranks; raises if an earlier (GPU) or this step's
         agreement found that they did not. The step's entry agreement (``_enter``)
-        answers the last two on the host (every rank lacks the same gradients, if any:
-        each rank's own list is the answer); an all-reduce (``zero_triton.comm.step_flags``)
-        is needed only for a found_inf (GradScaler: a device value) or when the ranks
-        lack different gradients (which ones has none anywhere)."""
+        answers the last two on the host (when every rank lacks the same gradients, if
+        any, each rank's own list is the answer); an all-reduce
+        (``zero_triton.comm.step_flags``) is needed only for a found_inf (GradScaler: a
+        device value) or when the ranks lack different gradients (a parameter steps if
+        any rank has its gradient)."""
         if self._step_flags is None or not flats:
             return found_inf
         self._check_launches()
