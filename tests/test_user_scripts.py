@@ -700,8 +700,10 @@ def test_param_groups_replaced_before_the_first_step_are_followed_as_torch_follo
         opt.step()
 
 
-def _job_deepspeed_client(rank, world_size, stage):
-    """DeepSpeed ZeRO-``stage`` over a client optimizer, torch's AdamW or FusedAdamW."""
+def _job_deepspeed_client(rank, world_size, stage, root):
+    """DeepSpeed ZeRO-``stage`` over a client optimizer, torch's AdamW or FusedAdamW, 4
+    steps; and FusedAdamW's run saved by DeepSpeed after 2 steps, loaded into a new
+    engine and trained to 4."""
     import logging
     import os
     for key, value in dict(LOCAL_RANK=rank, RANK=rank, WORLD_SIZE=world_size,
@@ -709,31 +711,47 @@ def _job_deepspeed_client(rank, world_size, stage):
         os.environ[key] = str(value)
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.ERROR)
-    out = []
-    for cls in (torch.optim.AdamW, FusedAdamW):
+
+    def engine(cls):
         model = _model()
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                   "gradient_clipping": 0.0, "steps_per_print": 2**62,
                   "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=cls(model.parameters(), lr=1e-2),
-                                          config=config)
-        for x in _batches(4, seed=10 + rank):
-            engine.backward(engine(x[:4]).pow(2).mean())
-            engine.step()
+        return model, deepspeed.initialize(model=model, optimizer=cls(model.parameters(), lr=1e-2),
+                                           config=config)[0]
+
+    def train(eng, start, stop):
+        for x in _batches(4, seed=10 + rank)[start:stop]:
+            eng.backward(eng(x[:4]).pow(2).mean())
+            eng.step()
+    out = []
+    for cls in (torch.optim.AdamW, FusedAdamW):
+        model, eng = engine(cls)
+        train(eng, 0, 4)
         out.append([p.detach().tolist() for p in model.parameters()])
+    _, eng = engine(FusedAdamW)
+    train(eng, 0, 2)
+    eng.save_checkpoint(root, tag="step2")
+    model, eng = engine(FusedAdamW)
+    eng.load_checkpoint(root, tag="step2")
+    train(eng, 2, 4)
+    out.append([p.detach().tolist() for p in model.parameters()])
     return out
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_deepspeed_zero_with_fused_adamw_as_its_client_optimizer_trains_as_with_torch_adamw(stage):
+def test_deepspeed_zero_with_fused_adamw_as_its_client_optimizer_trains_as_with_torch_adamw(stage, tmp_path):
     """HF Trainer with a DeepSpeed config and no optimizer section hands DeepSpeed the
     optimizer it made: DeepSpeed's ZeRO-1/2 then steps its flat fp32 partitions through
-    it. FusedAdamW refused them as a hand edit of param_groups before."""
+    it. FusedAdamW refused them as a hand edit of param_groups before. Its DeepSpeed
+    checkpoint resumes to the same parameters as the run that was not stopped."""
     pytest.importorskip("deepspeed", reason="needs deepspeed (pip install -e '.[peers]')")
-    for rank, (theirs, ours) in enumerate(run_ranks(_job_deepspeed_client, 2, stage, timeout=300)):
-        for i, (a, b) in enumerate(zip(ours, theirs)):
+    results = run_ranks(_job_deepspeed_client, 2, stage, str(tmp_path), timeout=300)
+    for rank, (theirs, ours, resumed) in enumerate(results):
+        for i, (a, b, c) in enumerate(zip(ours, theirs, resumed)):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6,
                                        msg=f"rank {rank}, stage {stage}, param {i}")
+            assert a == c, f"rank {rank}, stage {stage}, param {i}: resumed from DeepSpeed's checkpoint differs"
 
 
 def _job_torch_zero(rank, world_size, bucket_view):
