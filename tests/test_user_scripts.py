@@ -863,3 +863,34 @@ def test_activation_checkpointing_under_zero_buckets_and_overlap_trains_as_ddp()
     for rank, diffs in enumerate(run_ranks(_job_checkpointed, 2, timeout=180)):
         for (reentrant, stage), diff in diffs.items():
             assert diff < 1e-5, f"rank {rank}: use_reentrant={reentrant}, stage {stage}: {diff:.2e} off DDP"
+
+
+def _job_zero_replaced(rank, world_size):
+    from zero_triton import ZeroAdamW
+    errors = []
+    for swap in ("one flat partition", "as many others"):
+        model = _model()
+        opt = ZeroAdamW(model.parameters(), lr=1e-2, backend=CPU_BACKEND)
+        params = list(model.parameters())
+        if swap == "one flat partition":  # what DeepSpeed's ZeRO does to a client optimizer
+            new = [nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))]
+        else:
+            new = [nn.Parameter(p.detach().clone()) for p in params]
+        opt.param_groups[0]["params"] = new
+        for p in new:
+            p.grad = torch.zeros_like(p)
+        try:
+            opt.step()
+            errors.append(None)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_zero_refuses_replaced_parameters_naming_fused_adamw():
+    """ZeroAdam shards the parameters it was given; a wrapper that replaces them (FSDP2's
+    DTensors, DeepSpeed's flat partition) gets one error naming FusedAdamW on every rank,
+    before any collective (it said "edited by hand" for DeepSpeed's)."""
+    for rank, errors in enumerate(run_ranks(_job_zero_replaced, 2, timeout=120)):
+        for error in errors:
+            assert error and "DeepSpeed" in error and "zero_triton.FusedAdamW" in error, (rank, error)

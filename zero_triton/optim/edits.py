@@ -88,15 +88,19 @@ class FollowsUserEdits:
             if params is held or (len(params) == len(held) and all(map(operator.is_, params, held))):
                 continue
             stepped = any(t > 0 for flat in self._flats[gi] for t in flat.state.param_steps())
-            if len(params) != len(held) and (stepped or not self._rebuilds_replaced_groups):
-                continue  # added or removed: refused by _check_groups
+            if len(params) != len(held):
+                known = {id(q) for q in held}
+                replaced = not any(id(p) in known for p in params)
+                if not replaced and (stepped or not self._rebuilds_replaced_groups):
+                    continue  # added or removed: refused by _check_groups
             who = type(self).__name__
             if not self._rebuilds_replaced_groups:
                 raise RuntimeError(
                     f"{who}: the parameters of param group {gi} were replaced in param_groups "
-                    "after it was built (accelerate's FSDP2 prepare does this: it swaps them "
-                    "for DTensors). ZeroAdam shards what it was given; with FSDP2 use "
-                    "zero_triton.FusedAdamW, else build the optimizer over the new parameters")
+                    "after it was built (accelerate's FSDP2 prepare swaps them for DTensors; "
+                    "DeepSpeed's ZeRO puts its flat partition in their place). ZeroAdam shards "
+                    "what it was given; with FSDP2 or DeepSpeed use zero_triton.FusedAdamW, else "
+                    "build the optimizer over the new parameters")
             if stepped:
                 raise RuntimeError(
                     f"{who}: the parameters of param group {gi} were replaced in param_groups "
