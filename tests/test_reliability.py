@@ -333,6 +333,38 @@ def test_zero_grad_between_backward_and_step_on_one_rank_is_agreed(stage):
     assert results[0][0] == "trained" and results[0][1] == results[1][1], results
 
 
+def _stalled_rank(rank, world, bucket_cap_mb):
+    """Rank 1 stalls (no collective) for 12 s before its backward and step, on a group made
+    with a 3 s timeout. Returns (what happened, wall-clock time it happened, message)."""
+    import datetime
+
+    import torch.distributed as dist
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    model = _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=bucket_cap_mb, process_group=group)
+    _train(model, opt, 1, torch.float32)
+    if rank == 1:
+        time.sleep(12)
+        woke = time.time()
+    try:
+        _train(model, opt, 1, torch.float32)
+    except RuntimeError as exc:
+        return "raised", woke if rank == 1 else time.time(), str(exc)
+    return "trained", time.time(), ""
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.0005])
+def test_a_stalled_rank_fails_the_others_within_the_groups_own_timeout(bucket_cap_mb):
+    """The agreement waits for a peer as long as the user's process group would (its
+    ``timeout=``), not torch's 30-minute default: a rank stuck outside any collective
+    fails the others after the group's 3 s, while it is still stuck."""
+    (what0, when0, message0), (_, woke1, _) = run_ranks(
+        _stalled_rank, 2, bucket_cap_mb, timeout=120, pg_timeout_s=600)
+    assert what0 == "raised", "rank 0 waited for the stalled rank and trained on"
+    assert when0 < woke1, "rank 0 raised only once the stalled rank came back"
+    assert "within the process group's timeout (3 s)" in message0, message0
+
+
 # -- items 2 and 3: overlap() and what touches parameters between step and forward -------------
 class _Stat(torch.nn.Module):
     """A parent whose forward reads its children's weights outside their forward, under

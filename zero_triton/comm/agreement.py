@@ -8,12 +8,13 @@ process-group timeout (30 minutes), or worse, adds up unrelated buffers.
 
 So each entry point of ZeroAdam that starts collectives (backward's first bucket of a
 round, ``step``, ``clip_grad_norm_``, GradScaler's inf agreement, the state dicts, the
-checkpoints) first exchanges one row of ten integers with every rank over a side gloo
+checkpoints) first exchanges one row of eleven integers with every rank over a side gloo
 group of its own (host memory only: no device work, no sync on a GPU, and never paired
 with a data collective): which optimizer, which call, how many steps it has taken, what
 it found locally (gradients edited after their bucket was averaged, parameters written,
 ``opt.state`` reset), whether it refuses the call and, for ``step``, the signature of
 the buckets backward launched and a digest of the parameters it has no gradient for.
+The side group waits as long as the process group's own collectives (``group_timeout``).
 Every rank then reads the same rows and takes the same decision: go on, do an agreed
 extra (average again, re-seed, reset), or raise — on every rank, naming the ranks, the
 calls and the fix. A rank that exits instead of joining closes its side connections,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import hashlib
 import weakref
 
@@ -123,9 +125,24 @@ def _side_group(group):
         store = dist.PrefixStore(f"zero_triton/agreement/{pg.group_name}/",
                                  dist.distributed_c10d._get_default_store())
         side = dist.ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg),
-                                     dist.default_pg_timeout)
+                                     group_timeout(pg))
         _side_groups[pg] = side
     return side
+
+
+def group_timeout(pg) -> datetime.timedelta:
+    """The timeout ``pg``'s collectives wait for (``init_process_group(timeout=...)`` or
+    ``new_group(timeout=...)``; torch's default where the backend does not say): an
+    agreement waits for a peer no longer than the user's own collectives would."""
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except (RuntimeError, AttributeError):  # no backend for that device
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout
+    return dist.default_pg_timeout
 
 
 class Agreement:
@@ -167,9 +184,14 @@ class Agreement:
                 self.group._allgather_base(self.rows, row).wait()
         except RuntimeError as exc:
             what = f"{entry} ({detail})" if detail else entry
-            raise RuntimeError(
-                f"zero_triton: {what} failed on rank {self.comm.rank}: a peer rank did not join "
-                f"it ({exc}); it probably died or exited. If it is alive: {_FIXES[entry]}") from exc
+            if "timed out" in str(exc).lower():
+                seconds = group_timeout(self.comm.group or dist.group.WORLD).total_seconds()
+                why = (f"a peer rank did not join it within the process group's timeout "
+                       f"({seconds:g} s) ({exc}); it is stuck, far slower, or at another call")
+            else:
+                why = f"a peer rank did not join it ({exc}); it probably died or exited"
+            raise RuntimeError(f"zero_triton: {what} failed on rank {self.comm.rank}: {why}. "
+                               f"If it is alive: {_FIXES[entry]}") from exc
         rows = self.rows.view(self.comm.world_size, WORDS).tolist()
         where = [(r[_ORDINAL], r[_ENTRY], r[_STEPS], r[_BACKWARDS]) for r in rows]
         if any(w != where[0] for w in where) or any(r[_MAGIC] != MAGIC for r in rows):
