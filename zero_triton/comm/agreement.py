@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import struct
 import weakref
 
 import torch
@@ -42,17 +43,24 @@ _CODE = {name: i + 1 for i, name in enumerate(ENTRIES)}
 
 # Row layout (int64).
 (_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR, _SIGNATURE,
- _MISSING) = range(11)
-WORDS = 11
+ _MISSING, _ARG0, _ARG1) = range(13)
+WORDS = 13
+_NO_ARG = struct.unpack("<q", struct.pack("<d", float("nan")))[0]
 MAGIC = 0x7A7401
 
 # Flags: what a rank found locally, OR-ed over the ranks by the caller.
 STALE = 1     # gradients changed after their bucket was averaged (or were never averaged)
 RESET = 2     # opt.state was replaced or cleared: start the state over
+JOINED = 16   # this rank ran out of inputs under torch's Join and shadows the others
 # Not sent: set in what ``check`` returns when the ranks' launch signatures differ, and
 # when they lack gradients for different parameters.
 DIFFER = 4
 GRADS_DIFFER = 8
+
+# What a rank that shadows under Join (``JOINED``, at its ``step``) can catch up with when
+# the others are at another call first: it makes that call (``CatchUp``) and enters its
+# step again. A ``clip_grad_norm_`` row carries max_norm and norm_type (``args``).
+CATCH_UP = ("backward", "clip_grad_norm_")
 
 # Refusals a rank can send (with its own message raised locally).
 REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited"}
@@ -145,6 +153,25 @@ def group_timeout(pg) -> datetime.timedelta:
     return dist.default_pg_timeout
 
 
+class CatchUp(Exception):
+    """Raised on a rank that shadows under Join (and only there) when the ranks with
+    inputs are at ``entry`` where it is at ``step``: it makes that call (``args``: the
+    ones they made it with), whose agreement is this one (``Agreement.pending``), and
+    then enters ``step`` again. The others go on with their call."""
+
+    def __init__(self, entry: str, args: tuple, rows: list):
+        super().__init__(f"catch up with {entry}")
+        self.entry, self.args, self.rows = entry, args, rows
+
+
+def _as_bits(value) -> int:
+    return _NO_ARG if value is None else struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _as_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
 class Agreement:
     """The agreement of one optimizer (``ordinal``: its place among the optimizers built
     on this process group, the same on every rank) over ``comm``'s ranks."""
@@ -156,11 +183,12 @@ class Agreement:
         self.mine = torch.zeros(WORDS, dtype=torch.int64)
         self.rows = torch.zeros(comm.world_size * WORDS, dtype=torch.int64)
         self.steps = 0  # step() calls completed, counted alike on every rank
+        self.pending = None  # (call, rows) of a CatchUp: the next check, of that call, uses them
         _agreements.add(self)
 
     def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
               refuse: int = 0, detail: str = "", signature: int | None = None,
-              missing: int = 0) -> int:
+              missing: int = 0, args: tuple = (None, None)) -> int:
         """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
         ranks, with ``DIFFER`` added when ``signature`` (the buckets launched, in order;
         None: not compared) is not the same on every rank and ``GRADS_DIFFER`` when
@@ -175,9 +203,17 @@ class Agreement:
         row[_FLAGS], row[_COUNT], row[_HASH], row[_ERROR] = flags, len(written), _digest(written), refuse
         row[_SIGNATURE] = signature if signature is not None else -1
         row[_MISSING] = missing
+        row[_ARG0], row[_ARG1] = _as_bits(args[0]), _as_bits(args[1])
         if self.group is None:
             raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
                                "nothing was changed")
+        pending, self.pending = self.pending, None
+        if pending is not None:  # exchanged already: the call a joined rank catches up with
+            caught, rows = pending
+            if caught != entry:
+                raise RuntimeError(f"zero_triton: a rank shadowing under Join caught up with "
+                                   f"{caught} and then made {entry}")
+            return self._decide(entry, rows, signature, refuse, written)
         try:
             # A profiler range: the side group's all-gather is no training collective.
             with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
@@ -187,15 +223,52 @@ class Agreement:
             if "timed out" in str(exc).lower():
                 seconds = group_timeout(self.comm.group or dist.group.WORLD).total_seconds()
                 why = (f"a peer rank did not join it within the process group's timeout "
-                       f"({seconds:g} s) ({exc}); it is stuck, far slower, or at another call")
+                       f"({seconds:g} s) ({exc}); it is stuck, far slower, at another call, "
+                       "or out of inputs")
             else:
-                why = f"a peer rank did not join it ({exc}); it probably died or exited"
+                why = (f"a peer rank did not join it ({exc}); it probably died or exited, or "
+                       "ran out of inputs")
+            why += (" (ranks with different numbers of batches: wrap the training loop in "
+                    "torch.distributed.algorithms.join.Join([optimizer]))")
             raise RuntimeError(f"zero_triton: {what} failed on rank {self.comm.rank}: {why}. "
                                f"If it is alive: {_FIXES[entry]}") from exc
         rows = self.rows.view(self.comm.world_size, WORDS).tolist()
         where = [(r[_ORDINAL], r[_ENTRY], r[_STEPS], r[_BACKWARDS]) for r in rows]
         if any(w != where[0] for w in where) or any(r[_MAGIC] != MAGIC for r in rows):
-            raise RuntimeError(self._describe_mismatch(rows))
+            caught = self._catch_up(rows)
+            if caught is None:
+                raise RuntimeError(self._describe_mismatch(rows))
+            if rows[self.comm.rank][_FLAGS] & JOINED:
+                raise CatchUp(caught, tuple(_as_float(rows[self._leader(rows)][w])
+                                            for w in (_ARG0, _ARG1)), rows)
+        return self._decide(entry, rows, signature, refuse, written)
+
+    @staticmethod
+    def _leader(rows) -> int:
+        """The first rank that has inputs (is not shadowing under Join)."""
+        return next(i for i, r in enumerate(rows) if not r[_FLAGS] & JOINED)
+
+    def _catch_up(self, rows):
+        """The call the ranks with inputs are at, when the only difference is that the
+        joined ones are at ``step`` and could make that call first (``CATCH_UP``; a
+        ``clip_grad_norm_`` made with its max_norm); else None."""
+        if any(r[_MAGIC] != MAGIC or r[_ORDINAL] != self.ordinal for r in rows):
+            return None
+        joined = [r for r in rows if r[_FLAGS] & JOINED]
+        others = [r for r in rows if not r[_FLAGS] & JOINED]
+        if not joined or not others:
+            return None
+        if len({(r[_ENTRY], r[_STEPS], r[_BACKWARDS], r[_ARG0], r[_ARG1]) for r in others}) != 1 or \
+                len({(r[_STEPS], r[_BACKWARDS]) for r in rows}) != 1 or \
+                any(r[_ENTRY] != _CODE["step"] for r in joined):
+            return None
+        entry = ENTRIES[others[0][_ENTRY] - 1] if 1 <= others[0][_ENTRY] <= len(ENTRIES) else None
+        if entry not in CATCH_UP or (entry == "clip_grad_norm_" and others[0][_ARG0] == _NO_ARG):
+            return None
+        return entry
+
+    def _decide(self, entry: str, rows: list, signature, refuse: int, written) -> int:
+        """What every rank does after an exchange at ``entry`` whose rows are ``rows``."""
         refusing = [(i, r[_ERROR]) for i, r in enumerate(rows) if r[_ERROR]]
         if refusing and not refuse:
             who = ", ".join(f"rank {i} ({REFUSALS.get(code, 'refused')})" for i, code in refusing)
@@ -229,6 +302,19 @@ class Agreement:
     def stepped(self) -> None:
         self.steps += 1
 
+    def exchange(self, values: list) -> list:
+        """Every rank's ``values`` (floats, as many on every rank), over the side group,
+        right after an agreement that told every rank to exchange them."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        every = torch.empty(self.comm.world_size * len(values), dtype=torch.float64)
+        try:
+            with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
+                self.group._allgather_base(every, mine).wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"zero_triton: an exchange of hyperparameters failed on rank "
+                               f"{self.comm.rank}: a peer rank did not join it ({exc})") from exc
+        return every.view(self.comm.world_size, len(values)).tolist()
+
     def _describe_mismatch(self, rows) -> str:
         def name(rank, r):
             code = r[_ENTRY]
@@ -242,6 +328,12 @@ class Agreement:
             fixes.append(_FIXES["step"])
         if "backward" in calls:
             fixes.append(_FIXES["backward"])
+        joined = [i for i, r in enumerate(rows) if r[_MAGIC] == MAGIC and r[_FLAGS] & JOINED]
+        if joined:
+            fixes.insert(0, f"Ranks {joined} ran out of inputs under torch's Join, and a joined "
+                            "rank shadows the others' backward and step() only: under Join, clip "
+                            "with max_grad_norm= (inside the step), step without GradScaler, and "
+                            "save or load state after the Join block.")
         return ("ZeroAdam: the ranks are at different calls (" + "; ".join(name(i, r) for i, r in enumerate(rows)) +
                 "), which would pair unrelated collectives and hang every rank. Nothing was "
                 "changed on any rank. " + " ".join(fixes))

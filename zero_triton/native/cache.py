@@ -143,12 +143,11 @@ def check_trusted(build_dir: Path, *files: str) -> None:
     could have written: code planted there would run in this process."""
     base = build_dir.parent
     why = unsafe_ancestor(base)
-    where = None
     if why is None:
         for path in (base, build_dir, *(build_dir / f for f in files)):
             reason = not_private(path)
             if reason is not None:
-                where, why = path, f"{path} {reason}"
+                why = f"{path} {reason}"
                 break
     if why is not None:
         raise Unavailable(f"the CPU extension's cache is not trusted: {why}, so another user "

@@ -21,11 +21,12 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 
 from zero_triton.comm import agreement
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
-from zero_triton.optim import owners, sharded_state
+from zero_triton.optim import join, owners, sharded_state
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import (check_drop_in_flags, check_hyperparameters, check_no_dtensors,
                                       check_params_argument)
@@ -33,6 +34,8 @@ from zero_triton.optim.fused import FusedAdam
 from zero_triton.state import watch
 
 _FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
+# The calls of an iteration that start collectives: the first of them tells Join.
+_PER_ITERATION = ("backward", "step", "clip_grad_norm_", "GradScaler")
 
 
 def _signature(param_groups) -> list:
@@ -58,7 +61,7 @@ def _first_mismatch(mine: list, theirs: list):
     return None
 
 
-class ZeroAdam(FusedAdam):
+class ZeroAdam(FusedAdam, Joinable):
     """FusedAdam with its state sharded over ``process_group`` (ZeRO stage 1).
 
     Extra args:
@@ -79,6 +82,11 @@ class ZeroAdam(FusedAdam):
             ranks reach different parameters (data-dependent routing), where launches
             from backward would pair different buckets across ranks. The result does
             not depend on it (bitwise).
+
+    Uneven inputs (ranks with different numbers of batches): wrap the loop in
+    ``torch.distributed.algorithms.join.Join([optimizer])`` (or ``Join([ddp_model,
+    optimizer])``), as for DDP and ZeroRedundancyOptimizer; a rank that ran out steps
+    its shard with zero gradients until every rank is done (``zero_triton.optim.join``).
 
     Construction is collective: ranks compare parameter shapes and dtypes and raise on
     every rank at the first mismatch. torch.amp.GradScaler works as is: every rank
@@ -133,6 +141,13 @@ class ZeroAdam(FusedAdam):
             if comm.world_size > 1 else None
         self._step_flags = StepFlags(comm) if comm.world_size > 1 else None
         self._told = None  # the step's entry agreement's flags, until _agree reads them
+        # torch's Join (uneven inputs): disabled outside a Join block; ``_shadowing`` while
+        # this rank, out of inputs, runs the others' iteration (zero_triton.optim.join);
+        # ``_notified``: this iteration told the Join block it still has inputs.
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+        self._shadowing = False
+        self._notified = False
+        self._clip_args = None  # (max_norm, norm_type) of a clip_grad_norm_ call, for its row
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
         self._ddp_checked = comm.world_size == 1 or stage == 2
@@ -158,6 +173,11 @@ class ZeroAdam(FusedAdam):
         raises. A rank at another call, or a step behind, fails every rank here."""
         if self._agreement is None:
             return super()._enter(entry, flats, stale)
+        if not self._notified and not self._shadowing and entry in _PER_ITERATION:
+            # Under Join: this rank still has inputs, said before the iteration's first
+            # collective, as the joined ranks count before shadowing it (a no-op outside).
+            self._notified = True
+            Join.notify_join_context(self)
         flats = flats if flats is not None else self._current_flats()
         refuse, error = 0, None
         try:
@@ -165,6 +185,8 @@ class ZeroAdam(FusedAdam):
         except RuntimeError as exc:
             refuse, error = 1, exc
         flags = agreement.STALE if stale else 0
+        if self._shadowing:
+            flags |= agreement.JOINED
         if self._state_edited():
             # Cleared or replaced: a reset. Our keys put in a parameter's entry: refused.
             # Anything else (a key that is not a parameter, a parameter's extra keys) is
@@ -191,13 +213,17 @@ class ZeroAdam(FusedAdam):
             signature = reducer.last_signature if self._grads_reduced else reducer.signature
             missing = agreement.missing_digest([f.stepped for _, f in flats])
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
+        args = self._clip_args if entry == "clip_grad_norm_" else None
         agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
                                        written=written, refuse=refuse, detail=detail,
-                                       signature=signature, missing=missing)
+                                       signature=signature, missing=missing,
+                                       args=args or (None, None))
         if entry == "step":
             self._told = agreed
         if error is not None:
             raise error
+        if entry == "step" and agreed & agreement.JOINED:
+            self._share_hyperparameters()
         if agreed & agreement.RESET:
             for _, flat in flats:
                 flat.state.exp_avg.zero_()
@@ -212,9 +238,53 @@ class ZeroAdam(FusedAdam):
         return bool(agreed & agreement.STALE)
 
     def _stepped(self) -> None:
+        self._notified = False
         if self._agreement is not None:
             self._agreement.stepped()
             self._reducer.backwards = 0
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None,
+                        _in_step: bool = False) -> torch.Tensor:
+        # Its agreement row carries the arguments: a rank shadowing under Join makes the
+        # same call (zero_triton.optim.join).
+        self._clip_args = None if _in_step else (float(max_norm), float(norm_type))
+        try:
+            return super().clip_grad_norm_(max_norm, norm_type, _grad_scale=_grad_scale,
+                                           _in_step=_in_step)
+        finally:
+            self._clip_args = None
+
+    # -- torch's Join (zero_triton.optim.join) ----------------------------------------
+    def join_hook(self, **kwargs) -> join.ZeroJoinHook:
+        """What a rank that ran out of inputs runs under ``Join`` while others have some
+        (``Join`` passes every joinable the same keywords; DDP's
+        ``divide_by_initial_world_size`` is the one that concerns averaging)."""
+        if not kwargs.get("divide_by_initial_world_size", True):
+            raise ValueError(
+                "ZeroAdam under Join averages over the initial world size (a joined rank's "
+                "gradients count as zeros, DDP's default): divide_by_initial_world_size=False "
+                "is not supported; leave it out")
+        return join.ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        flats = self._current_flats(hint=True)
+        return flats[0][1].device if flats else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self._comm.group if self._comm.group is not None else \
+            dist.distributed_c10d._get_default_group()
+
+    def _share_hyperparameters(self) -> None:
+        """A rank shadows under Join at this step: every rank sends its hyperparameters
+        and a joined one takes those of a rank with inputs (its own loop, scheduler
+        included, has ended)."""
+        every = self._agreement.exchange([float(self._shadowing)] + join.hyperparameters(self.param_groups))
+        if self._shadowing:
+            source = next((row for row in every if not row[0]), None)
+            if source is not None:
+                join.adopt(self.param_groups, source[1:])
 
     @staticmethod
     def _check_same_model(comm, groups):

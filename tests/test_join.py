@@ -1,0 +1,142 @@
+"""Uneven inputs: ZeroAdam under torch.distributed.algorithms.join.Join (README, Uneven
+inputs). A rank that runs out of batches shadows the others' iterations, stepping its
+shard with zero gradients, so every rank ends holding what a single process would have
+trained: at each iteration, AdamW on the sum of the gradients of the ranks that still had
+inputs over the world size (DDP's ``divide_by_initial_world_size=True``), clipped as the
+loop clips it, at the learning rate the loop's scheduler set."""
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+STEPS = {2: [3, 6], 3: [2, 5, 3]}  # batches per rank
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _batch(rank, i, micro):
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * rank + 10 * i + micro))
+
+
+def _uneven(rank, world, case):
+    import zero_triton
+    from torch.distributed.algorithms.join import Join
+    stage, cap = case.get("stage", 1), case.get("bucket_cap_mb", 0.0005)
+    micro, clip = case.get("micro", 1), case.get("clip")
+    model, ref = _model(), _model()
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=cap)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.7)
+    net, joinables = model, [opt]
+    if case.get("ddp"):
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        net.register_comm_hook(None, zero_triton.ddp_local_grads_hook)
+        joinables = [net, opt]
+    if case.get("overlap"):
+        zero_triton.overlap(model, opt)
+    counts = STEPS[world]
+    with Join(joinables):
+        for i in range(counts[rank]):
+            for m in range(micro):
+                net(_batch(rank, i, m)).pow(2).mean().backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    opt.wait_params()
+    for i in range(max(counts)):  # one process: the ranks that had a batch at iteration i
+        summed = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            if i < counts[r]:
+                ref.zero_grad()
+                for m in range(micro):
+                    ref(_batch(r, i, m)).pow(2).mean().backward()
+                for s, p in zip(summed, ref.parameters()):
+                    s += p.grad
+        for s, p in zip(summed, ref.parameters()):
+            p.grad = s / world
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_sched.step()
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+CASES = {
+    "one_bucket": dict(bucket_cap_mb=None),
+    "buckets_ddp_local_hook": dict(ddp=True),
+    "stage2_overlap_clip": dict(stage=2, overlap=True, clip=0.05),
+    "micro_batches_clip": dict(micro=2, clip=0.05),
+    "stage2_micro_batches_overlap": dict(stage=2, micro=2, overlap=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_rank_out_of_inputs_shadows_the_others_under_join(name):
+    """Rank 0 has 3 batches and rank 1 has 6: under ``Join([optimizer])`` (or with a DDP
+    wrapper, ``Join([ddp_model, optimizer])``) both end equal to the one-process
+    reference, through a scheduler (the joined rank takes the others' learning rate),
+    clipping and micro-batches (the joined rank makes the same calls). Without Join
+    support, ``Join`` refused the optimizer (no ``join_hook``)."""
+    diffs = run_ranks(_uneven, 2, CASES[name], timeout=120, pg_timeout_s=60)
+    assert max(diffs) < 1e-5, diffs
+
+
+def test_three_ranks_joining_at_different_iterations():
+    diffs = run_ranks(_uneven, 3, dict(overlap=True, clip=0.05), timeout=180, pg_timeout_s=60)
+    assert max(diffs) < 1e-5, diffs
+
+
+def _refused(rank, world, case):
+    import zero_triton
+    from torch.distributed.algorithms.join import Join
+    model = _model()
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.0005)
+    before = [p.detach().clone() for p in model.parameters()]
+    if case == "divide":
+        try:
+            Join([opt], divide_by_initial_world_size=False)
+        except ValueError as exc:
+            return str(exc)
+        return "accepted"
+    scaler = torch.amp.GradScaler("cpu") if case == "scaler" else None
+    try:
+        with Join([opt]):
+            for i in range(STEPS[world][rank]):
+                before = [p.detach().clone() for p in model.parameters()]
+                loss = model(_batch(rank, i, 0)).pow(2).mean()
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:  # torch's two-call clipping: the second call has no agreement
+                    loss.backward()
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    norm = torch.nn.utils.get_total_norm(grads)
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.05, norm)
+                    opt.step()
+                opt.zero_grad()
+            before = [p.detach().clone() for p in model.parameters()]  # joined from here
+    except RuntimeError as exc:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(exc), unchanged
+    return "trained on", None
+
+
+def test_what_a_joined_rank_cannot_shadow_is_refused_on_every_rank():
+    """GradScaler's calls carry a device value a joined rank does not have, and torch's
+    two-call clipping a max_norm that no agreement carries: at the first iteration a rank
+    is joined, every rank raises naming Join and the fix, with that iteration's step not
+    taken; DDP's divide_by_initial_world_size=False is refused when Join is built."""
+    two_calls = ("two_call_clipping",) if hasattr(torch.nn.utils, "get_total_norm") else ()
+    for case in ("scaler",) + two_calls:  # torch's two-call clipping: 2.6 and later
+        for message, unchanged in run_ranks(_refused, 2, case, timeout=120, pg_timeout_s=60):
+            assert "ran out of inputs under torch's Join" in message, (case, message)
+            assert unchanged, case
+    for message in run_ranks(_refused, 2, "divide", timeout=120, pg_timeout_s=60):
+        assert "divide_by_initial_world_size=False is not supported" in message, message

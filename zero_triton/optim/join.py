@@ -1,0 +1,111 @@
+"""Uneven inputs: ZeroAdam under ``torch.distributed.algorithms.join.Join``.
+
+When the ranks have different numbers of batches, the rank that runs out first stops
+calling backward and ``step`` while the others still do, and their collectives wait for
+it. torch's answer is the ``Join`` context manager: a rank whose loop has ended shadows
+the others' collectives until every rank is done, as DDP and ZeroRedundancyOptimizer do
+(``with Join([ddp_model, optimizer]):`` around the loop). Under ZeRO a joined rank must
+do more than shadow: it owns a shard of the optimizer state and of the parameters, which
+the others need stepped at every step.
+
+So a joined rank runs the others' iteration with nothing to contribute (``ZeroJoinHook``):
+a backward that hands every trainable parameter a zero gradient (backward's buckets
+launch in the agreed order, as the others'), then ``step``: its shard is stepped with the
+average of every rank's gradients, a joined rank's counting as zeros over the initial
+world size, as DDP's ``divide_by_initial_world_size=True`` (its default) averages; the
+all-gathers bring every rank the parameters. At that step every rank exchanges its
+hyperparameters once, and a joined rank takes the others' (a scheduler stepped in their
+loop and not in its ended one). While a rank is joined, a parameter that no other rank
+has a gradient for steps with a zero gradient, as after ``zero_grad(set_to_none=False)``.
+
+What a joined rank shadows is backward and ``step``; a loop that also clips with
+``clip_grad_norm_``, steps through a GradScaler or saves a state dict between steps is
+refused on every rank at that call, with the fix (``max_grad_norm=`` clips inside the
+step, which a joined rank shadows), never a hang.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms.join import JoinHook
+
+from zero_triton.comm.agreement import CatchUp
+
+HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+class ZeroJoinHook(JoinHook):
+    """The join hook of one ZeroAdam (``ZeroAdam.join_hook``)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:
+        """One iteration of the ranks that still have inputs: a backward of zero gradients
+        and a step."""
+        opt = self.optimizer
+        opt._shadowing = True
+        try:
+            opt.zero_grad(set_to_none=True)  # what this rank's own last iteration left
+            self._backward()
+            while True:
+                try:
+                    opt.step()
+                    break
+                except CatchUp as up:  # the others made a call first: make it, step again
+                    opt._agreement.pending = (up.entry, up.rows)
+                    if up.entry == "backward":  # another micro-batch
+                        self._backward()
+                    else:
+                        opt.clip_grad_norm_(*up.args)
+            opt.zero_grad(set_to_none=True)
+        finally:
+            opt._shadowing = False
+
+    def _backward(self) -> None:
+        """A backward pass that reaches every trainable parameter with a zero gradient
+        (a zero expanded to each shape: one parameter's gradient exists at a time)."""
+        opt = self.optimizer
+        params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+        zeros, grads = {}, []
+        for p in params:
+            key = (p.dtype, p.device)
+            if key not in zeros:
+                zeros[key] = torch.zeros((), dtype=p.dtype, device=p.device)
+            grads.append(zeros[key].expand_as(p))
+        with torch.enable_grad():
+            torch.autograd.backward(params, grads)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has joined: the last step's all-gathers are waited here
+        (``overlap()`` leaves them to a forward that a joined rank no longer runs)."""
+        self.optimizer.wait_params()
+
+
+def hyperparameters(param_groups) -> list:
+    """This rank's hyperparameters as floats, group after group (``HYPERPARAMETERS``)."""
+    values = []
+    for group in param_groups:
+        beta1, beta2 = group["betas"]
+        values += [float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                   float(group["weight_decay"])]
+    return values
+
+
+def adopt(param_groups, values: list) -> None:
+    """Set the groups' hyperparameters to ``values`` (``hyperparameters``' layout); a
+    tensor is filled in place, as a scheduler that holds it expects."""
+    n = len(HYPERPARAMETERS)
+    for i, group in enumerate(param_groups):
+        lr, beta1, beta2, eps, weight_decay = values[i * n:(i + 1) * n]
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+        betas = group["betas"]
+        if any(isinstance(b, torch.Tensor) for b in betas):
+            for b, v in zip(betas, (beta1, beta2)):
+                b.fill_(v)
+        else:
+            group["betas"] = (beta1, beta2)
+        group["eps"] = eps
+        group["weight_decay"] = weight_decay
