@@ -33,7 +33,7 @@ def _uneven(rank, world, case):
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.7)
     net, joinables = model, [opt]
     if case.get("ddp"):
-        net = torch.nn.parallel.DistributedDataParallel(model)
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
         net.register_comm_hook(None, zero_triton.ddp_local_grads_hook)
         joinables = [net, opt]
     if case.get("overlap"):
@@ -105,12 +105,19 @@ def _refused(rank, world, case):
             return str(exc)
         return "accepted"
     scaler = torch.amp.GradScaler("cpu") if case == "scaler" else None
+    net, joinables = model, [opt]
+    if case == "ddp_all_reduce":  # torch's Join tutorial, ZeroAdamW for ZeroRedundancyOptimizer
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        joinables = [net, opt]
     try:
-        with Join([opt]):
+        with Join(joinables):
             for i in range(STEPS[world][rank]):
                 before = [p.detach().clone() for p in model.parameters()]
-                loss = model(_batch(rank, i, 0)).pow(2).mean()
-                if scaler is not None:
+                loss = net(_batch(rank, i, 0)).pow(2).mean()
+                if case == "ddp_all_reduce":
+                    loss.backward()
+                    opt.step()
+                elif scaler is not None:
                     scaler.scale(loss).backward()
                     scaler.step(opt)
                     scaler.update()
@@ -132,11 +139,19 @@ def test_what_a_joined_rank_cannot_shadow_is_refused_on_every_rank():
     """GradScaler's calls carry a device value a joined rank does not have, and torch's
     two-call clipping a max_norm that no agreement carries: at the first iteration a rank
     is joined, every rank raises naming Join and the fix, with that iteration's step not
-    taken; DDP's divide_by_initial_world_size=False is refused when Join is built."""
+    taken; DDP's divide_by_initial_world_size=False is refused when Join is built, and a
+    DDP wrapper that averages the gradients too at the first step."""
     two_calls = ("two_call_clipping",) if hasattr(torch.nn.utils, "get_total_norm") else ()
     for case in ("scaler",) + two_calls:  # torch's two-call clipping: 2.6 and later
         for message, unchanged in run_ranks(_refused, 2, case, timeout=120, pg_timeout_s=60):
             assert "ran out of inputs under torch's Join" in message, (case, message)
             assert unchanged, case
+    # A DDP wrapper that averages too: its buckets' all-reduces interleave with ours in
+    # backward, where a joined rank shadows DDP's first (a deadlock until the timeout), and
+    # with ours moved to step, a joined rank's zeros halve DDP's average (0.0019 off the
+    # reference after 6 steps). Refused at the first step, on every rank.
+    for message, unchanged in run_ranks(_refused, 2, "ddp_all_reduce", timeout=120, pg_timeout_s=60):
+        assert "ddp_local_grads_hook" in message and "Join" in message, message
+        assert unchanged
     for message in run_ranks(_refused, 2, "divide", timeout=120, pg_timeout_s=60):
         assert "divide_by_initial_world_size=False is not supported" in message, message

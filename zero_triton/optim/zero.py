@@ -148,6 +148,7 @@ class ZeroAdam(FusedAdam, Joinable):
         self._shadowing = False
         self._notified = False
         self._clip_args = None  # (max_norm, norm_type) of a clip_grad_norm_ call, for its row
+        self._ddp_averaged = False  # the first step found DDP's all-reduce before ours
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
         self._ddp_checked = comm.world_size == 1 or stage == 2
@@ -264,7 +265,23 @@ class ZeroAdam(FusedAdam, Joinable):
                 "ZeroAdam under Join averages over the initial world size (a joined rank's "
                 "gradients count as zeros, DDP's default): divide_by_initial_world_size=False "
                 "is not supported; leave it out")
+        self._refuse_ddp_average_under_join()
         return join.ZeroJoinHook(self)
+
+    def _refuse_ddp_average_under_join(self) -> None:
+        """Under Join, a DDP wrapper that averages the gradients too (no
+        ``ddp_local_grads_hook``) is refused: a joined rank has zeros where the others
+        hold DDP's average, so ours would halve it (and a joined rank shadows DDP's
+        all-reduces before ours, where backward interleaves them). Raised at the same call
+        on every rank: Join's construction, or the first step, which finds DDP."""
+        if self._ddp_averaged and self._join_config.enable:
+            raise RuntimeError(
+                "ZeroAdam under Join with a DistributedDataParallel wrapper that averages the "
+                "gradients too: a rank that ran out of inputs would count zeros where the "
+                "others hold DDP's average. Turn DDP's all-reduce off, "
+                "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook) (ZeroAdam "
+                "averages the gradients itself), or do not wrap the model in DDP and use "
+                "Join([optimizer]). Nothing was stepped")
 
     @property
     def join_device(self) -> torch.device:
@@ -364,6 +381,8 @@ class ZeroAdam(FusedAdam, Joinable):
         self._comm.all_gather(every, mine)
         rows = every.view(-1, 2).tolist()
         if rows[0][1] > 0 and all(r == rows[0] for r in rows):
+            self._ddp_averaged = True
+            self._refuse_ddp_average_under_join()
             warnings.warn(
                 "zero_triton: the gradients were identical on every rank before ZeroAdam "
                 "reduced them: the model is probably wrapped in DistributedDataParallel, which "
