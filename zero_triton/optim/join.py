@@ -18,10 +18,15 @@ hyperparameters once, and a joined rank takes the others' (a scheduler stepped i
 loop and not in its ended one). While a rank is joined, a parameter that no other rank
 has a gradient for steps with a zero gradient, as after ``zero_grad(set_to_none=False)``.
 
-What a joined rank shadows is backward and ``step``; a loop that also clips with
-``clip_grad_norm_``, steps through a GradScaler or saves a state dict between steps is
-refused on every rank at that call, with the fix (``max_grad_norm=`` clips inside the
-step, which a joined rank shadows), never a hang.
+A joined rank shadows backward, ``clip_grad_norm_`` and ``step``: when the others make
+a call before their step (clipping, another micro-batch's backward), the joined rank,
+entering its step, finds them at that call in the agreement's rows (which carry the
+clipping's ``max_norm`` and ``norm_type``), makes the same call and enters its step
+again (``zero_triton.comm.agreement.CatchUp``). What it cannot make is refused on every
+rank at that call, with the fix, never a hang: GradScaler (its scale is a device value
+the joined rank does not have), torch's two-call clipping (no agreement carries the
+second call's max_norm), state dicts and checkpoints, and a DDP wrapper that averages
+the gradients too (``ZeroAdam._refuse_ddp_average_under_join``).
 """
 from __future__ import annotations
 

@@ -285,8 +285,8 @@ class ZeroAdam(FusedAdam, Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        flats = self._current_flats(hint=True)
-        return flats[0][1].device if flats else torch.device("cpu")
+        """Where Join's own all-reduces run: the parameters' device."""
+        return next((f.device for flats in self._flats for f in flats), torch.device("cpu"))
 
     @property
     def join_process_group(self):
