@@ -333,6 +333,41 @@ def test_zero_grad_between_backward_and_step_on_one_rank_is_agreed(stage):
     assert results[0][0] == "trained" and results[0][1] == results[1][1], results
 
 
+def _rank_hyperparameters(rank, world, case, stage):
+    """One rank's learning rate moves apart from the others'. Returns (iteration, message,
+    parameters unchanged by that step) at the step that raised."""
+    model = _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=0.0005)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    g = torch.Generator().manual_seed(rank)
+    for it in range(4):
+        model(torch.randn(4, 16, generator=g)).pow(2).mean().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            return it, str(exc), all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.zero_grad()
+        if case == "plateau_on_a_local_metric":  # rank 0's metric stalls, rank 1's improves
+            plateau.step(1.0 if rank == 0 else -float(it))
+        elif rank == 0:  # "rank_0_sets_lr"
+            opt.param_groups[0]["lr"] = 5e-3
+    return "trained", None, None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("case", ["plateau_on_a_local_metric", "rank_0_sets_lr"])
+def test_hyperparameters_that_differ_between_ranks_are_refused_on_every_rank(case, stage):
+    """ReduceLROnPlateau fed each rank's own loss, or a learning rate set on one rank:
+    each rank would step its shard at its own rate, silently (DDP's replicas drift apart
+    the same way). The next step raises on every rank, naming the group, the values and
+    the ranks, before anything is stepped."""
+    for it, message, unchanged in run_ranks(_rank_hyperparameters, 2, case, stage, timeout=90):
+        assert it in (1, 2), (it, message)
+        assert "different hyperparameters" in message and "param group 0's lr" in message, message
+        assert unchanged
+
+
 def _stalled_rank(rank, world, bucket_cap_mb):
     """Rank 1 stalls (no collective) for 12 s before its backward and step, on a group made
     with a 3 s timeout. Returns (what happened, wall-clock time it happened, message)."""

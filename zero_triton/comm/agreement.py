@@ -8,12 +8,14 @@ process-group timeout (30 minutes), or worse, adds up unrelated buffers.
 
 So each entry point of ZeroAdam that starts collectives (backward's first bucket of a
 round, ``step``, ``clip_grad_norm_``, GradScaler's inf agreement, the state dicts, the
-checkpoints) first exchanges one row of eleven integers with every rank over a side gloo
+checkpoints) first exchanges one row of fourteen integers with every rank over a side gloo
 group of its own (host memory only: no device work, no sync on a GPU, and never paired
 with a data collective): which optimizer, which call, how many steps it has taken, what
 it found locally (gradients edited after their bucket was averaged, parameters written,
 ``opt.state`` reset), whether it refuses the call and, for ``step``, the signature of
-the buckets backward launched and a digest of the parameters it has no gradient for.
+the buckets backward launched, a digest of the parameters it has no gradient for and one
+of its hyperparameters (and for ``clip_grad_norm_`` its max_norm and norm_type, which a
+rank that ran out of inputs under torch's Join reads to make the same call).
 The side group waits as long as the process group's own collectives (``group_timeout``).
 Every rank then reads the same rows and takes the same decision: go on, do an agreed
 extra (average again, re-seed, reset), or raise — on every rank, naming the ranks, the
@@ -43,8 +45,8 @@ _CODE = {name: i + 1 for i, name in enumerate(ENTRIES)}
 
 # Row layout (int64).
 (_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR, _SIGNATURE,
- _MISSING, _ARG0, _ARG1) = range(13)
-WORDS = 13
+ _MISSING, _ARG0, _ARG1, _HYPER) = range(14)
+WORDS = 14
 _NO_ARG = struct.unpack("<q", struct.pack("<d", float("nan")))[0]
 MAGIC = 0x7A7401
 
@@ -56,6 +58,7 @@ JOINED = 16   # this rank ran out of inputs under torch's Join and shadows the o
 # when they lack gradients for different parameters.
 DIFFER = 4
 GRADS_DIFFER = 8
+HYPER_DIFFER = 32  # at step: ranks with inputs hold different hyperparameters (``hyper``)
 
 # What a rank that shadows under Join (``JOINED``, at its ``step``) can catch up with when
 # the others are at another call first: it makes that call (``CatchUp``) and enters its
@@ -188,9 +191,10 @@ class Agreement:
 
     def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
               refuse: int = 0, detail: str = "", signature: int | None = None,
-              missing: int = 0, args: tuple = (None, None)) -> int:
+              missing: int = 0, args: tuple = (None, None), hyper: int = 0) -> int:
         """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
-        ranks, with ``DIFFER`` added when ``signature`` (the buckets launched, in order;
+        ranks (``hyper``: a digest of this rank's hyperparameters, compared at ``step``,
+        ``HYPER_DIFFER``), with ``DIFFER`` added when ``signature`` (the buckets launched, in order;
         None: not compared) is not the same on every rank and ``GRADS_DIFFER`` when
         ``missing`` (``missing_digest`` of the parameters without a gradient) is not;
         raise on every rank if they are at different calls, have taken different numbers
@@ -204,6 +208,7 @@ class Agreement:
         row[_SIGNATURE] = signature if signature is not None else -1
         row[_MISSING] = missing
         row[_ARG0], row[_ARG1] = _as_bits(args[0]), _as_bits(args[1])
+        row[_HYPER] = hyper
         if self.group is None:
             raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
                                "nothing was changed")
@@ -297,6 +302,8 @@ class Agreement:
             agreed |= DIFFER
         if any(r[_MISSING] != rows[0][_MISSING] for r in rows):
             agreed |= GRADS_DIFFER
+        if len({r[_HYPER] for r in rows if not r[_FLAGS] & JOINED}) > 1:
+            agreed |= HYPER_DIFFER
         return agreed
 
     def stepped(self) -> None:

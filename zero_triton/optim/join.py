@@ -96,6 +96,35 @@ def hyperparameters(param_groups) -> list:
     return values
 
 
+def digest(param_groups) -> int:
+    """A 63-bit digest of the hyperparameters, the same on ranks that hold the same
+    (Python's hash of floats does not vary between processes). A tensor on an
+    accelerator counts as a placeholder: reading it would wait for the device."""
+    values = []
+    for group in param_groups:
+        beta1, beta2 = group["betas"]
+        for v in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"]):
+            if isinstance(v, torch.Tensor):
+                v = float(v) if v.device.type == "cpu" else -1.0
+            values.append(v)
+    return hash(tuple(values)) & ((1 << 63) - 1)
+
+
+def first_difference(param_groups, rows: list):
+    """Where ``rows`` ((rank, ``hyperparameters``) of several ranks) first differ, in
+    words; None if they are equal."""
+    if not rows:
+        return None
+    n = len(HYPERPARAMETERS)
+    first_rank, first = rows[0]
+    for rank, values in rows[1:]:
+        for i, (a, b) in enumerate(zip(first, values)):
+            if a != b:
+                return (f"param group {i // n}'s {HYPERPARAMETERS[i % n]} is {a!r} on rank "
+                        f"{first_rank} and {b!r} on rank {rank}")
+    return None
+
+
 def adopt(param_groups, values: list) -> None:
     """Set the groups' hyperparameters to ``values`` (``hyperparameters``' layout); a
     tensor is filled in place, as a scheduler that holds it expects."""

@@ -215,15 +215,16 @@ class ZeroAdam(FusedAdam, Joinable):
             missing = agreement.missing_digest([f.stepped for _, f in flats])
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
         args = self._clip_args if entry == "clip_grad_norm_" else None
+        hyper = join.digest(self.param_groups) if entry == "step" else 0
         agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
                                        written=written, refuse=refuse, detail=detail,
                                        signature=signature, missing=missing,
-                                       args=args or (None, None))
+                                       args=args or (None, None), hyper=hyper)
         if entry == "step":
             self._told = agreed
         if error is not None:
             raise error
-        if entry == "step" and agreed & agreement.JOINED:
+        if entry == "step" and agreed & (agreement.JOINED | agreement.HYPER_DIFFER):
             self._share_hyperparameters()
         if agreed & agreement.RESET:
             for _, flat in flats:
@@ -294,14 +295,23 @@ class ZeroAdam(FusedAdam, Joinable):
             dist.distributed_c10d._get_default_group()
 
     def _share_hyperparameters(self) -> None:
-        """A rank shadows under Join at this step: every rank sends its hyperparameters
-        and a joined one takes those of a rank with inputs (its own loop, scheduler
-        included, has ended)."""
+        """At a step where the ranks with inputs hold different hyperparameters, or one
+        shadows under Join: every rank sends its own. Different ones among the ranks with
+        inputs are refused on every rank (each would step its shard at its own: a
+        scheduler stepped on some ranks only, ReduceLROnPlateau fed a rank's own
+        metric); a joined rank takes theirs (its own loop, scheduler included, ended)."""
         every = self._agreement.exchange([float(self._shadowing)] + join.hyperparameters(self.param_groups))
-        if self._shadowing:
-            source = next((row for row in every if not row[0]), None)
-            if source is not None:
-                join.adopt(self.param_groups, source[1:])
+        active = [(rank, row[1:]) for rank, row in enumerate(every) if not row[0]]
+        differ = join.first_difference(self.param_groups, active)
+        if differ is not None:
+            raise RuntimeError(
+                f"ZeroAdam: the ranks hold different hyperparameters at step {self._agreement.steps} "
+                f"({differ}); each rank would step its shard of the parameters at its own. "
+                "Change hyperparameters on every rank alike: step schedulers on every rank, "
+                "feed ReduceLROnPlateau a metric reduced over the ranks (all_reduce it first), "
+                "and set param_groups on every rank. Nothing was stepped")
+        if self._shadowing and active:
+            join.adopt(self.param_groups, active[0][1])
 
     @staticmethod
     def _check_same_model(comm, groups):
