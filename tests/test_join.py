@@ -42,7 +42,11 @@ def _uneven(rank, world, case):
     with Join(joinables):
         for i in range(counts[rank]):
             for m in range(micro):
-                net(_batch(rank, i, m)).pow(2).mean().backward()
+                if case.get("no_sync") and m < micro - 1:
+                    with opt.no_sync():
+                        net(_batch(rank, i, m)).pow(2).mean().backward()
+                else:
+                    net(_batch(rank, i, m)).pow(2).mean().backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
@@ -72,6 +76,7 @@ CASES = {
     "buckets_ddp_local_hook": dict(ddp=True),
     "stage2_overlap_clip": dict(stage=2, overlap=True, clip=0.05),
     "micro_batches_clip": dict(micro=2, clip=0.05),
+    "micro_batches_no_sync": dict(micro=3, no_sync=True),
     "stage2_micro_batches_overlap": dict(stage=2, micro=2, overlap=True),
 }
 

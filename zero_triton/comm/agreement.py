@@ -238,8 +238,7 @@ class Agreement:
             raise RuntimeError(f"zero_triton: {what} failed on rank {self.comm.rank}: {why}. "
                                f"If it is alive: {_FIXES[entry]}") from exc
         rows = self.rows.view(self.comm.world_size, WORDS).tolist()
-        where = [(r[_ORDINAL], r[_ENTRY], r[_STEPS], r[_BACKWARDS]) for r in rows]
-        if any(w != where[0] for w in where) or any(r[_MAGIC] != MAGIC for r in rows):
+        if not _same_call(rows):
             caught = self._catch_up(rows)
             if caught is None:
                 raise RuntimeError(self._describe_mismatch(rows))
@@ -264,7 +263,7 @@ class Agreement:
         if not joined or not others:
             return None
         if len({(r[_ENTRY], r[_STEPS], r[_BACKWARDS], r[_ARG0], r[_ARG1]) for r in others}) != 1 or \
-                len({(r[_STEPS], r[_BACKWARDS]) for r in rows}) != 1 or \
+                len({r[_STEPS] for r in rows}) != 1 or \
                 any(r[_ENTRY] != _CODE["step"] for r in joined):
             return None
         entry = ENTRIES[others[0][_ENTRY] - 1] if 1 <= others[0][_ENTRY] <= len(ENTRIES) else None
@@ -344,6 +343,18 @@ class Agreement:
         return ("ZeroAdam: the ranks are at different calls (" + "; ".join(name(i, r) for i, r in enumerate(rows)) +
                 "), which would pair unrelated collectives and hang every rank. Nothing was "
                 "changed on any rank. " + " ".join(fixes))
+
+
+def _same_call(rows) -> bool:
+    """Every rank at the same call of the same optimizer after as many steps and, but for
+    ranks shadowing under Join (a joined rank runs one backward where the others may
+    have run several under ``no_sync``), as many backward passes."""
+    if any(r[_MAGIC] != MAGIC for r in rows):
+        return False
+    active = [r for r in rows if not r[_FLAGS] & JOINED] or rows
+    first = active[0]
+    return all((r[_ORDINAL], r[_ENTRY], r[_STEPS]) == (first[_ORDINAL], first[_ENTRY], first[_STEPS])
+               and (r[_FLAGS] & JOINED or r[_BACKWARDS] == first[_BACKWARDS]) for r in rows)
 
 
 def missing_digest(stepped) -> int:
