@@ -72,7 +72,7 @@ def _uneven(rank, world, case):
 
 
 CASES = {
-    "one_bucket": dict(bucket_cap_mb=None),
+    "one_bucket_clip": dict(bucket_cap_mb=None, clip=0.05),
     "buckets_ddp_local_hook": dict(ddp=True),
     "stage2_overlap_clip": dict(stage=2, overlap=True, clip=0.05),
     "micro_batches_clip": dict(micro=2, clip=0.05),
