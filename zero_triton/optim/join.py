@@ -106,11 +106,11 @@ def digest(param_groups) -> int:
         for v in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"]):
             if isinstance(v, torch.Tensor):
                 v = float(v) if v.device.type == "cpu" else -1.0
-            values.append(v)
+            values.append(-2.0 if v != v else v)  # hash(nan) differs from one nan to another
     return hash(tuple(values)) & ((1 << 63) - 1)
 
 
-def first_difference(param_groups, rows: list):
+def first_difference(rows: list):
     """Where ``rows`` ((rank, ``hyperparameters``) of several ranks) first differ, in
     words; None if they are equal."""
     if not rows:
@@ -119,7 +119,7 @@ def first_difference(param_groups, rows: list):
     first_rank, first = rows[0]
     for rank, values in rows[1:]:
         for i, (a, b) in enumerate(zip(first, values)):
-            if a != b:
+            if a != b and not (a != a and b != b):  # nan on both: the same
                 return (f"param group {i // n}'s {HYPERPARAMETERS[i % n]} is {a!r} on rank "
                         f"{first_rank} and {b!r} on rank {rank}")
     return None
@@ -135,11 +135,11 @@ def adopt(param_groups, values: list) -> None:
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
-        betas = group["betas"]
-        if any(isinstance(b, torch.Tensor) for b in betas):
-            for b, v in zip(betas, (beta1, beta2)):
+        betas = []
+        for b, v in zip(group["betas"], (beta1, beta2)):
+            if isinstance(b, torch.Tensor):
                 b.fill_(v)
-        else:
-            group["betas"] = (beta1, beta2)
+            betas.append(b if isinstance(b, torch.Tensor) else v)
+        group["betas"] = tuple(betas)
         group["eps"] = eps
         group["weight_decay"] = weight_decay

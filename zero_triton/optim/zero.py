@@ -302,7 +302,7 @@ class ZeroAdam(FusedAdam, Joinable):
         metric); a joined rank takes theirs (its own loop, scheduler included, ended)."""
         every = self._agreement.exchange([float(self._shadowing)] + join.hyperparameters(self.param_groups))
         active = [(rank, row[1:]) for rank, row in enumerate(every) if not row[0]]
-        differ = join.first_difference(self.param_groups, active)
+        differ = join.first_difference(active)
         if differ is not None:
             raise RuntimeError(
                 f"ZeroAdam: the ranks hold different hyperparameters at step {self._agreement.steps} "
