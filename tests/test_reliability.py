@@ -628,6 +628,26 @@ def _zero_bad_arguments(rank, world):
     return out
 
 
+def _outside_the_group(rank, world):
+    import torch.distributed as dist
+    group = dist.new_group([0])  # on rank 1, torch hands back a placeholder
+    model = _mlp()
+    try:
+        opt = ZeroAdamW(model.parameters(), lr=1e-2, process_group=group)
+    except ValueError as exc:
+        return str(exc)
+    _train(model, opt, 1, torch.float32)
+    return "trained"
+
+
+def test_a_rank_outside_the_process_group_is_told_so():
+    """``new_group(ranks)`` returns a placeholder (-100) on the other ranks; building
+    a ZeroAdam over it there said "must be a ProcessGroup ... got -100"."""
+    inside, outside = run_ranks(_outside_the_group, 2, timeout=120)
+    assert inside == "trained", inside
+    assert "is not one of the group's ranks" in outside, outside
+
+
 def test_zero_bad_arguments_name_the_argument_and_the_fix():
     out = run_ranks(_zero_bad_arguments, 1, timeout=120)[0]
     assert "pass model.parameters()" in out["module"], out

@@ -117,6 +117,11 @@ class ZeroAdam(FusedAdam, Joinable):
         if isinstance(params, torch.Tensor):  # one tensor: iterating it would give its rows
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             f"Tensors or dicts, but got {torch.typename(params)}")
+        if process_group is not None and process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", ()):
+            raise ValueError(
+                f"process_group: this rank ({dist.get_rank()}) is not one of the group's ranks "
+                "(torch.distributed.new_group(ranks) returns a placeholder on the other ranks): "
+                "build the ZeroAdam only on the ranks of its group, e.g. `if rank in ranks:`")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
                             f"torch.distributed.new_group(ranks)) or None for the default group, "
