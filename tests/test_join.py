@@ -39,14 +39,16 @@ def _uneven(rank, world, case):
     if case.get("overlap"):
         zero_triton.overlap(model, opt)
     counts = STEPS[world]
+    data = 0 if case.get("same_batches") else None  # every rank draws rank 0's batches
     with Join(joinables):
         for i in range(counts[rank]):
             for m in range(micro):
+                x = _batch(rank if data is None else data, i, m)
                 if case.get("no_sync") and m < micro - 1:
                     with opt.no_sync():
-                        net(_batch(rank, i, m)).pow(2).mean().backward()
+                        net(x).pow(2).mean().backward()
                 else:
-                    net(_batch(rank, i, m)).pow(2).mean().backward()
+                    net(x).pow(2).mean().backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
@@ -59,7 +61,7 @@ def _uneven(rank, world, case):
             if i < counts[r]:
                 ref.zero_grad()
                 for m in range(micro):
-                    ref(_batch(r, i, m)).pow(2).mean().backward()
+                    ref(_batch(r if data is None else data, i, m)).pow(2).mean().backward()
                 for s, p in zip(summed, ref.parameters()):
                     s += p.grad
         for s, p in zip(summed, ref.parameters()):
@@ -77,6 +79,9 @@ CASES = {
     "stage2_overlap_clip": dict(stage=2, overlap=True, clip=0.05),
     "micro_batches_clip": dict(micro=2, clip=0.05),
     "micro_batches_no_sync": dict(micro=3, no_sync=True),
+    # identical gradients on every rank at the first step, without DDP: not DDP's
+    # average (the first step's check looked only at the gradients and refused Join)
+    "same_batches_on_every_rank": dict(same_batches=True),
     "stage2_micro_batches_overlap": dict(stage=2, micro=2, overlap=True),
 }
 

@@ -86,6 +86,28 @@ class ZeroJoinHook(JoinHook):
         self.optimizer.wait_params()
 
 
+def averaging_ddp(params) -> bool:
+    """A live DistributedDataParallel wraps one of ``params`` and averages its gradients
+    (it has no ``zero_triton.ddp_local_grads_hook``). Looked up once, when the first step
+    finds the gradients identical on every rank: ranks that drew the same batches look
+    the same, and are no reason to refuse Join."""
+    import gc
+
+    ddp_class = torch.nn.parallel.DistributedDataParallel
+    ids = {id(p) for p in params}
+    for obj in gc.get_objects():
+        if not isinstance(obj, ddp_class):
+            continue
+        hooks = [hook for hook, _ in getattr(obj, "_comm_hooks", ())]
+        if any(getattr(h, "__qualname__", "") == "ddp_local_grads_hook"
+               and getattr(h, "__module__", "").startswith("zero_triton.") for h in hooks):
+            continue
+        module = getattr(obj, "module", None)
+        if module is not None and any(id(p) in ids for p in module.parameters()):
+            return True
+    return False
+
+
 def hyperparameters(param_groups) -> list:
     """This rank's hyperparameters as floats, group after group (``HYPERPARAMETERS``)."""
     values = []

@@ -153,7 +153,7 @@ class ZeroAdam(FusedAdam, Joinable):
         self._shadowing = False
         self._notified = False
         self._clip_args = None  # (max_norm, norm_type) of a clip_grad_norm_ call, for its row
-        self._ddp_averaged = False  # the first step found DDP's all-reduce before ours
+        self._ddp_averaged = False  # the first step found a DDP that averages before us
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
         self._ddp_checked = comm.world_size == 1 or stage == 2
@@ -396,7 +396,8 @@ class ZeroAdam(FusedAdam, Joinable):
         self._comm.all_gather(every, mine)
         rows = every.view(-1, 2).tolist()
         if rows[0][1] > 0 and all(r == rows[0] for r in rows):
-            self._ddp_averaged = True
+            self._ddp_averaged = join.averaging_ddp(
+                [p for g in self.param_groups for p in g["params"]])
             self._refuse_ddp_average_under_join()
             warnings.warn(
                 "zero_triton: the gradients were identical on every rank before ZeroAdam "
