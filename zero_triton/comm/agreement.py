@@ -115,22 +115,20 @@ def _release() -> None:
 atexit.register(_release)
 
 
-def next_ordinal(group) -> int:
-    """How many agreements this process made on ``group`` before (ranks build their
+def next_ordinal(pg) -> int:
+    """How many agreements this process made on ``pg`` before (ranks build their
     optimizers in the same order, so the same number on every rank)."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
     n = _ordinals.get(pg, 0)
     _ordinals[pg] = n + 1
     return n
 
 
-def _side_group(group):
-    """A gloo group over ``group``'s ranks, made once per process group: agreements never
+def _side_group(pg):
+    """A gloo group over ``pg``'s ranks, made once per process group: agreements never
     share a sequence with data collectives, and run on the host whatever the backend.
     Built on the default store under the group's name (the same on its ranks), outside
     torch.distributed's registry: only the group's ranks take part, in any order with the
     creation of other groups."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
     side = _side_groups.get(pg)
     if side is None:
         store = dist.PrefixStore(f"zero_triton/agreement/{pg.group_name}/",
@@ -182,7 +180,7 @@ class Agreement:
     def __init__(self, comm, ordinal: int):
         self.comm = comm
         self.ordinal = ordinal
-        self.group = _side_group(comm.group)
+        self.group = _side_group(comm.process_group)
         self.mine = torch.zeros(WORDS, dtype=torch.int64)
         self.rows = torch.zeros(comm.world_size * WORDS, dtype=torch.int64)
         self.steps = 0  # step() calls completed, counted alike on every rank
@@ -220,13 +218,11 @@ class Agreement:
                                    f"{caught} and then made {entry}")
             return self._decide(entry, rows, signature, refuse, written)
         try:
-            # A profiler range: the side group's all-gather is no training collective.
-            with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
-                self.group._allgather_base(self.rows, row).wait()
+            self._allgather(self.rows, row)
         except RuntimeError as exc:
             what = f"{entry} ({detail})" if detail else entry
             if "timed out" in str(exc).lower():
-                seconds = group_timeout(self.comm.group or dist.group.WORLD).total_seconds()
+                seconds = group_timeout(self.comm.process_group).total_seconds()
                 why = (f"a peer rank did not join it within the process group's timeout "
                        f"({seconds:g} s) ({exc}); it is stuck, far slower, at another call, "
                        "or out of inputs")
@@ -246,6 +242,11 @@ class Agreement:
                 raise CatchUp(caught, tuple(_as_float(rows[self._leader(rows)][w])
                                             for w in (_ARG0, _ARG1)), rows)
         return self._decide(entry, rows, signature, refuse, written)
+
+    def _allgather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        # A profiler range: the side group's all-gather is no training collective.
+        with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
+            self.group._allgather_base(out, mine).wait()
 
     @staticmethod
     def _leader(rows) -> int:
@@ -314,8 +315,7 @@ class Agreement:
         mine = torch.tensor(values, dtype=torch.float64)
         every = torch.empty(self.comm.world_size * len(values), dtype=torch.float64)
         try:
-            with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
-                self.group._allgather_base(every, mine).wait()
+            self._allgather(every, mine)
         except RuntimeError as exc:
             raise RuntimeError(f"zero_triton: an exchange of hyperparameters failed on rank "
                                f"{self.comm.rank}: a peer rank did not join it ({exc})") from exc

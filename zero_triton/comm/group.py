@@ -227,10 +227,13 @@ class GroupComm:
                 "torch.distributed.init_process_group('nccl' or 'gloo') first, or use "
                 "zero_triton.FusedAdam for a single process")
         self.group = group
+        # The group itself, the world group for None: what torch's own group-keyed APIs
+        # (Join, the agreement's side group and timeout) compare and read.
+        self.process_group = group if group is not None else dist.distributed_c10d._get_default_group()
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
-        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.global_ranks = dist.get_process_group_ranks(self.process_group)
 
     def _failed(self, name: str, exc: BaseException) -> RuntimeError:
         return RuntimeError(

@@ -108,14 +108,17 @@ def averaging_ddp(params) -> bool:
     return False
 
 
-def hyperparameters(param_groups) -> list:
-    """This rank's hyperparameters as floats, group after group (``HYPERPARAMETERS``)."""
-    values = []
+def _values(param_groups):
+    """Every group's hyperparameters, in ``HYPERPARAMETERS``' order."""
     for group in param_groups:
         beta1, beta2 = group["betas"]
-        values += [float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                   float(group["weight_decay"])]
-    return values
+        yield from (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+
+def hyperparameters(param_groups) -> list:
+    """This rank's hyperparameters as floats, group after group (a tensor on an
+    accelerator is read: called only where they are exchanged)."""
+    return [float(v) for v in _values(param_groups)]
 
 
 def digest(param_groups) -> int:
@@ -123,12 +126,10 @@ def digest(param_groups) -> int:
     (Python's hash of floats does not vary between processes). A tensor on an
     accelerator counts as a placeholder: reading it would wait for the device."""
     values = []
-    for group in param_groups:
-        beta1, beta2 = group["betas"]
-        for v in (group["lr"], beta1, beta2, group["eps"], group["weight_decay"]):
-            if isinstance(v, torch.Tensor):
-                v = float(v) if v.device.type == "cpu" else -1.0
-            values.append(-2.0 if v != v else v)  # hash(nan) differs from one nan to another
+    for v in _values(param_groups):
+        if isinstance(v, torch.Tensor):
+            v = float(v) if v.device.type == "cpu" else -1.0
+        values.append(-2.0 if v != v else v)  # hash(nan) differs from one nan to another
     return hash(tuple(values)) & ((1 << 63) - 1)
 
 

@@ -142,7 +142,7 @@ class ZeroAdam(FusedAdam, Joinable):
         self._check_same_model(comm, groups)
         # Built after the model check, which every rank passes together: the ordinal
         # (how many ZeroAdams this process built on this group before) is the same on all.
-        self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.group)) \
+        self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.process_group)) \
             if comm.world_size > 1 else None
         self._step_flags = StepFlags(comm) if comm.world_size > 1 else None
         self._told = None  # the step's entry agreement's flags, until _agree reads them
@@ -219,7 +219,9 @@ class ZeroAdam(FusedAdam, Joinable):
             signature = reducer.last_signature if self._grads_reduced else reducer.signature
             missing = agreement.missing_digest([f.stepped for _, f in flats])
         written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
-        args = self._clip_args if entry == "clip_grad_norm_" else None
+        args = None  # clip_grad_norm_'s, for a rank shadowing under Join: read only there
+        if entry == "clip_grad_norm_" and self._clip_args and self._join_config.enable:
+            args = tuple(float(a) for a in self._clip_args)
         hyper = join.digest(self.param_groups) if entry == "step" else 0
         agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
                                        written=written, refuse=refuse, detail=detail,
@@ -254,7 +256,7 @@ class ZeroAdam(FusedAdam, Joinable):
                         _in_step: bool = False) -> torch.Tensor:
         # Its agreement row carries the arguments: a rank shadowing under Join makes the
         # same call (zero_triton.optim.join).
-        self._clip_args = None if _in_step else (float(max_norm), float(norm_type))
+        self._clip_args = None if _in_step else (max_norm, norm_type)
         try:
             return super().clip_grad_norm_(max_norm, norm_type, _grad_scale=_grad_scale,
                                            _in_step=_in_step)
@@ -296,8 +298,7 @@ class ZeroAdam(FusedAdam, Joinable):
 
     @property
     def join_process_group(self):
-        return self._comm.group if self._comm.group is not None else \
-            dist.distributed_c10d._get_default_group()
+        return self._comm.process_group
 
     def _share_hyperparameters(self) -> None:
         """At a step where the ranks with inputs hold different hyperparameters, or one
