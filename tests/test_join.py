@@ -31,11 +31,23 @@ def _uneven(rank, world, case):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.7)
-    net, joinables = model, [opt]
+    net, joinables, stepper, backward = model, [opt], opt, torch.Tensor.backward
+    clip_fn = torch.nn.utils.clip_grad_norm_
     if case.get("ddp"):
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
         net.register_comm_hook(None, zero_triton.ddp_local_grads_hook)
         joinables = [net, opt]
+    if case.get("accelerate"):  # what accelerate.join_uneven_inputs runs on GPUs
+        import os
+        from accelerate import Accelerator
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          ACCELERATE_USE_CPU="true", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT="1")  # read, not used: the group is up
+        acc = Accelerator(cpu=True)  # the process group is up already
+        net, stepper = acc.prepare(model, opt)  # a DDP wrapper, an AcceleratedOptimizer
+        assert isinstance(net, torch.nn.parallel.DistributedDataParallel), type(net)
+        net.register_comm_hook(None, zero_triton.ddp_local_grads_hook)
+        joinables, backward, clip_fn = [net, stepper.optimizer], acc.backward, acc.clip_grad_norm_
     if case.get("overlap"):
         zero_triton.overlap(model, opt)
     counts = STEPS[world]
@@ -46,13 +58,13 @@ def _uneven(rank, world, case):
                 x = _batch(rank if data is None else data, i, m)
                 if case.get("no_sync") and m < micro - 1:
                     with opt.no_sync():
-                        net(x).pow(2).mean().backward()
+                        backward(net(x).pow(2).mean())
                 else:
-                    net(x).pow(2).mean().backward()
+                    backward(net(x).pow(2).mean())
             if clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad()
+                clip_fn(model.parameters(), clip)
+            stepper.step()
+            stepper.zero_grad()
             sched.step()
     opt.wait_params()
     for i in range(max(counts)):  # one process: the ranks that had a batch at iteration i
@@ -84,6 +96,14 @@ CASES = {
     "same_batches_on_every_rank": dict(same_batches=True),
     "stage2_micro_batches_overlap": dict(stage=2, micro=2, overlap=True),
 }
+try:
+    import accelerate  # noqa: F401
+    # accelerator.prepare's DDP and AcceleratedOptimizer, accelerator.backward and
+    # clip_grad_norm_, under the Join accelerate's join_uneven_inputs builds (on GPUs;
+    # on CPU processes it does nothing), given the optimizer inside the wrapper
+    CASES["accelerate_prepared_clip"] = dict(accelerate=True, clip=0.05)
+except ImportError:
+    pass
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

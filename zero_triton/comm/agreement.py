@@ -230,7 +230,9 @@ class Agreement:
                 why = (f"a peer rank did not join it ({exc}); it probably died or exited, or "
                        "ran out of inputs")
             why += (" (ranks with different numbers of batches: wrap the training loop in "
-                    "torch.distributed.algorithms.join.Join([optimizer]))")
+                    "torch.distributed.algorithms.join.Join([optimizer]); under accelerate, "
+                    "Join([model, optimizer.optimizer]), which accelerator.join_uneven_inputs"
+                    "([model, optimizer.optimizer], even_batches=False) builds on GPUs)")
             raise RuntimeError(f"zero_triton: {what} failed on rank {self.comm.rank}: {why}. "
                                f"If it is alive: {_FIXES[entry]}") from exc
         rows = self.rows.view(self.comm.world_size, WORDS).tolist()
