@@ -4,6 +4,8 @@ shard with zero gradients, so every rank ends holding what a single process woul
 trained: at each iteration, AdamW on the sum of the gradients of the ranks that still had
 inputs over the world size (DDP's ``divide_by_initial_world_size=True``), clipped as the
 loop clips it, at the learning rate the loop's scheduler set."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -96,14 +98,11 @@ CASES = {
     "same_batches_on_every_rank": dict(same_batches=True),
     "stage2_micro_batches_overlap": dict(stage=2, micro=2, overlap=True),
 }
-try:
-    import accelerate  # noqa: F401
+if importlib.util.find_spec("accelerate") is not None:
     # accelerator.prepare's DDP and AcceleratedOptimizer, accelerator.backward and
     # clip_grad_norm_, under the Join accelerate's join_uneven_inputs builds (on GPUs;
     # on CPU processes it does nothing), given the optimizer inside the wrapper
     CASES["accelerate_prepared_clip"] = dict(accelerate=True, clip=0.05)
-except ImportError:
-    pass
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
