@@ -22,9 +22,9 @@ torch's AVX512, AVX2 and scalar loops). The ``torch`` backend's vectorised loops
 differently from one machine to another, and not only by instruction set: two AVX512
 CPUs gave different bits. So its digests are kept per *arithmetic fingerprint*: the bits
 of a frozen copy of the torch backend's ops (below, never imported from the library, so
-a refactor cannot move it) on fixed inputs. A machine whose fingerprint has digests recorded is checked against them;
-any other skips, printing its fingerprint (``python tests/test_digest.py`` prints what to
-record).
+a refactor cannot move it) on fixed inputs. A machine whose fingerprint has digests
+recorded is checked against them; any other skips, printing its fingerprint (``python
+tests/test_digest.py`` prints what to record).
 """
 from __future__ import annotations
 
