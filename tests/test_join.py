@@ -96,6 +96,8 @@ CASES = {
     # identical gradients on every rank at the first step, without DDP: not DDP's
     # average (the first step's check looked only at the gradients and refused Join)
     "same_batches_on_every_rank": dict(same_batches=True),
+    # the same under a DDP with ddp_local_grads_hook: the hook is found on the wrapper
+    "same_batches_ddp_local_hook": dict(same_batches=True, ddp=True),
     "stage2_micro_batches_overlap": dict(stage=2, micro=2, overlap=True),
 }
 if importlib.util.find_spec("accelerate") is not None:

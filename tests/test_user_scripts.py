@@ -458,7 +458,7 @@ def _job_ddp(rank, world_size, mode):
     model = _model()
     opt = ZeroAdamW(model.parameters(), lr=1e-2, backend=CPU_BACKEND)
     net = model
-    if mode != "bare":
+    if mode in ("ddp", "ddp+hook"):  # "bare" and "same" (every rank the whole batch): none
         net = DDP(model)
         if mode == "ddp+hook":
             net.register_comm_hook(None, ddp_local_grads_hook)
@@ -468,7 +468,7 @@ def _job_ddp(rank, world_size, mode):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for x in _batches(4):
                 opt.zero_grad()
-                net(x.chunk(world_size)[rank]).pow(2).mean().backward()
+                net(x if mode == "same" else x.chunk(world_size)[rank]).pow(2).mean().backward()
                 opt.step()
         allreduces = sum(1 for e in prof.events() if "allreduce" in e.name.lower().replace("_", ""))
     messages = [str(c.message) for c in caught if "DistributedDataParallel" in str(c.message)]
@@ -487,11 +487,21 @@ def test_ddp_wrapped_model_is_reported_once_and_the_hook_removes_the_double_redu
         if mode == "ddp":
             assert len(messages) == 1, f"rank {rank}: expected one report, got {messages}"
             assert "ddp_local_grads_hook" in messages[0]
+            assert "DistributedSampler" not in messages[0], messages[0]
             assert allreduces > bare[rank][2], "the profile does not show DDP's all-reduce"
         else:
             assert messages == [], f"rank {rank}: reported although DDP communicates nothing"
             assert allreduces == bare[rank][2], \
                 f"rank {rank}: {allreduces} all-reduces with the hook, {bare[rank][2]} without DDP"
+
+
+def test_every_rank_drawing_the_same_batches_is_named_and_not_taken_for_ddp():
+    """Identical gradients on every rank with no DDP around the model: the ranks drew the
+    same batches (no DistributedSampler). The report said DDP had averaged them."""
+    for rank, (_, messages, _) in enumerate(run_ranks(_job_ddp, 2, "same")):
+        assert len(messages) == 1, f"rank {rank}: expected one report, got {messages}"
+        assert "DistributedSampler" in messages[0], messages[0]
+        assert "ddp_local_grads_hook" not in messages[0], messages[0]
 
 
 def test_one_rank_is_not_reported_as_ddp_wrapped():

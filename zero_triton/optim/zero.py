@@ -390,9 +390,10 @@ class ZeroAdam(FusedAdam, Joinable):
     @torch.no_grad()
     def _warn_if_already_averaged(self, mine) -> None:
         """Once, at the first step: gradients that are already identical on every rank
-        (and not all zero) were averaged before us, almost always by a
-        DistributedDataParallel wrapper (accelerate and HF Trainer add one): correct,
-        but every step then pays DDP's all-reduce on top of our reduce-scatter."""
+        (and not all zero) were averaged before us, by a DistributedDataParallel wrapper
+        (accelerate and HF Trainer add one: correct, but every step then pays DDP's
+        all-reduce on top of our reduce-scatter), or every rank drew the same batches
+        (no DDP found: the ranks repeat each other's work)."""
         every = torch.empty(self._comm.world_size * 2, dtype=torch.float64, device=mine.device)
         self._comm.all_gather(every, mine)
         rows = every.view(-1, 2).tolist()
@@ -400,15 +401,25 @@ class ZeroAdam(FusedAdam, Joinable):
             self._ddp_averaged = join.averaging_ddp(
                 [p for g in self.param_groups for p in g["params"]])
             self._refuse_ddp_average_under_join()
-            warnings.warn(
-                "zero_triton: the gradients were identical on every rank before ZeroAdam "
-                "reduced them: the model is probably wrapped in DistributedDataParallel, which "
-                "already all-reduced them. Training is correct, but each step pays DDP's "
-                "all-reduce on top of ZeroAdam's reduce-scatter. Do not wrap the model in DDP "
-                "(ZeroAdam averages the gradients itself), or, where a library wraps it "
-                "(accelerate, HF Trainer), turn DDP's all-reduce off with "
-                "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook).",
-                stacklevel=4)
+            if self._ddp_averaged:
+                warnings.warn(
+                    "zero_triton: the gradients were identical on every rank before ZeroAdam "
+                    "reduced them: the model is wrapped in DistributedDataParallel, which "
+                    "already all-reduced them. Training is correct, but each step pays DDP's "
+                    "all-reduce on top of ZeroAdam's reduce-scatter. Do not wrap the model in "
+                    "DDP (ZeroAdam averages the gradients itself), or, where a library wraps it "
+                    "(accelerate, HF Trainer), turn DDP's all-reduce off with "
+                    "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook).",
+                    stacklevel=4)
+            else:
+                warnings.warn(
+                    "zero_triton: the gradients were identical on every rank at the first "
+                    "step, and no DistributedDataParallel averages them: every rank probably "
+                    "drew the same batches (a DataLoader without a DistributedSampler, or one "
+                    "random seed for every rank's sampler), so the ranks repeat one rank's "
+                    "work. Give each rank its own part of the data (DistributedSampler, or "
+                    "split the dataset by rank); if another wrapper averaged the gradients "
+                    "before ZeroAdam, each step pays that all-reduce too.", stacklevel=4)
 
     def _agree(self, flats, found_inf):
         """found_inf, which parameters step, and whether every rank launched the same
