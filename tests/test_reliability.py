@@ -6,6 +6,7 @@ with a hard timeout: on a build without the agreement they hang and fail by it.
 """
 import collections
 import copy
+import io
 import threading
 import time
 
@@ -304,7 +305,7 @@ def _rank_local(rank, world, case, stage, bucket_cap_mb):
             opt.zero_grad()
             if case == "save_on_rank0" and rank == 0 and it == 1:
                 torch.save(opt.state_dict(), "/dev/null")
-        if case == "zero_grad":
+        if case in ("zero_grad", "save_on_rank0"):
             return "trained", [p.detach().sum().item() for p in model.parameters()]
     except RuntimeError as exc:
         return time.monotonic() - start, str(exc)
@@ -312,19 +313,143 @@ def _rank_local(rank, world, case, stage, bucket_cap_mb):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("case,bucket_cap_mb", [("save_on_rank0", 25), ("save_on_rank0", None),
-                                                ("skip_step", None), ("skip_step", 0.0005)])
-def test_one_ranks_call_fails_every_rank_within_seconds(case, bucket_cap_mb, stage):
-    """``if rank == 0: torch.save(opt.state_dict())`` and a step skipped on one rank
-    raise on every rank at once, naming the ranks' calls and the fix (they hung until
-    the process-group timeout)."""
-    results = run_ranks(_rank_local, 2, case, stage, bucket_cap_mb, timeout=90, pg_timeout_s=600)
+@pytest.mark.parametrize("bucket_cap_mb", [None, 0.0005])
+def test_one_ranks_skipped_step_fails_every_rank_within_seconds(bucket_cap_mb, stage):
+    """A step skipped on one rank raises on every rank at once, naming the ranks' calls
+    and the fix (it hung until the process-group timeout)."""
+    results = run_ranks(_rank_local, 2, "skip_step", stage, bucket_cap_mb, timeout=90, pg_timeout_s=600)
     for rank, (seconds, message) in enumerate(results):
-        assert seconds != "no error", f"rank {rank} trained on: {case}"
+        assert seconds != "no error", f"rank {rank} trained on"
         assert seconds < 30, (rank, seconds)
         assert "different calls" in message, (rank, message)
-        if case == "save_on_rank0":
-            assert "call it on every rank" in message, message
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("bucket_cap_mb", [25, None])
+def test_state_dict_on_rank_0_alone_mid_training_trains_on(bucket_cap_mb, stage):
+    """``if rank == 0: torch.save(opt.state_dict())`` between steps while the other rank
+    goes on to its next backward: both train on, level (it raised on every rank; before
+    that, it hung)."""
+    results = run_ranks(_rank_local, 2, "save_on_rank0", stage, bucket_cap_mb, timeout=90,
+                        pg_timeout_s=600)
+    assert results[0][0] == "trained" and results[0][1] == results[1][1], results
+
+
+def _one_rank_state_dict(rank, world, stage, dtype_name):
+    """Train; the state dict taken on every rank; then on rank 0 alone while the others
+    wait in ``dist.barrier()`` (PyTorch's DDP tutorial's save), before and after
+    parameters were written on every rank; then resume from rank 0's state dict on every
+    rank. Returns what the test compares."""
+    import torch.distributed as dist
+    dtype = getattr(torch, dtype_name)
+    model = _mlp(dtype)
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=0.0005)
+
+    def train(steps, seed):
+        g = torch.Generator().manual_seed(seed + rank)
+        for _ in range(steps):
+            model(torch.randn(4, 16, generator=g).to(dtype)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(3, 10)
+    every = copy.deepcopy(opt.state_dict())  # every rank calls it
+    alone, seconds = None, None
+    if rank == 0:
+        start = time.monotonic()
+        alone = copy.deepcopy(opt.state_dict())
+        seconds = time.monotonic() - start
+    dist.barrier()
+    with torch.no_grad():  # written on every rank: the master of these follows them
+        model[0].weight.mul_(0.5)
+    written_alone = copy.deepcopy(opt.state_dict()) if rank == 0 else None
+    dist.barrier()
+    written_every = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    train(2, 20)
+    trained = [p.detach().clone() for p in model.parameters()]
+    saved = [written_alone]
+    dist.broadcast_object_list(saved, src=0)  # rank 0's file, loaded on every rank
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)  # the model's checkpoint
+    opt.load_state_dict(saved[0])
+    train(2, 20)
+    resumed = [p.detach().clone() for p in model.parameters()]
+    out = io.BytesIO()  # bytes: tensors sent back through the queue outlive the rank
+    torch.save((every, alone, seconds, written_every, written_alone, trained, resumed), out)
+    return out.getvalue()
+
+
+def _same_state(a, b) -> bool:
+    return a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys() and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        for x, y in ((a["state"][i], b["state"][i]) for i in a["state"]))
+
+
+@pytest.mark.parametrize("stage,dtype,world", [(1, "float32", 2), (2, "float32", 2),
+                                               (1, "bfloat16", 3), (2, "bfloat16", 2)])
+def test_state_dict_on_rank_0_alone_while_the_others_wait_in_a_barrier(stage, dtype, world):
+    """``if rank == 0: torch.save(opt.state_dict())`` then ``dist.barrier()`` on every
+    rank: rank 0 gets the whole state at once, the same bits as every rank's call, the
+    master of parameters written since the last step taken from them; resuming from it
+    on every rank continues exactly. (It hung until the process group's timeout: the
+    agreement waited for the others, who waited in the barrier.)"""
+    results = [torch.load(io.BytesIO(b), weights_only=False) for b in
+               run_ranks(_one_rank_state_dict, world, stage, dtype, timeout=180, pg_timeout_s=600)]
+    every, alone, seconds, written_every, written_alone, _, _ = results[0]
+    assert seconds < 20, seconds
+    assert _same_state(alone, every)
+    assert _same_state(written_alone, written_every)
+    if dtype == "bfloat16":
+        assert not _same_state(written_alone, alone)  # the written master moved
+    for rank, r in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(r[5], r[6])), f"rank {rank}: resume differs"
+        assert all(torch.equal(a, b) for a, b in zip(r[5], results[0][5])), f"rank {rank} differs"
+
+
+def _every_rank_then_exit(rank, world, delay):
+    """Every rank calls state_dict() and returns (the process exits); rank 0 calls it
+    ``delay`` seconds after rank 1 has gone."""
+    model = _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2, torch.float32)
+    if rank == 0:
+        time.sleep(delay)
+    sd = opt.state_dict()
+    return sorted(float(e["exp_avg"].abs().sum()) for e in sd["state"].values())
+
+
+def test_every_rank_saving_at_the_end_of_the_script_waits_for_the_slowest():
+    """``sd = opt.state_dict(); if rank == 0: torch.save(sd)`` at the end of a script:
+    a rank done first stays (its shard server answers) until the slower rank has its
+    state dict too, then both exit."""
+    results = run_ranks(_every_rank_then_exit, 2, 3.0, timeout=90, pg_timeout_s=60)
+    assert results[0] == results[1], results
+
+
+def _skipped_then_saved(rank, world):
+    import torch.distributed as dist
+    model = _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 1, torch.float32)
+    if rank == 0:  # as if rank 0 had stepped once more (only the counts are compared)
+        opt._agreement.steps += 1
+    message = None
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            opt.state_dict()
+        except RuntimeError as exc:
+            message = (time.monotonic() - start, str(exc))
+    dist.barrier()
+    return message
+
+
+def test_state_dict_from_a_rank_at_another_step_is_refused_naming_the_steps():
+    results = run_ranks(_skipped_then_saved, 2, timeout=90, pg_timeout_s=20)
+    seconds, message = results[0]
+    assert seconds < 30 and "has taken 1 steps and this rank 2" in message, results[0]
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -21,10 +21,9 @@ Two processes: python -m torch.distributed.run --nproc_per_node=2
                         model, whose gradients DDP has already averaged over the ranks.
 --ckpt                  the "instance" run also saves a Trainer checkpoint at step
                         --save-at (save_strategy "steps"); phase "resume" resumes from it
-                        in a fresh Trainer (trainer.train(resume_from_checkpoint=...)).
---trainer plain|zero    the Trainer class of the checkpointing runs: transformers' own, or
-                        ZeroTrainer below (every rank joins ZeroAdam's collective
-                        state_dict() when the Trainer saves the optimizer).
+                        in a fresh Trainer (trainer.train(resume_from_checkpoint=...)):
+                        transformers' own Trainer, which calls optimizer.state_dict() on
+                        the saving rank only.
 
 Phases recorded in OUT/rank{r}.pt (see common.Phases): train, [noclip], [resume].
 """
@@ -45,38 +44,6 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 from zero_triton import FusedAdamW, ZeroAdamW, ddp_local_grads_hook  # noqa: E402
 
 CLASSES = {"torch": torch.optim.AdamW, "fused": FusedAdamW, "zero": ZeroAdamW}
-
-
-class ZeroTrainer(Trainer):
-    """Trainer whose checkpoints work with ZeroAdam at world size > 1.
-
-    ZeroAdam.state_dict() is collective (every rank gathers the full state), but
-    Trainer._save_optimizer_and_scheduler calls it only where ``args.should_save``
-    (rank 0): the other ranks must join the gather, or rank 0 waits forever while they
-    go on training. Loading needs nothing: the Trainer loads the optimizer on every rank.
-    """
-
-    def _save_optimizer_and_scheduler(self, output_dir):
-        if not self.args.should_save and self.args.world_size > 1:
-            self.optimizer.state_dict()  # join the collective gather the saving rank makes
-        super()._save_optimizer_and_scheduler(output_dir)
-
-
-class SaveWatchdog(TrainerCallback):
-    """With $ECOSYSTEM_SAVE_HANG_S: the watchdog (common.arm_watchdog) is re-armed to that
-    many seconds when the checkpoint step ends, and back to its usual limit once the
-    checkpoint is saved, so a save that deadlocks is reported soon after it starts."""
-
-    def __init__(self, save_at):
-        self.save_at = save_at
-        self.limit = float(os.environ["ECOSYSTEM_SAVE_HANG_S"])
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.save_at:
-            common.arm_watchdog(self.limit)
-
-    def on_save(self, args, state, control, **kwargs):
-        common.arm_watchdog()
 
 
 class LocalGradsHook(TrainerCallback):
@@ -101,7 +68,6 @@ def parse():
     ap.add_argument("--noclip", action="store_true", help="also a run with max_grad_norm=0")
     ap.add_argument("--save-at", type=int, default=3)
     ap.add_argument("--ckpt", action="store_true")
-    ap.add_argument("--trainer", choices=["plain", "zero"], default="plain")
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -123,13 +89,10 @@ def run(args, how, clip, output_dir, *, seed=0, save=False, resume=None):
         extra["optimizers"] = (CLASSES[args.opt](model.parameters(), **kwargs), None)
     else:
         extra["optimizer_cls_and_kwargs"] = (CLASSES[args.opt], kwargs)
-    cls = ZeroTrainer if args.trainer == "zero" else Trainer
     callbacks = []
-    if save and os.environ.get("ECOSYSTEM_SAVE_HANG_S"):
-        callbacks.append(SaveWatchdog(args.save_at))
     if how == "hook":
         callbacks.append(LocalGradsHook())
-    trainer = cls(model=model, args=targs, train_dataset=common.DictDataset(), callbacks=callbacks,
+    trainer = Trainer(model=model, args=targs, train_dataset=common.DictDataset(), callbacks=callbacks,
                   **extra)
     for cb in callbacks:
         if isinstance(cb, LocalGradsHook):

@@ -10,10 +10,12 @@ against the optimizer and ``apply_load`` copies each rank's part of it in.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 
+from zero_triton.comm import serve
 from zero_triton.state.flat import contiguous_strides, memory_order, real_shape
 
 # Keys torch.optim.Adam keeps in every param group, with the values that describe this
@@ -306,14 +308,114 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
         raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "
                          f"got {to_rank}")
     me = to_rank is None or comm.rank == to_rank
+    recv = {}
+
+    def pieces(flat, part, chunk):
+        n = part.numel()
+        if (flat, chunk) not in recv:
+            recv.clear()
+            recv[flat, chunk] = torch.empty(comm.world_size, chunk, dtype=flat.state.dtype,
+                                            device=flat.device) if me else None
+        buf = recv[flat, chunk]
+        if to_rank is None:  # every rank receives: one all-gather per chunk
+            received = buf.view(-1)[:comm.world_size * n]
+            comm.all_gather(received, part)
+            return received.view(comm.world_size, n)
+        out = [buf[r, :n] for r in range(comm.world_size)] if me else None
+        comm.gather(part, out, to_rank, "consolidated_state_dict gather")
+        return out
+
+    return _assembled(opt, [flat for _, flat in opt._current_flats()], chunk_elems, pieces, me)
+
+
+def shard_chunks(flats, chunk_elems: int = GATHER_CHUNK):
+    """This rank's shards of every state of ``flats``, as ``_assembled`` takes them: per
+    flat buffer, per state, ``chunk_elems`` elements at a time."""
+    for flat in flats:
+        shard = flat.layout.shard_numel
+        chunk = max(1, min(shard, chunk_elems))
+        for buf in flat.state.buffers().values():
+            for c in range(0, shard, chunk):
+                yield buf[c:c + min(chunk, shard - c)]
+
+
+def layout_digest(flats) -> int:
+    """A digest of what ``shard_chunks`` sends (sizes, states, dtypes): two ranks with
+    the same digest send and expect the same sequence."""
+    words = repr([(f.layout.numel, f.layout.shard_numel, len(f.params), str(f.state.dtype),
+                   sorted(f.state.buffers())) for f in flats]).encode()
+    return int.from_bytes(hashlib.blake2b(words, digest_size=7).digest(), "little")
+
+
+@torch.no_grad()
+def served_state_dict(opt, server, ordinal: int, steps: int, chunk_elems: int = GATHER_CHUNK):
+    """``ZeroAdam.state_dict()`` on this rank alone: every peer's shards asked of its
+    shard server (``zero_triton.comm.serve``), which answers wherever that rank's main
+    thread is, assembled into torch.optim.Adam's format. The master of a parameter this
+    rank sees written since the last step is taken from the parameter, as that step's
+    entry (on every rank alike) would seed it."""
+    flats = [flat for _, flat in opt._current_flats()]
+    comm = opt._comm
+    with server.ask(ordinal, [steps, layout_digest(flats)]) as reply:
+        # What each peer that said yes sends: read to the end (``drain``) if this raises.
+        reply.expect([(part.numel(), flat.state.dtype) for flat in flats
+                      for part in shard_chunks([flat], chunk_elems)])
+        for peer, header in sorted(reply.headers.items()):
+            if header[0] != serve.OK:
+                raise RuntimeError(_refusal(peer, header, comm.rank, steps))
+        recv = {}
+
+        def pieces(flat, part, chunk):
+            if (flat, chunk) not in recv:
+                recv.clear()
+                recv[flat, chunk] = torch.empty(comm.world_size, chunk, dtype=flat.state.dtype)
+            buf = recv[flat, chunk]
+            n = part.numel()
+            reply.receive({peer: buf[peer, :n] for peer in reply.sending})
+            out = [buf[r, :n] for r in range(comm.world_size)]
+            out[comm.rank] = part
+            return out
+
+        state_dict = _assembled(opt, flats, chunk_elems, pieces, True)
+    ids = packed_groups(opt)[1]
+    for flat in flats:
+        written = flat.versions.written() if flat.state.has_master else ()
+        for i in written:
+            m = state_dict["state"][ids[id(flat.params[i])]]["master_param"]
+            p = flat.params[i].detach().to(m.device).reshape(m.shape)
+            m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
+    return state_dict
+
+
+def _refusal(peer: int, header: list, rank: int, steps: int) -> str:
+    status, their_steps = header[0], header[1]
+    head = f"ZeroAdam.state_dict() on rank {rank} asked rank {peer} for its shards: "
+    if status == serve.NO_OPTIMIZER:
+        return head + ("it has no such optimizer (built on fewer ranks, or deleted there); build "
+                       "the ZeroAdam on every rank of its process group")
+    if status == serve.STEPS:
+        return head + (f"it has taken {their_steps} steps and this rank {steps}. Every rank must "
+                       "call step() once per iteration (a rank that skips a step, e.g. on a NaN "
+                       "loss, must skip it everywhere). Nothing was changed")
+    if status == serve.LAYOUT:
+        return head + ("its parameters are not this rank's (a param group added on some ranks "
+                       "only?): add param groups on every rank alike. Nothing was changed")
+    return head + "it failed to read them (its stderr shows the error). Nothing was changed"
+
+
+def _assembled(opt, flats, chunk_elems, pieces, me: bool):
+    """torch.optim.Adam's format from every rank's shards of ``flats``: ``pieces(flat,
+    part, chunk)`` returns, for this rank's ``part`` (a chunk of one state), every
+    rank's chunk at the same place (a list or a tensor of rows, in rank order; None
+    where this rank does not assemble: ``me`` False)."""
+    world = opt._comm.world_size
     groups, ids = packed_groups(opt)
     state = {}
-    for _, flat in opt._current_flats():
+    for flat in flats:
         bufs = flat.state.buffers()
         layout, shard = flat.layout, flat.layout.shard_numel
-        segments = [layout.shard_segments(r) for r in range(comm.world_size)]
+        segments = [layout.shard_segments(r) for r in range(world)]
         chunk = max(1, min(shard, chunk_elems))
-        recv = None
         if me:
             out, steps = [], flat.state.param_steps()
             for i, p in enumerate(flat.params):
@@ -323,20 +425,13 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
                               for k, b in bufs.items()})
                 state[ids[id(p)]] = entry
                 out.append(entry)
-            recv = torch.empty(comm.world_size, chunk, dtype=flat.state.dtype, device=flat.device)
         for key, buf in bufs.items():
             for c in range(0, shard, chunk):
                 n = min(chunk, shard - c)
-                if to_rank is None:  # every rank receives: one all-gather per chunk
-                    received = recv.view(-1)[:comm.world_size * n]
-                    comm.all_gather(received, buf[c:c + n])
-                    pieces = received.view(comm.world_size, n)
-                else:
-                    pieces = [recv[r, :n] for r in range(comm.world_size)] if me else None
-                    comm.gather(buf[c:c + n], pieces, to_rank, "consolidated_state_dict gather")
+                got = pieces(flat, buf[c:c + n], chunk)
                 if not me:
                     continue
-                for r in range(comm.world_size):
+                for r in range(world):
                     for lo, hi, s0 in segments[r]:  # rank r's state [s0, ...) is buffer [lo, hi)
                         s_a, s_b = max(s0, c), min(s0 + hi - lo, c + n)
                         if s_a >= s_b:
@@ -346,7 +441,7 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
                             o = layout.offsets[i] + a - start + s_a - c
                             # Memory order, as the flat buffer (the entry has its strides).
                             t = out[i][key]
-                            t.as_strided((t.numel(),), (1,))[a:b].copy_(pieces[r][o:o + b - a])
+                            t.as_strided((t.numel(),), (1,))[a:b].copy_(got[r][o:o + b - a])
         if me:
             for p, entry in zip(flat.params, out):
                 if p.is_complex():

@@ -16,14 +16,14 @@ divided by the world size.
 from __future__ import annotations
 
 import contextlib
-import sys
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 
-from zero_triton.comm import agreement
+from zero_triton.comm import agreement, serve
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
 from zero_triton.optim import join, owners, sharded_state
@@ -145,6 +145,8 @@ class ZeroAdam(FusedAdam, Joinable):
         self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.process_group)) \
             if comm.world_size > 1 else None
         self._step_flags = StepFlags(comm) if comm.world_size > 1 else None
+        # Answers another rank's state_dict() wherever this rank is (zero_triton.comm.serve).
+        self._server = serve.server_for(comm.process_group) if comm.world_size > 1 else None
         self._told = None  # the step's entry agreement's flags, until _agree reads them
         # torch's Join (uneven inputs): disabled outside a Join block; ``_shadowing`` while
         # this rank, out of inputs, runs the others' iteration (zero_triton.optim.join);
@@ -166,6 +168,7 @@ class ZeroAdam(FusedAdam, Joinable):
         self._constructed = True
         if self._agreement is not None:
             self._reducer.enter = self._enter_backward
+            self._server.register(self._agreement.ordinal, self._serve_shards)
 
     # -- every rank at the same call (zero_triton.comm.agreement) -----------------------------
     def _enter_backward(self, detail: str) -> None:
@@ -519,14 +522,13 @@ class ZeroAdam(FusedAdam, Joinable):
 
     @torch._disable_dynamo  # as torch.optim.Optimizer's
     def state_dict(self) -> dict:
-        """The full state in torch.optim.Adam's format on every rank (collective: every
-        rank must call it, as accelerate's ``prepare`` and ``save_state`` do; HF
-        Trainer's checkpointing calls it on rank 0 only and would deadlock: see the
-        README's HF Trainer recipe). Each rank receives the whole state as CPU tensors,
-        gathered chunk by chunk; ``load_state_dict`` on any world size keeps each rank's
-        shard. For large models prefer ``zero_triton.checkpoint.save`` (each rank writes
-        only its shard) or ``consolidated_state_dict(to_rank=0)`` (one receiver).
-        State-dict hooks run on every rank."""
+        """The full state in torch.optim.Adam's format, as CPU tensors, on the rank that
+        calls it: on one rank alone (``if rank == 0: torch.save(opt.state_dict())``, HF
+        Trainer's checkpoint) or on every rank. The other ranks' shards come from their
+        shard servers (``zero_triton.comm.serve``), chunk by chunk, wherever those ranks
+        are (a barrier, the next iteration). ``load_state_dict`` on any world size keeps
+        each rank's shard. For large models prefer ``zero_triton.checkpoint.save`` (each
+        rank writes only its shard). State-dict hooks run on the calling rank."""
         return super().state_dict()
 
     @torch._disable_dynamo  # as torch.optim.Optimizer's
@@ -542,18 +544,35 @@ class ZeroAdam(FusedAdam, Joinable):
     def _full_state_dict(self) -> dict:
         if self._comm.world_size == 1:
             return super()._full_state_dict()
-        if _in_hf_trainer_single_rank_save():
-            raise RuntimeError(
-                "ZeroAdam.state_dict() gathers the shards of every rank, but HF Trainer's "
-                "checkpoint calls it on the saving rank only: the other ranks would never join "
-                "and the job would hang. Pass save_only_model=True in TrainingArguments (the "
-                "Trainer then saves no optimizer state) and save the optimizer with "
-                "zero_triton.checkpoint.save(dir, optimizer, model) on every rank (e.g. from a "
-                "TrainerCallback.on_save), or use a Trainer subclass whose "
-                "_save_optimizer_and_scheduler calls optimizer.state_dict() on every rank "
-                "(the README shows one)")
-        self._enter("state_dict")
-        return adam_state.gathered_state_dict(self, None, self._GATHER_CHUNK)
+        if self._state_edited():
+            # opt.state edited on this rank: what the state holds is decided by every rank
+            # together at an agreed entry, so this call is collective, as before.
+            self._enter("state_dict")
+            return adam_state.gathered_state_dict(self, None, self._GATHER_CHUNK)
+        self._check_groups()
+        return adam_state.served_state_dict(self, self._server, self._agreement.ordinal,
+                                            self._agreement.steps, self._GATHER_CHUNK)
+
+    def _serve_shards(self, words: list):
+        """Another rank's ``state_dict()`` asks for this rank's shards (on the shard
+        server's thread, wherever the main thread is): its step count and layout digest
+        in ``words``. This rank's shards change only inside collective calls the asking
+        rank is not in, so none can start; the tail of the step both took (after its
+        last collective) may still be running here, and is waited for."""
+        steps, digest = words[0], words[1]
+        # (milliseconds; bounded well inside the group's timeout, which the asking rank's
+        # peers may be waiting out in a collective of their own)
+        deadline = time.monotonic() + min(30.0, agreement.group_timeout(
+            self._comm.process_group).total_seconds() / 4)
+        while self._agreement.steps < steps and time.monotonic() < deadline:
+            time.sleep(0.002)
+        flats = [flat for _, flat in self._all_flats()]
+        header = [serve.OK, self._agreement.steps, 0, 0]
+        if self._agreement.steps != steps:
+            header[0] = serve.STEPS
+        elif adam_state.layout_digest(flats) != digest:
+            header[0] = serve.LAYOUT
+        return header, adam_state.shard_chunks(flats, self._GATHER_CHUNK) if header[0] == serve.OK else ()
 
     @torch._disable_dynamo  # as torch.optim.Optimizer's
     def sharded_state_dict(self) -> dict:
@@ -627,24 +646,3 @@ class ZeroAdamW(ZeroAdam):
                          backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
                          max_grad_norm=max_grad_norm, bucket_cap_mb=bucket_cap_mb, stage=stage,
                          **torch_flags)
-
-
-def _in_hf_trainer_single_rank_save() -> bool:
-    """True when called from transformers' own ``Trainer._save_optimizer_and_scheduler``
-    (not a subclass's override), which calls ``optimizer.state_dict()`` on the saving rank
-    only: a collective there can only hang. A few frames are looked at, on a call that
-    gathers the whole state anyway."""
-    frame = sys._getframe(2)
-    for _ in range(12):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "_save_optimizer_and_scheduler":
-            trainer = frame.f_locals.get("self")
-            transformers = sys.modules.get("transformers")
-            if transformers is None or trainer is None:
-                return False
-            base = getattr(transformers, "Trainer", None)
-            return (base is not None and isinstance(trainer, base) and
-                    type(trainer)._save_optimizer_and_scheduler is base._save_optimizer_and_scheduler)
-        frame = frame.f_back
-    return False
