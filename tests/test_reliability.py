@@ -428,6 +428,27 @@ def test_every_rank_saving_at_the_end_of_the_script_waits_for_the_slowest():
     assert results[0] == results[1], results
 
 
+def _asked_while_being_built(rank, world):
+    """Rank 1 asks for the state as soon as its constructor returns (accelerate's
+    prepare does); rank 0's optimizer registers with its server a second later."""
+    from zero_triton.comm import serve
+    if rank == 0:
+        register = serve.ShardServer.register
+
+        def late(self, ordinal, provider):
+            time.sleep(1.0)
+            register(self, ordinal, provider)
+        serve.ShardServer.register = late
+    model = _mlp()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2)
+    return sorted(tuple(e["exp_avg"].shape) for e in opt.state_dict()["state"].values())
+
+
+def test_state_dict_asked_of_a_rank_still_building_the_optimizer_waits_for_it():
+    results = run_ranks(_asked_while_being_built, 2, timeout=90, pg_timeout_s=60)
+    assert results[0] == results[1] and len(results[0]) == 4, results
+
+
 def _skipped_then_saved(rank, world):
     import torch.distributed as dist
     model = _mlp()

@@ -133,7 +133,10 @@ class ShardServer:
                 words = _REQUEST.unpack(self.store.get(key))
                 self.store.delete_key(key)
                 self.received[requester] = self.received.get(requester, 0) + 1
-                self._answer(words)
+                try:
+                    self._answer(words)
+                except Exception:  # that requester went away: serve the others on
+                    traceback.print_exc()
         return count
 
     def _linger(self, seen: int) -> None:
@@ -156,6 +159,11 @@ class ShardServer:
 
     def _answer(self, words) -> None:
         ordinal, requester, tag = words[:3]
+        # An optimizer registers at the end of its constructor, after its last collective:
+        # a peer done first may ask before (accelerate's prepare asks at once).
+        deadline = time.monotonic() + min(30.0, self.timeout.total_seconds() / 4)
+        while ordinal not in self.providers and time.monotonic() < deadline:
+            time.sleep(0.002)
         ref = self.providers.get(ordinal)
         provider = ref() if ref is not None else None
         if provider is None:
@@ -184,7 +192,7 @@ class ShardServer:
         to its end (``Reply.drain`` reads what is left), or the peers would wait."""
         with self.asking:
             self.asked += 1
-            tag = 1 + (self.rank << 20) + self.asked % (1 << 20)
+            tag = 1 + self.asked % (1 << 30)  # sends pair by (peer, tag): ours alone
             payload = _REQUEST.pack(ordinal, self.rank, tag, *words, 0)
             peers = [r for r in range(self.world_size) if r != self.rank]
             for peer in peers:
