@@ -92,6 +92,12 @@ class ShardServer:
         self.asked = 0                     # requests this rank made
         self.received: dict = {}           # requests answered, per peer
         self.stopping = threading.Event()
+        # Set when the interpreter starts shutting down (threading's exit hooks run before
+        # it joins this thread): an idle server wakes at once instead of at its next poll.
+        self.wake = threading.Event()
+        register_exit = getattr(threading, "_register_atexit", None)
+        if register_exit is not None:
+            register_exit(self.wake.set)
         self.thread = threading.Thread(target=self._serve, name="zero_triton shard server")
         self.thread.start()
 
@@ -103,6 +109,7 @@ class ShardServer:
 
     def close(self) -> None:
         self.stopping.set()
+        self.wake.set()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(timeout=2 * POLL_S + 1)
         with contextlib.suppress(Exception):
@@ -120,12 +127,16 @@ class ShardServer:
         except Exception:  # the store or a peer went away (exit, a failed job): stop serving
             return
 
-    def _poll(self, seen: int) -> int:
+    def _poll(self, seen: int, idle=None) -> int:
         """Answer the requests that arrived (a counter per rank, then a key per
-        requester); sleep ``POLL_S`` when there are none. Returns the counter read."""
+        requester); when there are none, ``idle()`` (by default: wait up to ``POLL_S``,
+        or until the interpreter starts shutting down). Returns the counter read."""
         count = self.store.add(f"count/{self.rank}", 0)
         if count == seen:
-            time.sleep(POLL_S)
+            if idle is not None:
+                idle()
+            else:
+                self.wake.wait(POLL_S)
             return seen
         for requester in range(self.world_size):
             key = f"request/{self.rank}/{requester}"
@@ -155,7 +166,7 @@ class ShardServer:
             if (not behind or now > behind_until) and \
                     (self.rank != 0 or not running or now > host_until):
                 return
-            seen = self._poll(seen)
+            seen = self._poll(seen, lambda: time.sleep(POLL_S / 5))
 
     def _answer(self, words) -> None:
         ordinal, requester, tag = words[:3]
