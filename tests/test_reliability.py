@@ -408,24 +408,31 @@ def test_state_dict_on_rank_0_alone_while_the_others_wait_in_a_barrier(stage, dt
         assert all(torch.equal(a, b) for a, b in zip(r[5], results[0][5])), f"rank {rank} differs"
 
 
-def _every_rank_then_exit(rank, world, delay):
-    """Every rank calls state_dict() and returns (the process exits); rank 0 calls it
-    ``delay`` seconds after rank 1 has gone."""
+def _saved_at_the_end(rank, world, who, delay):
+    """The script's last lines: ``opt.state_dict()`` on every rank (``who`` "every") or
+    on rank 0 alone ("rank0"); rank 0 gets there ``delay`` seconds after rank 1, which
+    then returns (its process exits)."""
     model = _mlp()
     opt = ZeroAdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 2, torch.float32)
     if rank == 0:
         time.sleep(delay)
-    sd = opt.state_dict()
-    return sorted(float(e["exp_avg"].abs().sum()) for e in sd["state"].values())
+    if rank == 0 or who == "every":
+        sd = opt.state_dict()
+        return sorted(float(e["exp_avg"].abs().sum()) for e in sd["state"].values())
+    return None
 
 
-def test_every_rank_saving_at_the_end_of_the_script_waits_for_the_slowest():
-    """``sd = opt.state_dict(); if rank == 0: torch.save(sd)`` at the end of a script:
-    a rank done first stays (its shard server answers) until the slower rank has its
-    state dict too, then both exit."""
-    results = run_ranks(_every_rank_then_exit, 2, 3.0, timeout=90, pg_timeout_s=60)
-    assert results[0] == results[1], results
+@pytest.mark.parametrize("who", ["every", "rank0"])
+def test_saving_at_the_end_of_the_script_waits_for_the_slowest(who):
+    """``sd = opt.state_dict(); if rank == 0: torch.save(sd)`` or ``if rank == 0:
+    torch.save(opt.state_dict())`` as a script's last lines, rank 0 the slower: a rank
+    done first stays (its shard server answers) until rank 0 has its state dict, then
+    both exit (rank 0 failed with "connection closed")."""
+    results = run_ranks(_saved_at_the_end, 2, who, 3.0, timeout=90, pg_timeout_s=60)
+    assert results[0] is not None and len(results[0]) == 4, results
+    if who == "every":
+        assert results[0] == results[1], results
 
 
 def _asked_while_being_built(rank, world):

@@ -31,6 +31,7 @@ import contextlib
 import datetime
 import hashlib
 import struct
+import time
 import weakref
 
 import torch
@@ -96,6 +97,13 @@ _FIXES = {
 _side_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ordinals: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _agreements: "weakref.WeakSet" = weakref.WeakSet()
+_waiting_since = None  # when this process's main thread began waiting in an agreement
+
+
+def waiting_since():
+    """``time.monotonic()`` when the current agreement began waiting, or None (read by
+    the shard server: a rank waiting here long is waiting for the others)."""
+    return _waiting_since
 
 
 def _release() -> None:
@@ -247,8 +255,13 @@ class Agreement:
 
     def _allgather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
         # A profiler range: the side group's all-gather is no training collective.
-        with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
-            self.group._allgather_base(out, mine).wait()
+        global _waiting_since
+        _waiting_since = time.monotonic()
+        try:
+            with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
+                self.group._allgather_base(out, mine).wait()
+        finally:
+            _waiting_since = None
 
     @staticmethod
     def _leader(rows) -> int:

@@ -30,6 +30,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from zero_triton.comm import agreement
 from zero_triton.comm.agreement import group_timeout
 
 # A request, as the store carries it: ordinal, requester, tag, then the optimizer's own
@@ -43,6 +44,7 @@ OK, NO_OPTIMIZER, FAILED, STEPS, LAYOUT = range(5)
 POLL_S = 0.05  # how often an idle server looks for requests
 LINGER_S = 120.0  # at most this long after the main thread ended, for a peer still to ask
 HOST_GRACE_S = 5.0  # rank 0, after its main thread ended, for the peers to end
+BLOCKED_S = 1.0  # a main thread waiting this long in an agreement is told to the others
 
 _servers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _made: dict = {}  # group name -> servers this process made for it (their store prefixes)
@@ -70,11 +72,13 @@ atexit.register(_stop_all)
 class ShardServer:
     """One process group's server thread, and the requests this rank makes of others.
 
-    The thread is not a daemon: when the main thread ends, it stays while a peer that
-    asked this rank fewer times than this rank asked it (every rank calls state_dict()
-    and this one was faster) is still running, so a script that ends with ``sd =
-    opt.state_dict()`` on every rank ends on every rank. It does not stay when the main
-    thread ended on an exception (the peers then fail at once, as without it)."""
+    The thread is not a daemon: when the main thread ends, it stays (answering) while a
+    peer's main thread still runs and so may still ask, at most ``LINGER_S``. So a
+    script that ends with ``if rank == 0: torch.save(opt.state_dict())``, or with ``sd =
+    opt.state_dict()`` on every rank, ends on every rank, whichever rank is done first.
+    It does not stay for a peer waiting in an agreement (it waits for this rank, which
+    will not come: it fails once this process exits, as it did without the server),
+    nor when the main thread ended on an exception."""
 
     def __init__(self, pg):
         self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
@@ -90,7 +94,7 @@ class ShardServer:
         self.providers: dict = {}          # ordinal -> weakref.WeakMethod of a provider
         self.asking = threading.Lock()     # one request of this rank's at a time
         self.asked = 0                     # requests this rank made
-        self.received: dict = {}           # requests answered, per peer
+        self.blocked = False               # what _say_if_blocked last told the others
         self.stopping = threading.Event()
         # Set when the interpreter starts shutting down (threading's exit hooks run before
         # it joins this thread): an idle server wakes at once instead of at its next poll.
@@ -121,6 +125,8 @@ class ShardServer:
         try:
             while not self.stopping.is_set() and threading.main_thread().is_alive():
                 seen = self._poll(seen)
+                self._say_if_blocked()
+            self.store.set(f"ended/{self.rank}", b"1")  # this rank asks for nothing more
             if not self.stopping.is_set() and not _ended_on_an_exception():
                 self._linger(seen)
             self.store.set(f"exited/{self.rank}", b"1")
@@ -143,28 +149,40 @@ class ShardServer:
             if requester != self.rank and self.store.check([key]):
                 words = _REQUEST.unpack(self.store.get(key))
                 self.store.delete_key(key)
-                self.received[requester] = self.received.get(requester, 0) + 1
                 try:
                     self._answer(words)
                 except Exception:  # that requester went away: serve the others on
                     traceback.print_exc()
         return count
 
+    def _say_if_blocked(self) -> None:
+        """Tell the others (a key in the store, written when it changes) whether this
+        rank's main thread has waited in an agreement for over ``BLOCKED_S``: a rank
+        whose main thread has ended need not stay for it, it is waiting for the others."""
+        since = agreement.waiting_since()
+        blocked = since is not None and time.monotonic() - since > BLOCKED_S
+        if blocked != self.blocked:
+            self.blocked = blocked
+            if blocked:
+                self.store.set(f"blocked/{self.rank}", b"1")
+            else:
+                self.store.delete_key(f"blocked/{self.rank}")
+
     def _linger(self, seen: int) -> None:
-        """After the main thread ended: answer on while a peer that asked fewer times
-        than this rank asked (state_dict() calls it has yet to make) is still running,
-        at most ``LINGER_S``; rank 0, which usually holds the store the others read,
-        also waits up to ``HOST_GRACE_S`` for every peer to end."""
+        """After the main thread ended: answer on while a peer's main thread still runs
+        and may ask (not ended, not waiting in an agreement for the ranks that ended), at
+        most ``LINGER_S``; rank 0, which usually holds the store the others read, also
+        waits up to ``HOST_GRACE_S`` for the others to end."""
         now = time.monotonic()
-        behind_until = now + min(LINGER_S, self.timeout.total_seconds())
+        until = now + min(LINGER_S, self.timeout.total_seconds())
         host_until = now + HOST_GRACE_S
         peers = [p for p in range(self.world_size) if p != self.rank]
         while True:
-            running = [p for p in peers if not self.store.check([f"exited/{p}"])]
-            behind = [p for p in running if self.received.get(p, 0) < self.asked]
+            running = [p for p in peers if not self.store.check([f"exited/{p}"])
+                       and not self.store.check([f"blocked/{p}"])]
+            asking = [p for p in running if not self.store.check([f"ended/{p}"])]
             now = time.monotonic()
-            if (not behind or now > behind_until) and \
-                    (self.rank != 0 or not running or now > host_until):
+            if (not asking or now > until) and (self.rank != 0 or not running or now > host_until):
                 return
             seen = self._poll(seen, lambda: time.sleep(POLL_S / 5))
 
