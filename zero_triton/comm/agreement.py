@@ -70,10 +70,9 @@ CATCH_UP = ("backward", "clip_grad_norm_")
 REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited"}
 
 _FIXES = {
-    "state_dict": "ZeroAdam.state_dict() is collective (it gathers every rank's shard): call "
-                  "it on every rank and save on one, `sd = opt.state_dict(); if rank == 0: "
-                  "torch.save(sd, path)`, or save a sharded checkpoint on every rank with "
-                  "zero_triton.checkpoint.save(dir, opt, model)",
+    "state_dict": "ZeroAdam.state_dict() right after opt.state was edited by hand is "
+                  "collective (every rank agrees on the edit first): call it on every rank, "
+                  "or after the next step(), when it works on one rank alone",
     "consolidated_state_dict": "consolidated_state_dict(to_rank=0) is collective: call it on "
                                "every rank; only to_rank receives the state",
     "load_state_dict": "load_state_dict is collective: call it on every rank with the same "
