@@ -6,7 +6,7 @@ needs every rank to call it, and the commonest save in training scripts calls it
 DDP tutorial), or HF Trainer's checkpoint. The other ranks then wait in a collective of
 their own that nothing pairs with, and every rank hangs for the process group's timeout.
 
-So each process runs one ``ShardServer`` per process group: a daemon thread that serves
+So each process runs one ``ShardServer`` per process group: a thread that serves
 requests for this rank's shards while its main thread is anywhere (in a barrier, in
 backward, waiting at the next step's agreement). A rank that wants the state posts a
 request to each peer through the rendezvous store (a key, then a counter the thread
@@ -14,7 +14,8 @@ polls) and receives the shards over a gloo group of the server's own, chunk by c
 an order both sides derive from the same layout. The optimizer provides what is sent
 (``register``): its shards are only changed inside collective calls that need every
 rank, so while a rank is in ``state_dict()`` no peer can change its shard; a peer still
-finishing the step it already took is waited for.
+finishing the step it already took is waited for. The thread outlives the main thread
+while a peer may still ask (``ShardServer``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from zero_triton.comm import agreement
-from zero_triton.comm.agreement import group_timeout
 
 # A request, as the store carries it: ordinal, requester, tag, then the optimizer's own
 # words (its step count and a digest of its layout).
@@ -82,7 +82,7 @@ class ShardServer:
 
     def __init__(self, pg):
         self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
-        self.timeout = group_timeout(pg)
+        self.timeout = agreement.group_timeout(pg)
         base = dist.distributed_c10d._get_default_store()
         # A prefix of its own per server made for this group name (the same count on
         # every rank): a group destroyed and made again under its name starts afresh.
