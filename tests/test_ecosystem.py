@@ -50,10 +50,9 @@ initialises torch.distributed):
     TrainingArguments and ``ZeroAdamW(max_grad_norm=C)``, optionally with
     ``ddp_local_grads_hook`` registered on ``trainer.model_wrapped`` in a callback's
     ``on_train_begin`` (then the optimizer must clip: the Trainer's clipping would see
-    local gradients). Checkpoints: the Trainer calls ``optimizer.state_dict()``
-    (collective under ZeroAdam) on rank 0 only, which ZeroAdam refuses with an error
-    (not a hang); subclass it so that the other ranks join
-    (tests/ecosystem/trainer_train.py, ZeroTrainer); resuming then needs nothing more.
+    local gradients). Checkpoints: the Trainer calls ``optimizer.state_dict()`` on rank 0
+    only, which ZeroAdam answers from the other ranks' shard servers; resuming needs
+    nothing more.
 
 safetensors:
     ``save_file(model.state_dict(), f)`` / ``model.load_state_dict(load_file(f))`` and
