@@ -308,24 +308,19 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
         raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "
                          f"got {to_rank}")
     me = to_rank is None or comm.rank == to_rank
-    recv = {}
 
-    def pieces(flat, part, chunk):
+    def pieces(part, rows):
         n = part.numel()
-        if (flat, chunk) not in recv:
-            recv.clear()
-            recv[flat, chunk] = torch.empty(comm.world_size, chunk, dtype=flat.state.dtype,
-                                            device=flat.device) if me else None
-        buf = recv[flat, chunk]
         if to_rank is None:  # every rank receives: one all-gather per chunk
-            received = buf.view(-1)[:comm.world_size * n]
+            received = rows.view(-1)[:comm.world_size * n]
             comm.all_gather(received, part)
             return received.view(comm.world_size, n)
-        out = [buf[r, :n] for r in range(comm.world_size)] if me else None
+        out = [rows[r, :n] for r in range(comm.world_size)] if me else None
         comm.gather(part, out, to_rank, "consolidated_state_dict gather")
         return out
 
-    return _assembled(opt, [flat for _, flat in opt._current_flats()], chunk_elems, pieces, me)
+    return _assembled(opt, [flat for _, flat in opt._current_flats()], chunk_elems, pieces, me,
+                      on_host=False)
 
 
 def shard_chunks(flats, chunk_elems: int = GATHER_CHUNK):
@@ -363,20 +358,15 @@ def served_state_dict(opt, server, ordinal: int, steps: int, chunk_elems: int = 
         for peer, header in sorted(reply.headers.items()):
             if header[0] != serve.OK:
                 raise RuntimeError(_refusal(peer, header, comm.rank, steps))
-        recv = {}
 
-        def pieces(flat, part, chunk):
-            if (flat, chunk) not in recv:
-                recv.clear()
-                recv[flat, chunk] = torch.empty(comm.world_size, chunk, dtype=flat.state.dtype)
-            buf = recv[flat, chunk]
+        def pieces(part, rows):
             n = part.numel()
-            reply.receive({peer: buf[peer, :n] for peer in reply.sending})
-            out = [buf[r, :n] for r in range(comm.world_size)]
+            reply.receive({peer: rows[peer, :n] for peer in reply.sending})
+            out = [rows[r, :n] for r in range(comm.world_size)]
             out[comm.rank] = part
             return out
 
-        state_dict = _assembled(opt, flats, chunk_elems, pieces, True)
+        state_dict = _assembled(opt, flats, chunk_elems, pieces, True, on_host=True)
     ids = packed_groups(opt)[1]
     for flat in flats:
         written = flat.versions.written() if flat.state.has_master else ()
@@ -403,11 +393,12 @@ def _refusal(peer: int, header: list, rank: int, steps: int) -> str:
     return head + "it failed to read them (its stderr shows the error). Nothing was changed"
 
 
-def _assembled(opt, flats, chunk_elems, pieces, me: bool):
-    """torch.optim.Adam's format from every rank's shards of ``flats``: ``pieces(flat,
-    part, chunk)`` returns, for this rank's ``part`` (a chunk of one state), every
-    rank's chunk at the same place (a list or a tensor of rows, in rank order; None
-    where this rank does not assemble: ``me`` False)."""
+def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
+    """torch.optim.Adam's format from every rank's shards of ``flats``: ``pieces(part,
+    rows)`` returns, for this rank's ``part`` (a chunk of one state), every rank's chunk
+    at the same place (a list or a tensor of rows, in rank order; None where this rank
+    does not assemble: ``me`` False), received into ``rows`` (world_size x chunk, on
+    the host or the flat buffer's device; None where ``me`` is False)."""
     world = opt._comm.world_size
     groups, ids = packed_groups(opt)
     state = {}
@@ -416,6 +407,8 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool):
         layout, shard = flat.layout, flat.layout.shard_numel
         segments = [layout.shard_segments(r) for r in range(world)]
         chunk = max(1, min(shard, chunk_elems))
+        rows = torch.empty(world, chunk, dtype=flat.state.dtype,
+                           device="cpu" if on_host else flat.device) if me else None
         if me:
             out, steps = [], flat.state.param_steps()
             for i, p in enumerate(flat.params):
@@ -428,7 +421,7 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool):
         for key, buf in bufs.items():
             for c in range(0, shard, chunk):
                 n = min(chunk, shard - c)
-                got = pieces(flat, buf[c:c + n], chunk)
+                got = pieces(buf[c:c + n], rows)
                 if not me:
                     continue
                 for r in range(world):
