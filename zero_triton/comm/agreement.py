@@ -8,9 +8,9 @@ process-group timeout (30 minutes), or worse, adds up unrelated buffers.
 
 So each entry point of ZeroAdam that starts collectives (backward's first bucket of a
 round, ``step``, ``clip_grad_norm_``, GradScaler's inf agreement, the state dicts, the
-checkpoints) first exchanges one row of fourteen integers with every rank over a side gloo
-group of its own (host memory only: no device work, no sync on a GPU, and never paired
-with a data collective): which optimizer, which call, how many steps it has taken, what
+checkpoints) first exchanges one row of fourteen integers with every rank over the group's
+side channel (``zero_triton.comm.side``: a gloo group of its own; host memory only: no
+device work, no sync on a GPU, and never paired with a data collective): which optimizer, which call, how many steps it has taken, what
 it found locally (gradients edited after their bucket was averaged, parameters written,
 ``opt.state`` reset), whether it refuses the call and, for ``step``, the signature of
 the buckets backward launched, a digest of the parameters it has no gradient for and one
@@ -20,24 +20,24 @@ The side group waits as long as the process group's own collectives (``group_tim
 Every rank then reads the same rows and takes the same decision: go on, do an agreed
 extra (average again, re-seed, reset), or raise — on every rank, naming the ranks, the
 calls and the fix. A rank that exits instead of joining closes its side connections,
-which fails the others at once. The step needs a data all-reduce
+which fails the others at once; a rank whose script ended normally sends a row that says
+it has left (``zero_triton.comm.side``), which fails them at once too. The step needs a data all-reduce
 (``zero_triton.comm.step_flags``) only for GradScaler's found_inf or when the ranks lack
 gradients for different parameters.
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
-import datetime
 import hashlib
 import struct
-import time
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from zero_triton.comm import side
 from zero_triton.comm.group import without_python_tls
+from zero_triton.comm.side import group_timeout  # noqa: F401 - published here too
 
 ENTRIES = ("backward", "step", "clip_grad_norm_", "GradScaler", "state_dict",
            "load_state_dict", "consolidated_state_dict", "checkpoint.save", "checkpoint.load",
@@ -47,9 +47,9 @@ _CODE = {name: i + 1 for i, name in enumerate(ENTRIES)}
 # Row layout (int64).
 (_MAGIC, _ORDINAL, _ENTRY, _STEPS, _BACKWARDS, _FLAGS, _COUNT, _HASH, _ERROR, _SIGNATURE,
  _MISSING, _ARG0, _ARG1, _HYPER) = range(14)
-WORDS = 14
+WORDS = side.WORDS
 _NO_ARG = struct.unpack("<q", struct.pack("<d", float("nan")))[0]
-MAGIC = 0x7A7401
+MAGIC = side.MAGIC
 
 # Flags: what a rank found locally, OR-ed over the ranks by the caller.
 STALE = 1     # gradients changed after their bucket was averaged (or were never averaged)
@@ -93,33 +93,11 @@ _FIXES = {
                 "bucket_cap_mb=None)",
 }
 
-_side_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _ordinals: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_agreements: "weakref.WeakSet" = weakref.WeakSet()
-_waiting_since = None  # when this process's main thread began waiting in an agreement
 
-
-def waiting_since():
-    """``time.monotonic()`` when the current agreement began waiting, or None (read by
-    the shard server: a rank waiting here long is waiting for the others)."""
-    return _waiting_since
-
-
-def _release() -> None:
-    """At exit, while Python still runs: shut the side groups down and drop them (and the
-    store they hold), instead of leaving their threads and sockets to static destructors,
-    which abort the process when they run in the wrong order."""
-    sides = list(_side_groups.values())
-    _side_groups.clear()
-    for agreement in list(_agreements):
-        agreement.group = None
-    for side in sides:
-        with contextlib.suppress(Exception):
-            side.shutdown()
-    del sides  # the last references: each group joins its idle worker threads now
-
-
-atexit.register(_release)
+# At exit, while Python still runs: the side channels' groups shut down, instead of being
+# left to static destructors, which abort the process when they run in the wrong order.
+atexit.register(side.close_all)
 
 
 def next_ordinal(pg) -> int:
@@ -128,37 +106,6 @@ def next_ordinal(pg) -> int:
     n = _ordinals.get(pg, 0)
     _ordinals[pg] = n + 1
     return n
-
-
-def _side_group(pg):
-    """A gloo group over ``pg``'s ranks, made once per process group: agreements never
-    share a sequence with data collectives, and run on the host whatever the backend.
-    Built on the default store under the group's name (the same on its ranks), outside
-    torch.distributed's registry: only the group's ranks take part, in any order with the
-    creation of other groups."""
-    side = _side_groups.get(pg)
-    if side is None:
-        store = dist.PrefixStore(f"zero_triton/agreement/{pg.group_name}/",
-                                 dist.distributed_c10d._get_default_store())
-        side = dist.ProcessGroupGloo(store, dist.get_rank(pg), dist.get_world_size(pg),
-                                     group_timeout(pg))
-        _side_groups[pg] = side
-    return side
-
-
-def group_timeout(pg) -> datetime.timedelta:
-    """The timeout ``pg``'s collectives wait for (``init_process_group(timeout=...)`` or
-    ``new_group(timeout=...)``; torch's default where the backend does not say): an
-    agreement waits for a peer no longer than the user's own collectives would."""
-    for device in ("cpu", "cuda"):
-        try:
-            backend = pg._get_backend(torch.device(device))
-        except (RuntimeError, AttributeError):  # no backend for that device
-            continue
-        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
-        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            return timeout
-    return dist.default_pg_timeout
 
 
 class CatchUp(Exception):
@@ -184,15 +131,19 @@ class Agreement:
     """The agreement of one optimizer (``ordinal``: its place among the optimizers built
     on this process group, the same on every rank) over ``comm``'s ranks."""
 
-    def __init__(self, comm, ordinal: int):
+    def __init__(self, comm, ordinal: int, channel):
         self.comm = comm
         self.ordinal = ordinal
-        self.group = _side_group(comm.process_group)
+        self.channel = channel  # zero_triton.comm.side: its gloo group carries the rows
         self.mine = torch.zeros(WORDS, dtype=torch.int64)
         self.rows = torch.zeros(comm.world_size * WORDS, dtype=torch.int64)
         self.steps = 0  # step() calls completed, counted alike on every rank
         self.pending = None  # (call, rows) of a CatchUp: the next check, of that call, uses them
-        _agreements.add(self)
+
+    @property
+    def group(self):
+        """The side channel's gloo group; None once the channel closed."""
+        return self.channel.group
 
     def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
               refuse: int = 0, detail: str = "", signature: int | None = None,
@@ -215,8 +166,9 @@ class Agreement:
         row[_ARG0], row[_ARG1] = _as_bits(args[0]), _as_bits(args[1])
         row[_HYPER] = hyper
         if self.group is None:
-            raise RuntimeError(f"ZeroAdam: {entry} was called while the process is exiting; "
-                               "nothing was changed")
+            raise RuntimeError(f"ZeroAdam: {entry} was called after the process group's side "
+                               "channel closed (destroy_process_group() was called, or the "
+                               "process is exiting); nothing was changed")
         pending, self.pending = self.pending, None
         if pending is not None:  # exchanged already: the call a joined rank catches up with
             caught, rows = pending
@@ -254,13 +206,8 @@ class Agreement:
 
     def _allgather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
         # A profiler range: the side group's all-gather is no training collective.
-        global _waiting_since
-        _waiting_since = time.monotonic()
-        try:
-            with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
-                self.group._allgather_base(out, mine).wait()
-        finally:
-            _waiting_since = None
+        with torch.profiler.record_function("zero_triton.agreement"), without_python_tls():
+            self.group._allgather_base(out, mine).wait()
 
     @staticmethod
     def _leader(rows) -> int:
@@ -338,6 +285,8 @@ class Agreement:
     def _describe_mismatch(self, rows) -> str:
         def name(rank, r):
             code = r[_ENTRY]
+            if r[_MAGIC] == MAGIC and code == side.LEFT:
+                return f"rank {rank}: has left (its script ended, or it destroyed the process group)"
             call = ENTRIES[code - 1] if 1 <= code <= len(ENTRIES) and r[_MAGIC] == MAGIC else "?"
             return f"rank {rank}: {call} after {r[_STEPS]} steps and {r[_BACKWARDS]} backward passes" + (
                 f" (optimizer #{r[_ORDINAL]})" if r[_ORDINAL] != self.ordinal else "")
@@ -348,6 +297,10 @@ class Agreement:
             fixes.append(_FIXES["step"])
         if "backward" in calls:
             fixes.append(_FIXES["backward"])
+        if any(r[_MAGIC] == MAGIC and r[_ENTRY] == side.LEFT for r in rows):
+            fixes.insert(0, "A rank left while the others still call ZeroAdam: every rank must run "
+                            "the same iterations and end together (ranks with different numbers "
+                            "of batches: torch's Join; a rank that fails must fail everywhere).")
         joined = [i for i, r in enumerate(rows) if r[_MAGIC] == MAGIC and r[_FLAGS] & JOINED]
         if joined:
             fixes.insert(0, f"Ranks {joined} ran out of inputs under torch's Join, and a joined "

@@ -1,255 +1,293 @@
-"""A rank's shards, sent to any rank that asks, whatever this rank is doing.
+"""A rank's shards, sent to any rank that asks, whatever this rank's main thread is doing.
 
 ``ZeroAdam.state_dict()`` needs every rank's shard of the state. As a collective it
 needs every rank to call it, and the commonest save in training scripts calls it on one:
 ``if rank == 0: torch.save(opt.state_dict())`` followed by ``dist.barrier()`` (PyTorch's
 DDP tutorial), or HF Trainer's checkpoint. The other ranks then wait in a collective of
-their own that nothing pairs with, and every rank hangs for the process group's timeout.
+their own that nothing pairs with. Their main threads cannot answer, so something beside
+them must: the simplest thing that can is one thread per process group, and this is it.
 
-So each process runs one ``ShardServer`` per process group: a thread that serves
-requests for this rank's shards while its main thread is anywhere (in a barrier, in
-backward, waiting at the next step's agreement). A rank that wants the state posts a
-request to each peer through the rendezvous store (a key, then a counter the thread
-polls) and receives the shards over a gloo group of the server's own, chunk by chunk in
-an order both sides derive from the same layout. The optimizer provides what is sent
-(``register``): its shards are only changed inside collective calls that need every
-rank, so while a rank is in ``state_dict()`` no peer can change its shard; a peer still
-finishing the step it already took is waited for. The thread outlives the main thread
-while a peer may still ask (``ShardServer``).
+- **Idle costs nothing.** The thread blocks in one read of the rendezvous store's queue
+  for this rank (a store connection of its own, ``Store.queue_pop``): no polling; one
+  store operation per ``IDLE_WAIT`` (an hour) while nobody asks.
+- **A request** is one queue entry pushed to each peer: O(world size) store operations
+  per request, one per peer; the data goes over the side channel's gloo group
+  (``zero_triton.comm.side``), a header then the shards in chunks, in an order both sides
+  derive from the same layout.
+- **No wait cycles.** A server never waits for a requester: it posts every send of an
+  answer at once (gloo sends complete when the receiver takes them) and goes back to its
+  queue. A requester waits only for servers, and a server only for its own main thread to
+  finish the tail of a step both ranks took (bounded). So any set of ranks can ask at
+  once, in any order.
+- **Consistent.** A rank's shards change only inside calls that need every rank (``step``,
+  loads), so none can change while a peer is in ``state_dict()``; the sends read them in
+  place. A shard on a GPU is copied to the host on a stream of the server's own, after an
+  event the optimizer recorded when it last wrote the state (``Answer.ready``): never a
+  device-wide synchronize, which would wait for the main thread's kernels (an NCCL
+  barrier spinning for the asking rank, say). Concurrent requesters share one host copy.
+- **Loud.** An answer that fails sends a FAILED header with the reason, which the
+  requester raises; a server that loses its store says so on its rank's stderr, and a
+  requester finds the store gone at once. A peer that died fails the request at once
+  (gloo closes its connections).
+- **Lifetime.** The side channel stops the thread (``stop``: a STOP entry in its own
+  queue) when the group is destroyed, its last optimizer dropped, or the process exits.
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
+import datetime
 import struct
 import sys
 import threading
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from zero_triton.comm import agreement
-
-# A request, as the store carries it: ordinal, requester, tag, then the optimizer's own
-# words (its step count and a digest of its layout).
-_REQUEST = struct.Struct("<6q")
+# A queue entry: kind, ordinal, requester, tag, then the optimizer's two words (its step
+# count and a digest of its layout).
+_ENTRY = struct.Struct("<6q")
+ASK, STOP = 1, 2
 HEADER_WORDS = 4
 # Header statuses (the first word of a server's answer): answered; no optimizer of that
-# ordinal here; it failed reading (its stderr says why); at another step count; other
-# flat buffers.
+# ordinal here; it failed reading (the reason follows as bytes: word 2 is their count);
+# at another step count; other flat buffers.
 OK, NO_OPTIMIZER, FAILED, STEPS, LAYOUT = range(5)
-POLL_S = 0.05  # how often an idle server looks for requests
-LINGER_S = 120.0  # at most this long after the main thread ended, for a peer still to ask
-HOST_GRACE_S = 5.0  # rank 0, after its main thread ended, for the peers to end
-BLOCKED_S = 1.0  # a main thread waiting this long in an agreement is told to the others
-
-_servers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_made: dict = {}  # group name -> servers this process made for it (their store prefixes)
+IDLE_WAIT = datetime.timedelta(hours=1)  # a blocked read of the queue, renewed when it ends
+REGISTER_WAIT_S = 30.0  # at most this long for an optimizer still being built to register
 
 
-def server_for(pg) -> "ShardServer":
-    """The server of ``pg`` in this process, made (collectively: every rank of ``pg``
-    builds its gloo group together) on first use."""
-    server = _servers.get(pg)
-    if server is None:
-        server = _servers[pg] = ShardServer(pg)
-    return server
+@dataclass
+class Answer:
+    """What a provider returns: the header (``HEADER_WORDS`` ints, status first), the
+    tensors to send in order when the status is OK, and for state on a GPU the events
+    after the state's last write (one per device) plus a key that changes with every
+    write (``version``), under which one host copy serves every requester."""
+    header: list
+    chunks: object = ()
+    ready: object = None
+    version: object = None
 
 
-def _stop_all() -> None:
-    """At exit (the server threads have ended by then, unless they could not): shut down."""
-    for server in list(_servers.values()):
-        server.close()
-    _servers.clear()
-
-
-atexit.register(_stop_all)
+def queue_key(rank: int) -> str:
+    return f"inbox/{rank}"
 
 
 class ShardServer:
-    """One process group's server thread, and the requests this rank makes of others.
+    """One process group's server thread, and the requests this rank makes of others,
+    over ``group`` (the side channel's gloo group) and ``store`` (the channel's store)."""
 
-    The thread is not a daemon: when the main thread ends, it stays (answering) while a
-    peer's main thread still runs and so may still ask, at most ``LINGER_S``. So a
-    script that ends with ``if rank == 0: torch.save(opt.state_dict())``, or with ``sd =
-    opt.state_dict()`` on every rank, ends on every rank, whichever rank is done first.
-    It does not stay for a peer waiting in an agreement (it waits for this rank, which
-    will not come: it fails once this process exits, as it did without the server),
-    nor when the main thread ended on an exception."""
-
-    def __init__(self, pg):
-        self.rank, self.world_size = dist.get_rank(pg), dist.get_world_size(pg)
-        self.timeout = agreement.group_timeout(pg)
-        base = dist.distributed_c10d._get_default_store()
-        # A prefix of its own per server made for this group name (the same count on
-        # every rank): a group destroyed and made again under its name starts afresh.
-        generation = _made[pg.group_name] = _made.get(pg.group_name, 0) + 1
-        prefix = f"zero_triton/serve/{pg.group_name}/{generation}/"
-        self.store = dist.PrefixStore(prefix + "requests/", base)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "data/", base),
-                                           self.rank, self.world_size, self.timeout)
+    def __init__(self, group, store, rank: int, world_size: int, timeout: datetime.timedelta):
+        self.group, self.store = group, store
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.providers: dict = {}          # ordinal -> weakref.WeakMethod of a provider
+        self.registered = threading.Condition()
         self.asking = threading.Lock()     # one request of this rank's at a time
         self.asked = 0                     # requests this rank made
-        self.blocked = False               # what _say_if_blocked last told the others
-        self.stopping = threading.Event()
-        # Set when the interpreter starts shutting down (threading's exit hooks run before
-        # it joins this thread): an idle server wakes at once instead of at its next poll.
-        self.wake = threading.Event()
-        register_exit = getattr(threading, "_register_atexit", None)
-        if register_exit is not None:
-            register_exit(self.wake.set)
-        self.thread = threading.Thread(target=self._serve, name="zero_triton shard server")
+        self.sending: list = []            # (work, tensor) of answers not yet taken
+        self.copies: dict = {}             # ordinal -> (version, host tensors)
+        self.streams: dict = {}            # device -> the server's copy stream
+        self.failure = None                # why the thread stopped, if not asked to
+        self.stopping = False
+        self.leaving = False               # the rank is leaving: its store may go first
+        self.inbox = None
+        self.thread = None
+        try:  # a store connection of the thread's own: its blocked read holds it
+            inbox = store.clone()
+            inbox.queue_len(queue_key(rank))
+            inbox.set_timeout(IDLE_WAIT)
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            self.failure = (f"the rendezvous store ({type(store).__name__}) has no queues "
+                            f"({exc}); use a TCP store (torchrun, env:// or tcp:// "
+                            "init_method)")
+            return
+        self.inbox = inbox
+        self.thread = threading.Thread(target=self._serve, daemon=True,
+                                       name=f"zero_triton shard server (rank {rank})")
         self.thread.start()
 
     def register(self, ordinal: int, provider) -> None:
-        """``provider(words) -> (header, chunks)``: the answer to a request with the
-        requester's ``words``: a header (``HEADER_WORDS`` ints, status first) and, when
-        the status is OK, the tensors to send in order."""
-        self.providers[ordinal] = weakref.WeakMethod(provider)
+        """``provider(words) -> Answer``: the answer to a request with the requester's
+        ``words`` (its step count and layout digest)."""
+        with self.registered:
+            self.providers[ordinal] = weakref.WeakMethod(provider)
+            self.registered.notify_all()
 
-    def close(self) -> None:
-        self.stopping.set()
-        self.wake.set()
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(timeout=2 * POLL_S + 1)
-        with contextlib.suppress(Exception):
-            self.group.shutdown()
+    def stop(self) -> None:
+        """End the thread (a STOP entry in its own queue) and wait for it, briefly."""
+        self.stopping = True
+        with self.registered:
+            self.registered.notify_all()
+        if self.thread is None or not self.thread.is_alive():
+            return
+        try:
+            self.store.queue_push(queue_key(self.rank), _ENTRY.pack(STOP, 0, 0, 0, 0, 0))
+        except Exception:  # the store is gone: the blocked read fails by itself
+            pass
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=2.0)
+
+    def release(self) -> None:
+        """Drop the group, the store connections and what answers held (after ``stop``)."""
+        self.group = self.inbox = None
+        self.sending.clear()
+        self.copies.clear()
+        self.streams.clear()
 
     # -- serving ----------------------------------------------------------------------
     def _serve(self) -> None:
-        seen = 0
-        try:
-            while not self.stopping.is_set() and threading.main_thread().is_alive():
-                seen = self._poll(seen)
-                self._say_if_blocked()
-            self.store.set(f"ended/{self.rank}", b"1")  # this rank asks for nothing more
-            if not self.stopping.is_set() and not _ended_on_an_exception():
-                self._linger(seen)
-            self.store.set(f"exited/{self.rank}", b"1")
-        except Exception:  # the store or a peer went away (exit, a failed job): stop serving
-            return
-
-    def _poll(self, seen: int, idle=None) -> int:
-        """Answer the requests that arrived (a counter per rank, then a key per
-        requester); when there are none, ``idle()`` (by default: wait up to ``POLL_S``,
-        or until the interpreter starts shutting down). Returns the counter read."""
-        count = self.store.add(f"count/{self.rank}", 0)
-        if count == seen:
-            if idle is not None:
-                idle()
-            else:
-                self.wake.wait(POLL_S)
-            return seen
-        for requester in range(self.world_size):
-            key = f"request/{self.rank}/{requester}"
-            if requester != self.rank and self.store.check([key]):
-                words = _REQUEST.unpack(self.store.get(key))
-                self.store.delete_key(key)
-                try:
-                    self._answer(words)
-                except Exception:  # that requester went away: serve the others on
-                    traceback.print_exc()
-        return count
-
-    def _say_if_blocked(self) -> None:
-        """Tell the others (a key in the store, written when it changes) whether this
-        rank's main thread has waited in an agreement for over ``BLOCKED_S``: a rank
-        whose main thread has ended need not stay for it, it is waiting for the others."""
-        since = agreement.waiting_since()
-        blocked = since is not None and time.monotonic() - since > BLOCKED_S
-        if blocked != self.blocked:
-            self.blocked = blocked
-            if blocked:
-                self.store.set(f"blocked/{self.rank}", b"1")
-            else:
-                self.store.delete_key(f"blocked/{self.rank}")
-
-    def _linger(self, seen: int) -> None:
-        """After the main thread ended: answer on while a peer's main thread still runs
-        and may ask (not ended, not waiting in an agreement for the ranks that ended), at
-        most ``LINGER_S``; rank 0, which usually holds the store the others read, also
-        waits up to ``HOST_GRACE_S`` for the others to end."""
-        now = time.monotonic()
-        until = now + min(LINGER_S, self.timeout.total_seconds())
-        host_until = now + HOST_GRACE_S
-        peers = [p for p in range(self.world_size) if p != self.rank]
+        key = queue_key(self.rank)
         while True:
-            running = [p for p in peers if not self.store.check([f"exited/{p}"])
-                       and not self.store.check([f"blocked/{p}"])]
-            asking = [p for p in running if not self.store.check([f"ended/{p}"])]
-            now = time.monotonic()
-            if (not asking or now > until) and (self.rank != 0 or not running or now > host_until):
+            try:
+                entry = self.inbox.queue_pop(key)
+            except Exception as exc:  # noqa: BLE001 - any store failure ends the thread
+                if "timeout" in str(exc).lower() and not self.stopping:
+                    continue  # nobody asked for an hour: read again
+                if not self.stopping:
+                    self.failure = f"its store connection failed ({exc})"
+                if not self.stopping and not self.leaving:
+                    sys.stderr.write(f"zero_triton: rank {self.rank}'s shard server stopped: "
+                                     f"{self.failure}; state_dict() on one rank can no longer "
+                                     "reach this rank (call it on every rank, or use "
+                                     "zero_triton.checkpoint.save)\n")
                 return
-            seen = self._poll(seen, lambda: time.sleep(POLL_S / 5))
+            kind, ordinal, requester, tag, *words = _ENTRY.unpack(entry)
+            if kind == STOP:
+                return
+            self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
+            try:
+                self._answer(ordinal, requester, tag, words)
+            except Exception:  # noqa: BLE001 - the requester went away: serve the others on
+                if not self.stopping:
+                    traceback.print_exc()
 
-    def _answer(self, words) -> None:
-        ordinal, requester, tag = words[:3]
-        # An optimizer registers at the end of its constructor, after its last collective:
-        # a peer done first may ask before (accelerate's prepare asks at once).
-        deadline = time.monotonic() + min(30.0, self.timeout.total_seconds() / 4)
-        while ordinal not in self.providers and time.monotonic() < deadline:
-            time.sleep(0.002)
-        ref = self.providers.get(ordinal)
-        provider = ref() if ref is not None else None
+    def _provider(self, ordinal: int):
+        """The live provider of ``ordinal``; one never registered is waited for (a peer
+        done with its constructor first may ask at once: accelerate's prepare does)."""
+        deadline = time.monotonic() + min(REGISTER_WAIT_S, self.timeout.total_seconds() / 4)
+        with self.registered:
+            while ordinal not in self.providers and not self.stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.registered.wait(left)
+            ref = self.providers.get(ordinal)
+        return ref() if ref is not None else None
+
+    def _answer(self, ordinal: int, requester: int, tag: int, words: list) -> None:
+        provider = self._provider(ordinal)
+        reason = b""
         if provider is None:
-            header, chunks = [NO_OPTIMIZER] + [0] * (HEADER_WORDS - 1), ()
+            answer = Answer([NO_OPTIMIZER] + [0] * (HEADER_WORDS - 1))
         else:
             try:
-                header, chunks = provider(list(words[3:]))
-            except Exception:  # never leave the requester waiting for a header
+                answer = provider(words)
+                chunks = list(answer.chunks) if answer.header[0] == OK else []
+                if any(c.device.type != "cpu" for c in chunks):
+                    chunks = self._host_copy(ordinal, chunks, answer)
+            except Exception as exc:  # noqa: BLE001 - never leave the requester waiting
                 traceback.print_exc()
-                header, chunks = [FAILED] + [0] * (HEADER_WORDS - 1), ()
-        self._send(torch.tensor(header, dtype=torch.int64), requester, tag)
-        for chunk in chunks:
-            self._send(chunk, requester, tag)
+                reason = f"{type(exc).__name__}: {exc}".encode()[:4096]
+                answer, chunks = Answer([FAILED, 0, len(reason), 0]), []
+        header = list(answer.header) + [0] * (HEADER_WORDS - len(answer.header))
+        self._post(torch.tensor(header, dtype=torch.int64), requester, tag)
+        if reason:
+            self._post(torch.frombuffer(bytearray(reason), dtype=torch.uint8), requester, tag)
+        for chunk in (chunks if header[0] == OK else ()):
+            self._post(chunk, requester, tag)
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        if tensor.device.type != "cpu":
-            torch.cuda.synchronize(tensor.device)  # the main thread's streams wrote it
-            tensor = tensor.cpu()
-        self.group.send([tensor.contiguous()], dst, tag).wait()
+    def _post(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Send without waiting: gloo keeps it until ``dst`` receives it (the tensor is
+        held here until then)."""
+        tensor = tensor.contiguous()
+        self.sending.append((self.group.send([tensor], dst, tag), tensor))
+
+    def _host_copy(self, ordinal: int, chunks: list, answer: Answer) -> list:
+        """``chunks`` (on a GPU) copied to pinned host memory on a stream of the server's
+        own, after ``answer.ready`` (the events after the state's last write); one copy
+        per ``answer.version``, shared by every requester of it."""
+        cached = self.copies.get(ordinal)
+        if cached is not None and cached[0] == answer.version and answer.version is not None:
+            return cached[1]
+        self.copies.pop(ordinal, None)  # the old copy goes before the new one is made
+        device = chunks[0].device
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = torch.cuda.Stream(device)
+        host = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) for c in chunks]
+        with torch.cuda.stream(stream):
+            for event in answer.ready or ():
+                stream.wait_event(event)
+            for h, c in zip(host, chunks):
+                h.copy_(c, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # this stream's copies only: the main thread's work goes on
+        self.copies[ordinal] = (answer.version, host)
+        return host
 
     # -- asking -------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def ask(self, ordinal: int, words: list):
+    def ask(self, ordinal: int, words: list) -> "Reply":
         """Ask every peer for optimizer ``ordinal``'s shards (``words``: two ints the
-        provider reads); yields a ``Reply`` to receive the answers with. A reply is read
-        to its end (``Reply.drain`` reads what is left), or the peers would wait."""
-        with self.asking:
+        provider reads); returns a ``Reply`` to receive the answers with, read to its end
+        (``Reply.drain``: ``with server.ask(...) as reply``), or the peers' sends wait."""
+        if self.stopping:
+            raise RuntimeError("ZeroAdam.state_dict() on one rank: the process group's side "
+                               "channel is closed (destroy_process_group() was called, or "
+                               "the process is exiting)")
+        if self.inbox is None or self.failure is not None:
+            raise RuntimeError(f"ZeroAdam.state_dict() on one rank: rank {self.rank}'s shard "
+                               f"server is not running: {self.failure}. Call "
+                               "consolidated_state_dict() on every rank instead, or use "
+                               "zero_triton.checkpoint.save")
+        self.asking.acquire()
+        try:
             self.asked += 1
             tag = 1 + self.asked % (1 << 30)  # sends pair by (peer, tag): ours alone
-            payload = _REQUEST.pack(ordinal, self.rank, tag, *words, 0)
+            entry = _ENTRY.pack(ASK, ordinal, self.rank, tag, *words)
             peers = [r for r in range(self.world_size) if r != self.rank]
             for peer in peers:
-                self.store.set(f"request/{peer}/{self.rank}", payload)
-                self.store.add(f"count/{peer}", 1)
-            reply = Reply(self, peers, tag)
-            try:
-                yield reply
-            finally:
-                reply.drain()
+                self.store.queue_push(queue_key(peer), entry)
+            return Reply(self, peers, tag)
+        except BaseException:
+            self.asking.release()
+            raise
 
 
 class Reply:
-    """The peers' answers to one request: a header each, then, from each peer whose
-    status is OK, the tensors its provider sends, received in the same order."""
+    """The peers' answers to one request: a header each (and a FAILED one's reason),
+    then, from each peer whose status is OK, the tensors its provider sends, received in
+    the same order. A context manager: on exit it reads what is left and lets the next
+    request of this rank's go."""
 
     def __init__(self, server: ShardServer, peers: list, tag: int):
         self.server, self.peers, self.tag = server, peers, tag
-        self.headers = {}
-        works = {}
-        for peer in peers:
-            self.headers[peer] = torch.empty(HEADER_WORDS, dtype=torch.int64)
-            works[peer] = server.group.recv([self.headers[peer]], peer, tag)
-        for peer, work in works.items():
-            _wait(work, peer, server)
-        self.headers = {peer: h.tolist() for peer, h in self.headers.items()}
-        self.sending = [p for p in peers if self.headers[p][0] == OK]
         self.expected = None  # the chunks each OK peer sends, when the reader knows
+        self.sending = []
+        self.reasons = {}
+        try:
+            headers = {p: torch.empty(HEADER_WORDS, dtype=torch.int64) for p in peers}
+            self._receive(headers)
+            self.headers = {peer: h.tolist() for peer, h in headers.items()}
+            failed = {p: torch.empty(h[2], dtype=torch.uint8)
+                      for p, h in self.headers.items() if h[0] == FAILED and h[2] > 0}
+            self._receive(failed)
+            self.reasons = {p: bytes(t.tolist()).decode(errors="replace") for p, t in failed.items()}
+            self.sending = [p for p in peers if self.headers[p][0] == OK]
+        except BaseException:
+            server.asking.release()
+            raise
+
+    def __enter__(self) -> "Reply":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.drain()
+        finally:
+            self.server.asking.release()
 
     def expect(self, sizes: list) -> None:
         """The (numel, dtype) of each tensor every peer that said OK will send, in order:
@@ -261,26 +299,22 @@ class Reply:
         the size that peer sends next)."""
         if self.expected:
             self.expected.pop(0)
-        works = {peer: self.server.group.recv([out], peer, self.tag) for peer, out in outs.items()}
+        self._receive(outs)
+
+    def _receive(self, outs: dict) -> None:
+        group, tag = self.server.group, self.tag
+        works = {peer: group.recv([out], peer, tag) for peer, out in outs.items()}
         for peer, work in works.items():
-            _wait(work, peer, self.server)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"zero_triton: rank {self.server.rank} asked rank {peer} for its shards and "
+                    f"got no answer within the process group's timeout "
+                    f"({self.server.timeout.total_seconds():g} s) or the connection closed "
+                    f"({exc}); it probably died, exited or destroyed its process group") from exc
 
     def drain(self) -> None:
         while self.expected and self.sending:
             numel, dtype = self.expected[0]
             self.receive({peer: torch.empty(numel, dtype=dtype) for peer in self.sending})
-
-
-def _wait(work, peer: int, server: ShardServer) -> None:
-    try:
-        work.wait()
-    except RuntimeError as exc:
-        raise RuntimeError(
-            f"zero_triton: rank {server.rank} asked rank {peer} for its shards and got no answer "
-            f"within the process group's timeout ({server.timeout.total_seconds():g} s) or the "
-            f"connection closed ({exc}); it probably died or exited") from exc
-
-
-def _ended_on_an_exception() -> bool:
-    """The main thread ended on an uncaught exception (the interpreter printed it)."""
-    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None

@@ -357,7 +357,7 @@ def served_state_dict(opt, server, ordinal: int, steps: int, chunk_elems: int = 
                       for part in shard_chunks([flat], chunk_elems)])
         for peer, header in sorted(reply.headers.items()):
             if header[0] != serve.OK:
-                raise RuntimeError(_refusal(peer, header, comm.rank, steps))
+                raise RuntimeError(_refusal(peer, header, comm.rank, steps, reply.reasons.get(peer)))
 
         def pieces(part, rows):
             n = part.numel()
@@ -377,7 +377,7 @@ def served_state_dict(opt, server, ordinal: int, steps: int, chunk_elems: int = 
     return state_dict
 
 
-def _refusal(peer: int, header: list, rank: int, steps: int) -> str:
+def _refusal(peer: int, header: list, rank: int, steps: int, reason: str | None = None) -> str:
     status, their_steps = header[0], header[1]
     head = f"ZeroAdam.state_dict() on rank {rank} asked rank {peer} for its shards: "
     if status == serve.NO_OPTIMIZER:
@@ -390,7 +390,8 @@ def _refusal(peer: int, header: list, rank: int, steps: int) -> str:
     if status == serve.LAYOUT:
         return head + ("its parameters are not this rank's (a param group added on some ranks "
                        "only?): add param groups on every rank alike. Nothing was changed")
-    return head + "it failed to read them (its stderr shows the error). Nothing was changed"
+    return head + (f"it failed to read them ({reason or 'its stderr shows the error'}). "
+                   "Nothing was changed")
 
 
 def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):

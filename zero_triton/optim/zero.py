@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 
-from zero_triton.comm import agreement, serve
+from zero_triton.comm import agreement, serve, side
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
 from zero_triton.optim import join, owners, sharded_state
@@ -142,11 +142,18 @@ class ZeroAdam(FusedAdam, Joinable):
         self._check_same_model(comm, groups)
         # Built after the model check, which every rank passes together: the ordinal
         # (how many ZeroAdams this process built on this group before) is the same on all.
-        self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.process_group)) \
-            if comm.world_size > 1 else None
+        # The side channel (zero_triton.comm.side): the agreements' gloo group and the shard
+        # server that answers another rank's state_dict() wherever this rank is; it lives
+        # while an optimizer on this group does, and until the group is destroyed.
+        channel = side.channel(comm.process_group) if comm.world_size > 1 else None
+        self._agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.process_group),
+                                              channel) if channel is not None else None
         self._step_flags = StepFlags(comm) if comm.world_size > 1 else None
-        # Answers another rank's state_dict() wherever this rank is (zero_triton.comm.serve).
-        self._server = serve.server_for(comm.process_group) if comm.world_size > 1 else None
+        self._server = channel.server if channel is not None else None
+        self._state_version = 0  # bumped, with an event per GPU, whenever the state is written
+        self._state_events = {}
+        if channel is not None:
+            channel.attach(self)
         self._told = None  # the step's entry agreement's flags, until _agree reads them
         # torch's Join (uneven inputs): disabled outside a Join block; ``_shadowing`` while
         # this rank, out of inputs, runs the others' iteration (zero_triton.optim.join);
@@ -247,13 +254,27 @@ class ZeroAdam(FusedAdam, Joinable):
         if self._state_edited():
             self._restore_state_table()  # kept: whatever is not ours
         self._reseed_written(flats)
+        self._state_written()
         return bool(agreed & agreement.STALE)
 
     def _stepped(self) -> None:
         self._notified = False
         if self._agreement is not None:
+            self._state_written()
             self._agreement.stepped()
             self._reducer.backwards = 0
+
+    def _state_written(self) -> None:
+        """Mark a write of the state (a step's kernels, a load, a reset) for the shard
+        server: a new version and, per GPU, an event on the current stream after it (a
+        host copy for another rank's state_dict() waits for that event, not for the
+        device)."""
+        self._state_version += 1
+        for device in {flat.device for _, flat in self._all_flats() if flat.device.type == "cuda"}:
+            event = self._state_events.get(device)
+            if event is None:
+                event = self._state_events[device] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None,
                         _in_step: bool = False) -> torch.Tensor:
@@ -572,7 +593,10 @@ class ZeroAdam(FusedAdam, Joinable):
             header[0] = serve.STEPS
         elif adam_state.layout_digest(flats) != digest:
             header[0] = serve.LAYOUT
-        return header, adam_state.shard_chunks(flats, self._GATHER_CHUNK) if header[0] == serve.OK else ()
+        if header[0] != serve.OK:
+            return serve.Answer(header)
+        return serve.Answer(header, adam_state.shard_chunks(flats, self._GATHER_CHUNK),
+                            ready=list(self._state_events.values()), version=self._state_version)
 
     @torch._disable_dynamo  # as torch.optim.Optimizer's
     def sharded_state_dict(self) -> dict:
@@ -625,6 +649,7 @@ class ZeroAdam(FusedAdam, Joinable):
             if msg is not None:
                 raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
         adam_state.apply_load(self, state_dict, plan)
+        self._state_written()
 
 
 def _describe(entry) -> str:

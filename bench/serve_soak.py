@@ -1,0 +1,128 @@
+"""Served state dicts under random schedules: any ranks call ``ZeroAdam.state_dict()``, in
+any order, at any moment between steps; every call returns the whole state, the same
+bits as the collective gather, or the soak counts a failure. Never a hang.
+
+    python bench/serve_soak.py --runs 20 --rounds 12            # 2 to 8 ranks
+    python bench/serve_soak.py --runs 5 --worlds 4 --rounds 30
+
+Each run starts ``world`` gloo ranks (CPU processes) on a tiny model and plays ``rounds``
+rounds drawn from the run's seed (the same draw on every rank): a training step, then
+a random set of ranks (none, one, some, all) calls ``state_dict()`` after a random delay
+of 0 to 60 ms, some twice; the round ends with ``dist.barrier()`` on every rank, or with
+nothing (the callers catch up in the next step's collectives), or with every rank's call
+in lockstep. After each round every rank takes ``consolidated_state_dict(None)`` (the
+collective gather) as the reference. Prints per world size: runs, rounds, calls, wrong
+results, hangs (a run past ``--timeout``), and the slowest call. Exit status 1 on any
+wrong result or hang. ``tests/test_serve.py`` plays a few of these schedules in the suite.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ENDINGS = ("barrier", "none", "lockstep")
+
+
+def schedule(seed: int, world: int, rounds: int) -> list:
+    """Per round: (callers -> (delay s, calls)), the ending."""
+    rng = random.Random(seed * 1000 + world)
+    plan = []
+    for _ in range(rounds):
+        ending = rng.choice(ENDINGS)
+        k = world if ending == "lockstep" else rng.choice([0, 1, 1, 2, world - 1, world])
+        callers = rng.sample(range(world), min(k, world))
+        plan.append(({r: (0.0 if ending == "lockstep" else rng.uniform(0, 0.06),
+                          rng.choice([1, 1, 1, 2])) for r in callers}, ending))
+    return plan
+
+
+def digest(sd: dict) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for i in sorted(sd["state"]):
+        for k in sorted(sd["state"][i]):
+            t = sd["state"][i][k]
+            h.update(k.encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def play(rank: int, world: int, seed: int, rounds: int, stage: int) -> list:
+    """One run on this rank: per round, (digests of this rank's calls, the reference
+    digest, the slowest call in seconds)."""
+    import torch.distributed as dist
+
+    from zero_triton import ZeroAdamW
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=0.0002)
+    g = torch.Generator().manual_seed(seed * 7 + rank)
+    out = []
+    for callers, ending in schedule(seed, world, rounds):
+        model(torch.randn(3, 12, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        got, slowest = [], 0.0
+        if rank in callers:
+            delay, calls = callers[rank]
+            time.sleep(delay)
+            for _ in range(calls):
+                start = time.monotonic()
+                got.append(digest(opt.state_dict()))
+                slowest = max(slowest, time.monotonic() - start)
+        if ending == "barrier":
+            dist.barrier()
+        out.append((got, digest(opt.consolidated_state_dict(None)), slowest))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=10, help="runs per world size")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4, 5, 6, 8])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from dist_utils import run_ranks
+    bad = 0
+    print(f"{'world':>5} {'runs':>5} {'rounds':>6} {'calls':>6} {'wrong':>5} {'hangs':>5} "
+          f"{'errors':>6} {'slowest call s':>14} {'run s':>6}")
+    for world in args.worlds:
+        calls = wrong = hangs = errors = 0
+        slowest, took = 0.0, []
+        for run in range(args.runs):
+            seed = args.seed + run
+            start = time.monotonic()
+            try:
+                results = run_ranks(play, world, seed, args.rounds, 1 + run % 2,
+                                    timeout=args.timeout, pg_timeout_s=args.timeout)
+            except TimeoutError as exc:
+                hangs += 1
+                print(f"  world {world} seed {seed}: {exc}", file=sys.stderr)
+                continue
+            except Exception as exc:  # noqa: BLE001 - counted and shown
+                errors += 1
+                print(f"  world {world} seed {seed}: {exc}", file=sys.stderr)
+                continue
+            took.append(time.monotonic() - start)
+            for per_rank in results:
+                for got, ref, s in per_rank:
+                    calls += len(got)
+                    wrong += sum(d != ref for d in got)
+                    slowest = max(slowest, s)
+        bad += wrong + hangs + errors
+        print(f"{world:>5} {args.runs:>5} {args.runs * args.rounds:>6} {calls:>6} {wrong:>5} "
+              f"{hangs:>5} {errors:>6} {slowest:>14.3f} {max(took, default=0):>6.1f}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

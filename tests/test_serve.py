@@ -1,0 +1,238 @@
+"""The shard server and the side channel (README, "State dicts on one rank"): any ranks
+call ``state_dict()`` in any order at any moment and get the whole state; idle costs one
+blocked store read; a request costs one queue entry per peer; nothing outlives its
+process group or its optimizer; a failed answer says why, at once.
+
+The multi-rank tests run on gloo ranks with a hard timeout (``dist_utils.run_ranks``): a
+wait cycle fails them by it. ``python bench/serve_soak.py`` plays many more schedules.
+"""
+import gc
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from dist_utils import free_port, run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import serve_soak  # noqa: E402
+
+
+# -- no wait cycles: random schedules ------------------------------------------------------
+@pytest.mark.parametrize("world,seed,stage", [(2, 101, 1), (3, 102, 2), (4, 103, 1), (5, 104, 2),
+                                              (8, 105, 1)])
+def test_any_ranks_in_any_order_at_any_moment_get_the_whole_state(world, seed, stage):
+    """Rounds drawn from ``seed``: a step, then none, one, some or all ranks call
+    ``state_dict()`` (some twice) after random delays of 0-60 ms, ending in a barrier,
+    in nothing (the next step) or in lockstep. Every call returns the collective
+    gather's bits. (Every rank's call a few ms apart hung at 4 ranks: each rank's main
+    thread waited for a peer's server, which was sending to a rank that waited too.)"""
+    rounds = 8
+    results = run_ranks(serve_soak.play, world, seed, rounds, stage, timeout=240, pg_timeout_s=240)
+    calls = 0
+    for rank, per_rank in enumerate(results):
+        for k, (got, ref, _) in enumerate(per_rank):
+            assert all(d == ref for d in got), f"rank {rank} round {k}: {got} != {ref}"
+            calls += len(got)
+    assert calls > 0
+
+
+# -- idle costs nothing; a request costs O(world size) -----------------------------------
+def _trained(steps=2, device="cpu"):
+    """A small model and its ZeroAdamW after ``steps`` steps."""
+    from zero_triton import ZeroAdamW
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)).to(device)
+    opt = ZeroAdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randn(4, 16, device=device)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+class _Counting:
+    """A store that counts the calls made on it (and on its clones) by name."""
+
+    def __init__(self, store, counts):
+        self._store, self._counts = store, counts
+
+    def clone(self):
+        self._counts["clone"] = self._counts.get("clone", 0) + 1
+        return _Counting(self._store.clone(), self._counts)
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self._counts[name] = self._counts.get(name, 0) + 1
+            return method(*args, **kwargs)
+        return counted
+
+
+def _store_calls(rank, world):
+    import torch.distributed as dist
+
+    from zero_triton.comm import serve
+    counts = {}
+    make = serve.ShardServer.__init__
+
+    def counting(self, group, store, *args):
+        make(self, group, _Counting(store, counts), *args)
+    serve.ShardServer.__init__ = counting
+    model, opt = _trained()
+    time.sleep(2.0)  # idle: ~40 polls of the store in the old server
+    idle = dict(counts)
+    dist.barrier()
+    if rank == 0:
+        opt.state_dict()
+    dist.barrier()
+    time.sleep(0.2)  # the peers' servers went back to their queues
+    asked = dict(counts)
+    return idle, asked
+
+
+def test_idle_is_one_blocked_store_read_and_a_request_one_entry_per_peer():
+    world = 4
+    results = run_ranks(_store_calls, world, timeout=120)
+    for rank, (idle, asked) in enumerate(results):
+        # The thread's own connection, one probe, its timeout, one read blocked since.
+        assert idle == {"clone": 1, "queue_len": 1, "set_timeout": 1, "queue_pop": 1}, (rank, idle)
+        pops = asked["queue_pop"] - idle["queue_pop"]
+        pushes = asked.get("queue_push", 0)
+        if rank == 0:  # one entry per peer, nothing else
+            assert pushes == world - 1 and pops == 0, (rank, asked)
+        else:  # one read answered, one read blocked again
+            assert pushes == 0 and pops == 1, (rank, asked)
+        assert set(asked) == set(idle) | ({"queue_push"} if rank == 0 else set()), (rank, asked)
+
+
+# -- lifetime ------------------------------------------------------------------------------
+def _threads_and_files():
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def _cycles(rank, world, ports):
+    """The harness's group destroyed; then, per port, init -> ZeroAdamW -> 2 steps ->
+    rank 0's state_dict() -> destroy_process_group(), the count of threads and open
+    files after each; a group made again at the end for the harness to destroy."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    counts = []
+    for port in ports:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        model, opt = _trained()
+        if rank == 0:
+            opt.state_dict()
+        dist.destroy_process_group()
+        del model, opt
+        gc.collect()
+        counts.append(_threads_and_files())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0] + 1}", rank=rank,
+                            world_size=world)
+    return counts
+
+
+def test_ten_init_destroy_cycles_hold_threads_and_open_files_flat():
+    """(Five cycles went from 2 to 6 threads and 33 to 93 open files per process: each
+    destroyed group's server thread, its gloo group and its store connection stayed.)"""
+    ports = [free_port() for _ in range(10)]
+    while len({p + 1 for p in ports} & set(ports)) or len(set(ports)) < 10:
+        ports = [free_port() for _ in range(10)]
+    results = run_ranks(_cycles, 2, ports, timeout=240)
+    for rank, counts in enumerate(results):
+        assert all(c == counts[0] for c in counts[1:]), (rank, counts)
+
+
+def _dropped(rank, world):
+    from zero_triton.comm import side
+    before = _threads_and_files()
+    model, opt = _trained(1)
+    during = _threads_and_files()
+    names = [t.name for t in threading.enumerate()]
+    del opt
+    gc.collect()
+    time.sleep(0.2)
+    after = _threads_and_files()
+    return before, during, after, names, len(side.open_channels())
+
+
+def test_a_dropped_optimizer_stops_its_server_and_side_group():
+    for rank, (before, during, after, names, channels) in enumerate(run_ranks(_dropped, 2, timeout=120)):
+        assert any("shard server" in n for n in names), names
+        assert during[0] > before[0], (rank, before, during)
+        assert after == before and channels == 0, (rank, before, during, after, channels)
+
+
+# -- failures are loud and quick ------------------------------------------------------------
+def _provider_fails(rank, world):
+    import torch.distributed as dist
+
+    from zero_triton import ZeroAdamW
+    if rank == 1:
+        def failing(self, words):
+            raise OSError("the disk under rank 1 is full")
+        ZeroAdamW._serve_shards = failing
+    model, opt = _trained(1)
+    message = None
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            opt.state_dict()
+        except RuntimeError as exc:
+            message = (time.monotonic() - start, str(exc))
+    dist.barrier()
+    return message
+
+
+def test_a_failed_answer_raises_on_the_asking_rank_with_the_reason_at_once():
+    seconds, message = run_ranks(_provider_fails, 2, timeout=120, pg_timeout_s=120)[0]
+    assert seconds < 10 and "the disk under rank 1 is full" in message, (seconds, message)
+
+
+# -- GPUs: a copy after the state's event, never a device-wide synchronize -------------------
+@requires_cuda
+def test_cuda_host_copy_waits_for_the_states_event_not_for_the_device():
+    """The main stream writes the state, records the event, then spins (an NCCL barrier
+    waiting for the asking rank, say): the server's copy lands while the spin runs."""
+    from zero_triton.comm import serve
+    state = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    state.mul_(2)
+    ready = torch.cuda.Event()
+    ready.record()
+    torch.cuda._sleep(int(3e9))  # ~1-2 s of spinning on the current stream
+    server = serve.ShardServer.__new__(serve.ShardServer)
+    server.copies, server.streams = {}, {}
+    start = time.monotonic()
+    host = server._host_copy(0, [state[: 1 << 19], state[1 << 19:]],
+                             serve.Answer([serve.OK], ready=[ready], version=1))
+    took = time.monotonic() - start
+    spinning = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert spinning, f"the copy took {took:.2f} s: it waited for the spin"
+    expect = torch.arange(1 << 20, dtype=torch.float32) * 2
+    assert torch.equal(torch.cat(host), expect)
+    again = server._host_copy(0, [state], serve.Answer([serve.OK], ready=[ready], version=1))
+    assert again is host  # one copy per version, shared by the requesters
+
+
+def _served_on_gpu(rank, world):
+    import torch.distributed as dist
+    torch.cuda.set_device(0)  # one GPU: both gloo ranks on it (NCCL refuses two)
+    _, opt = _trained(3, "cuda")
+    every = serve_soak.digest(opt.consolidated_state_dict(None))
+    alone = serve_soak.digest(opt.state_dict()) if rank == 0 else None
+    dist.barrier()  # rank 1 waits here while its server copies its shard from the GPU
+    return every, alone
+
+
+@requires_cuda
+def test_cuda_state_dict_on_one_rank_of_two_gloo_ranks_on_the_gpu():
+    results = run_ranks(_served_on_gpu, 2, timeout=180)
+    assert results[0][1] == results[0][0] == results[1][0], results
