@@ -17,6 +17,8 @@ The ``lone-*`` variants start the ranks as plain processes (``env://``, no launc
 would kill the others when one ends) and time how long a rank whose script is done
 stays after its peers end, however they end (README, "State dicts on one rank"):
 
+- ``lone-end``: rank 1 is done; rank 0 ends 1 s later (nothing asked: the baseline, where
+  the teardown figure is a 2-rank process's own shutdown);
 - ``lone-save-last``: 4 ranks; ranks 1-3 end first, rank 0 calls ``opt.state_dict()``
   as its last line 1 s later (the others answer it, then leave with it);
 - ``lone-peer-killed``: rank 1 is done; rank 0 is SIGKILLed 1 s later;
@@ -115,7 +117,7 @@ LONE_SCRIPT = textwrap.dedent("""
 
 VARIANTS = {"destroy": 0, "no-destroy": 0, "overlap+destroy": 0, "overlap": 0, "raise": 1}
 # Plain processes: the expected status of each rank (one entry: the spawning parent).
-LONE = {"lone-save-last": (0, 0, 0, 0), "lone-peer-killed": (-9, 0), "lone-peer-exit": (3, 0),
+LONE = {"lone-end": (0, 0), "lone-save-last": (0, 0, 0, 0), "lone-peer-killed": (-9, 0), "lone-peer-exit": (3, 0),
         "lone-peer-raises": (1, 0), "lone-raise-mid-training": (1, 1), "lone-spawn-raise": (1,)}
 CONTROL = {"ddp": 0}  # run only when named: the same ending without zero_triton
 EXPECTED = {**VARIANTS, **CONTROL}

@@ -70,8 +70,8 @@ raise SystemExit(0 if mod is not None else 1)"
     # Two of the files that hold CUDA tests: collecting the whole suite twice took ~50 s.
     run_stage test-marked 90 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py -q \
         -m cuda -p no:cacheprovider
-    run_stage test-named 60 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py -q \
-        -k cuda -m "not cuda" -p no:cacheprovider
+    run_stage test-named 60 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py \
+        tests/test_serve.py -q -k cuda -m "not cuda" -p no:cacheprovider
     run_stage bench 150 "$PY" bench/step.py --quick --device cpu --out "$OUT"
     # Two configurations: the peers' own tests cover the rest; this proves the stage runs.
     run_stage e2e 150 "$PY" bench/e2e.py --ranks 2 --steps 2 --warmup 1 --iters 2 --layers 1 \
@@ -83,13 +83,15 @@ else
     run_stage build 165 env ZERO_TRITON_BUILD_EXT=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
     # test-marked includes FSDP2 on the GPU with the compiled list kernel (tests/test_dtensor.py).
     run_stage test-marked 70 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
-    # test-named includes two gloo ranks on the GPU (tests/test_side_stream.py).
-    run_stage test-named 75 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
+    # test-named includes two gloo ranks on the GPU (tests/test_side_stream.py), and the
+    # shard server's GPU path (tests/test_serve.py: the host copy after the state's event
+    # while the main stream spins; rank 0's state_dict() of two gloo ranks on the GPU).
+    run_stage test-named 95 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
     # The benchmark drops its slow multi-pass providers by itself at sizes whose
     # buffers would not all fit in device memory.
-    run_stage bench 100 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
+    run_stage bench 90 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
         --cases fp32,bf16,gpt2,many --repeats 20 --out "$OUT"
-    run_stage e2e 100 "$PY" bench/e2e.py --device cuda --ranks 1 --steps 10 --warmup 3 \
+    run_stage e2e 90 "$PY" bench/e2e.py --device cuda --ranks 1 --steps 10 --warmup 3 \
         --layers 12 --width 768 --heads 12 --vocab 50304 --seq 512 --batch 8 --out "$OUT"
 fi
 

@@ -1,9 +1,9 @@
 """Scripts that use ZeroAdam end with their own status, never an abort (README,
 Reliability): torchrun scripts ending with or without ``destroy_process_group()``, with
 all-gathers in flight under ``overlap()``, or with an exception; and ranks started as
-plain processes (no launcher to kill the rest) whose peers end every way (a save as rank
+plain processes (no launcher to kill the rest) whose peers end every way (later, a save as rank
 0's last line, SIGKILL, ``sys.exit(3)``, an exception, a rank failing mid-training, one
-under ``torch.multiprocessing.spawn``). One run of each here (eleven launches, ~1.5
+under ``torch.multiprocessing.spawn``). One run of each here (twelve launches, ~1.5
 minutes); ``python bench/exit_soak.py --runs 200`` is the long measurement, with the
 time a rank that is done stays after its peers end.
 """
@@ -20,4 +20,4 @@ def test_every_ending_exits_with_its_own_status():
                           capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "EXIT_SOAK_VERBOSE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    assert proc.stdout.count("1/1 exited") == 11, proc.stdout
+    assert proc.stdout.count("1/1 exited") == 12, proc.stdout

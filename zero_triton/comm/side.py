@@ -121,7 +121,8 @@ class SideChannel:
             _hooked = True
             register = getattr(threading, "_register_atexit", None)
             if register is not None:  # CPython: called before threads are joined at exit
-                register(_at_main_thread_end)
+                with contextlib.suppress(RuntimeError):  # made while the interpreter exits
+                    register(_at_main_thread_end)
 
     # -- users --------------------------------------------------------------------------
     def attach(self, owner) -> None:
