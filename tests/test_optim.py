@@ -18,7 +18,7 @@ from conftest import interpreter_on, requires_cuda
 from zero_triton import FusedAdam, FusedAdamW
 from zero_triton.native import ext as _ext
 from zero_triton.native import backends
-from zero_triton.tools.reference import rne_cast, torch_adam_step_
+from zero_triton.reference import rne_cast, torch_adam_step_
 
 BACKENDS = ("torch", "triton", "cpu")
 

@@ -30,7 +30,7 @@ from dist_utils import run_ranks
 from zero_triton import FusedAdam, FusedAdamW, ZeroAdam, ZeroAdamW, ZeroGradScaler
 from zero_triton.native import backends
 from zero_triton.state.flat import ALIGN, FlatLayout
-from zero_triton.tools.reference import rne_cast
+from zero_triton.reference import rne_cast
 
 LR = 1e-2
 STEPS = 10

@@ -1,6 +1,6 @@
 """Backends: name -> fused step function, and which are usable here and why not.
 
-Every backend computes the same function (see ``zero_triton.tools.reference``) with one
+Every backend computes the same function (see ``zero_triton.reference``) with one
 signature::
 
     step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,

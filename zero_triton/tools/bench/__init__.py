@@ -23,7 +23,7 @@ even when a provider moves more bytes (the composite moves 40 B/param).
 
 Before timing, a correctness guard steps each provider twice from identical data and
 compares parameters (or fp32 master) and both moments with torch ``fused=True`` (the
-composite for bf16) and with ``zero_triton.tools.reference`` on a slice: a provider that
+composite for bf16) and with ``zero_triton.reference`` on a slice: a provider that
 disagrees gets an error row instead of a time.
 """
 from zero_triton.tools.bench.cases import BYTES_PER_PARAM, GUARD_RTOL, LR, parse_size

@@ -74,8 +74,8 @@ def _max_rel(a_list, b_list, chunk=1 << 24) -> float:
 
 
 def _reference_slice(case, p0s, g0s):
-    """zero_triton.tools.reference's float64 step on a slice of tensor 0, GUARD_STEPS times."""
-    from zero_triton.tools.reference import torch_adam_step_
+    """zero_triton.reference's float64 step on a slice of tensor 0, GUARD_STEPS times."""
+    from zero_triton.reference import torch_adam_step_
     k = min(REF_SLICE, p0s[0].numel())
     p = p0s[0].reshape(-1)[:k].float().cpu().clone()
     g = g0s[0].reshape(-1)[:k].cpu().clone()
