@@ -16,7 +16,8 @@ connected; a request is a queue entry its peer pops).
 When it goes (``close``): when the last ZeroAdam on the group is dropped; when the user
 destroys the process group (torch drops the group's store from its registry: the signal,
 ``_on_destroy``); when the main thread ends; at exit. When the main thread ends normally,
-or the group is destroyed, the rank first *leaves* (``leave``): a peer may still ask for
+or the group is destroyed (but not while an exception is on its way), the rank first
+*leaves* (``leave``): a peer may still ask for
 this rank's shards (``if rank == 0: torch.save(opt.state_dict())`` as a script's last
 line, the other ranks done first), so it waits for every peer to leave too, serving
 meanwhile. Leaving is one all-gather on the side group of a row that says so: a blocked
@@ -191,7 +192,14 @@ def _detach(ref) -> None:
 
 def _on_destroy(ref) -> None:
     ch = ref()
-    if ch is not None and not ch.closed:
+    if ch is None or ch.closed:
+        return
+    if sys.exc_info()[1] is not None:
+        # Destroyed while an exception is on its way (a ``finally:`` clause, an ``except:``
+        # handler): this rank failed, and does not wait; its peers fail as its side
+        # connections close.
+        ch.close()
+    else:
         ch.leave()
 
 
