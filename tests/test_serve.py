@@ -236,3 +236,31 @@ def _served_on_gpu(rank, world):
 def test_cuda_state_dict_on_one_rank_of_two_gloo_ranks_on_the_gpu():
     results = run_ranks(_served_on_gpu, 2, timeout=180)
     assert results[0][1] == results[0][0] == results[1][0], results
+
+
+# -- what a GPU copy is keyed by, on CPU ------------------------------------------------------
+def _versions(rank, world):
+    """The provider's answer: a new state version after each write (a step, a load, an
+    agreed entry), the same one between writes, so that one host copy of a GPU shard
+    serves every requester of it and none is served a stale one."""
+    from zero_triton.comm import serve
+    from zero_triton.optim import state_dict as adam_state
+    model, opt = _trained(1)
+    steps = opt._agreement.steps
+    digest = adam_state.layout_digest([f for _, f in opt._all_flats()])
+    first = opt._serve_shards([steps, digest])
+    again = opt._serve_shards([steps, digest])
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    opt.step()
+    stepped = opt._serve_shards([steps + 1, digest])
+    opt.load_state_dict(opt.consolidated_state_dict(None))
+    loaded = opt._serve_shards([steps + 1, digest])
+    stale = opt._serve_shards([steps, digest])
+    return ([a.header[0] for a in (first, again, stepped, loaded, stale)],
+            [a.version for a in (first, again, stepped, loaded)], serve.OK, serve.STEPS)
+
+
+def test_the_shard_answer_is_keyed_by_a_version_every_write_changes():
+    for statuses, versions, ok, steps in run_ranks(_versions, 2, timeout=120):
+        assert statuses == [ok, ok, ok, ok, steps], statuses
+        assert versions[0] == versions[1] < versions[2] < versions[3], versions

@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from zero_triton.comm.buckets import Bucket
+from zero_triton.native.compat import disable_dynamo
 
 
 def _read_before_gathered(bucket: Bucket):
@@ -90,7 +91,7 @@ def _on_leaf(p: torch.Tensor, register):
 # them as they are (``torch._disable_dynamo``, ~0.5 us a call) instead of tracing a
 # graph break into each.
 def post_accumulate_hook(p: torch.Tensor, fn):
-    return _on_leaf(p, lambda: p.register_post_accumulate_grad_hook(torch._disable_dynamo(fn)))
+    return _on_leaf(p, lambda: p.register_post_accumulate_grad_hook(disable_dynamo(fn)))
 
 
 def register_sharded_hooks(params, reached, layout, buckets, reducer) -> list:
@@ -119,5 +120,5 @@ def register_hooks(params, reached, grad_views, buckets, reducer) -> list:
             handles.append(post_accumulate_hook(p, functools.partial(
                 grad_ready, reached, i, j, grad_views[i], b, ref)))
             handles.append(_on_leaf(p, lambda p=p, b=b: p.register_hook(
-                torch._disable_dynamo(functools.partial(before_accumulate, b)))))
+                disable_dynamo(functools.partial(before_accumulate, b)))))
     return handles

@@ -26,7 +26,9 @@ import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import DeviceContext
+
+from zero_triton.native import compat
+from zero_triton.native.compat import DeviceContext, disable_dynamo
 
 # Methods that read no parameter values: what a step, zero_grad or a freeze touches.
 _METADATA = frozenset({
@@ -104,7 +106,7 @@ class PendingReads(TorchFunctionMode):
 # Run as it is inside a function torch.compile traces (a graph break at each operation
 # while the gathers are pending): a compiled graph would otherwise read the parameters
 # without the check.
-@torch._disable_dynamo
+@disable_dynamo
 def _wait_if_touched(guard: PendingReads, args, kwargs) -> None:
     if guard.active and guard.touches(args, kwargs):
         guard.active = False
@@ -118,9 +120,10 @@ def push(mode: TorchFunctionMode) -> None:
     default device's ``DeviceContext``, which keeps the bottom), as torch puts
     ``DeviceContext`` there: a ``with`` mode entered before ``step()`` and left after it
     pops its own mode, not this one."""
+    compat.require(compat.MODE_STACK, "overlap()'s guard of parameter reads", "2.4")
     stack = [torch._C._pop_torch_function_stack()
              for _ in range(torch._C._len_torch_function_stack())][::-1]  # bottom first
-    at = 1 if stack and isinstance(stack[0], DeviceContext) else 0
+    at = 1 if stack and DeviceContext is not None and isinstance(stack[0], DeviceContext) else 0
     stack.insert(at, mode)
     for m in stack:
         torch._C._push_on_torch_function_stack(m)

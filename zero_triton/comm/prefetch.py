@@ -20,15 +20,15 @@ import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from zero_triton.comm.group import phase
+from zero_triton.native.compat import disable_dynamo, tree_leaves
 
 
 # The hooks below are bookkeeping and waits on collectives: inside a compiled forward
 # they run as they are (``torch._disable_dynamo``, a graph break at each module that
 # waits), like the gradient hooks (``zero_triton.comm.buckets``), rather than being traced.
-@torch._disable_dynamo
+@disable_dynamo
 def _wait_for_own(reducer_ref, reads, module, _args):
     """Forward pre-hook: wait for the buckets of the module's own parameters, and of the
     parameters its forward was seen reading that it does not own (``reads``)."""
@@ -83,7 +83,7 @@ class _Learner:
         self.waiter = waiter  # module -> None: give a module without parameters a waiting hook
         self.done = False
 
-    @torch._disable_dynamo
+    @disable_dynamo
     def before(self, module, _args):
         if self.done:
             return
@@ -96,7 +96,7 @@ class _Learner:
         if self.recorder is not None:
             self.recorder.stack.append(module)
 
-    @torch._disable_dynamo
+    @disable_dynamo
     def after(self, module, _args, _out):
         rec = self.recorder
         if self.done or rec is None:
@@ -114,7 +114,7 @@ class _Learner:
             _remove(self.handles)  # learned: these hooks cost every forward nothing more
 
 
-@torch._disable_dynamo
+@disable_dynamo
 def _wait_for_all(reducer_ref, *_args, **_kwargs):
     reducer = reducer_ref()
     if reducer is not None:

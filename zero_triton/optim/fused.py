@@ -17,6 +17,7 @@ import torch
 from zero_triton.comm import buckets
 from zero_triton.comm.group import LocalComm, phase
 from zero_triton.native import backends
+from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import clipping, owners
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
@@ -137,7 +138,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         owners.built()
 
     # -- construction -------------------------------------------------------------
-    @torch._disable_dynamo
+    @disable_dynamo
     def add_param_group(self, param_group: dict) -> None:
         if self._differentiable:
             group = {**self.defaults, **param_group}
@@ -284,7 +285,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._reducer.wait_gathers()
 
     # -- the step -------------------------------------------------------------------
-    @torch._disable_dynamo  # eager under torch.compile, as torch.optim.Optimizer's
+    @disable_dynamo  # eager under torch.compile, as torch.optim.Optimizer's
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim.Optimizer.zero_grad: every ``.grad`` None (``set_to_none``,
         the default; nothing is written), or each gradient zeroed in place and kept, so
@@ -428,7 +429,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
     # as torch.optim.Adam(fused=True) runs its kernel: the step is bookkeeping of Python
     # objects (which gradients arrived, which parameters were written) around kernel
     # launches, and tracing it would add guards, not speed.
-    @torch._disable_dynamo
+    @disable_dynamo
     @torch.no_grad()
     def _fused_step(self, closure):
         loss = None
@@ -548,7 +549,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         return total
 
     # -- state dict (torch.optim.Adam format: zero_triton.optim.state_dict) ------------------
-    @torch._disable_dynamo
+    @disable_dynamo
     def state_dict(self) -> dict:
         """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
@@ -559,7 +560,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self.wait_params()
         return adam_state.with_state_dict_hooks(self, self._full_state_dict)
 
-    @torch._disable_dynamo
+    @disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch.optim.Adam's format (ours or torch's). Everything is checked
         before anything changes; without ``master_param`` the master is the current

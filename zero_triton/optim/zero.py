@@ -26,6 +26,7 @@ from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 from zero_triton.comm import agreement, serve, side
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
+from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import join, owners, sharded_state
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import (check_drop_in_flags, check_hyperparameters, check_no_dtensors,
@@ -356,7 +357,7 @@ class ZeroAdam(FusedAdam, Joinable):
                     f"rank {rank} has {_describe(b)}; every rank must build the same model "
                     "(same parameters, shapes, dtypes and param groups) before the optimizer")
 
-    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    @disable_dynamo  # as torch.optim.Optimizer's
     def add_param_group(self, param_group: dict) -> None:
         """Collective when called after construction: every rank must add the same group."""
         if getattr(self, "_constructed", False) and self._grads_reduced:
@@ -541,7 +542,7 @@ class ZeroAdam(FusedAdam, Joinable):
     # -- full (torch.optim.Adam-format) state dicts: zero_triton.optim.state_dict -------------
     _GATHER_CHUNK = adam_state.GATHER_CHUNK
 
-    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    @disable_dynamo  # as torch.optim.Optimizer's
     def state_dict(self) -> dict:
         """The full state in torch.optim.Adam's format, as CPU tensors, on the rank that
         calls it: on one rank alone (``if rank == 0: torch.save(opt.state_dict())``, HF
@@ -552,7 +553,7 @@ class ZeroAdam(FusedAdam, Joinable):
         rank writes only its shard). State-dict hooks run on the calling rank."""
         return super().state_dict()
 
-    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    @disable_dynamo  # as torch.optim.Optimizer's
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full state in torch.optim.Adam's format (``consolidated_state_dict()``,
         ``FusedAdam.state_dict()`` or torch.optim.Adam's own), given on every rank; each
@@ -598,7 +599,7 @@ class ZeroAdam(FusedAdam, Joinable):
         return serve.Answer(header, adam_state.shard_chunks(flats, self._GATHER_CHUNK),
                             ready=list(self._state_events.values()), version=self._state_version)
 
-    @torch._disable_dynamo  # as torch.optim.Optimizer's
+    @disable_dynamo  # as torch.optim.Optimizer's
     def sharded_state_dict(self) -> dict:
         """This rank's shard of the state in torch.optim.Adam's format, for
         torch.distributed.checkpoint: ``step`` a tensor per parameter, each state tensor
