@@ -190,10 +190,12 @@ zero_triton.FusedAdamW(m.parameters())
 print("fused", patched())
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
-zero_triton.ZeroAdamW(m.parameters())
+zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters())  # one rank of ZeRO-1: routes nothing
+print("one rank", patched(), zero_triton.integrations.applied())
+zero_triton.ZeroAdamW(m.parameters(), stage=2)  # its gradients are shards: torch's clipping routes
 once = (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_, torch.amp.GradScaler.unscale_,
         DCP._state_dict_fn)
-zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters())
+zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters(), stage=2)
 print("zero", patched(), once == (U.clip_grad_norm_, torch.amp.GradScaler._unscale_grads_,
                                   torch.amp.GradScaler.unscale_, DCP._state_dict_fn))
 import importlib.util, sys
@@ -206,7 +208,8 @@ dist.destroy_process_group()
 
 
 def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
-    """``import zero_triton`` and FusedAdam change nothing of torch; the first ZeroAdam
+    """``import zero_triton`` and FusedAdam change nothing of torch, nor does a ZeroAdam of
+    ZeRO-1 at one rank (nothing needs routing); the first ZeroAdam that needs them
     applies every patch of ``integrations/`` (torch's clipping functions, routed in place, GradScaler's
     two methods, DCP's way to an optimizer's state dict, and accelerate's
     ``Accelerator.clip_grad_norm_`` once accelerate is imported, here after it), and a
@@ -218,6 +221,7 @@ def test_patches_are_applied_by_the_first_zero_adam_only_and_once():
     out = run_python(["-c", _PATCHES], timeout=300, env={**os.environ, "PORT": str(port)})
     assert out.returncode == 0, out.stderr
     assert "fused (False, False, False, False, False, False, False)" in out.stdout, out.stdout
+    assert "one rank (False, False, False, False, False, False, False) []" in out.stdout, out.stdout
     assert "zero (True, True, True, True, True, True, True) True" in out.stdout, out.stdout
     if importlib.util.find_spec("accelerate") is not None:
         assert "accelerate False True" in out.stdout, out.stdout
@@ -232,3 +236,82 @@ def test_setup_installs_every_package():
     found = {module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("__init__.py")}
     found.add("zero_triton.kernels")
     assert set(listed) == found, (sorted(found - set(listed)), sorted(set(listed) - found))
+
+
+_OFF = r"""
+import os, sys, torch, torch.nn.utils as U, torch.nn.utils.clip_grad as CG
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as DCP
+import torch.distributed.optim.zero_redundancy_optimizer as ZRO
+have_accelerate = __import__("importlib").util.find_spec("accelerate") is not None
+if have_accelerate:
+    import accelerate.accelerator as A
+def torch_objects():
+    objs = [U.clip_grad_norm_, CG.clip_grad_norm_, U.clip_grad_value_, U.get_total_norm,
+            U.clip_grads_with_norm_, torch.amp.GradScaler._unscale_grads_,
+            torch.amp.GradScaler.unscale_, DCP._state_dict_fn, DCP._get_optim_state_dict,
+            ZRO.ZeroRedundancyOptimizer._build_param_buckets]
+    if have_accelerate:
+        objs.append(A.Accelerator.clip_grad_norm_)
+    return objs
+def cells():  # what torch's clipping wrappers call, and the markers on them
+    out = []
+    for f in (U.clip_grad_norm_, U.clip_grad_value_, U.get_total_norm, U.clip_grads_with_norm_):
+        out.append(tuple(c.cell_contents for c in (f.__closure__ or ())))
+        out.append(vars(f).get("_zero_triton_routes"))
+    return out
+before, before_cells, finders = torch_objects(), cells(), list(sys.meta_path)
+import zero_triton
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+zero_triton.FusedAdamW(torch.nn.Linear(4, 4).parameters())  # arms torch_zero
+opt = zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters(), stage=2)
+print("applied", zero_triton.integrations.applied())
+print("changed", cells() != before_cells or torch_objects() != before)
+zero_triton.integrations.disable()
+print("restored", [a is b for a, b in zip(torch_objects(), before)], cells() == before_cells,
+      sys.meta_path == finders)
+zero_triton.ZeroAdamW(torch.nn.Linear(4, 4).parameters(), stage=2)  # off: applies nothing
+zero_triton.FusedAdamW(torch.nn.Linear(4, 4).parameters())
+print("after", zero_triton.integrations.applied(), cells() == before_cells,
+      all(a is b for a, b in zip(torch_objects(), before)))
+# torch's clipping is torch's again: the tensors clipped by the norm of what it is given
+g = [torch.full((3,), 3.0), torch.full((4,), 4.0)]
+ps = [torch.zeros(3, requires_grad=True), torch.zeros(4, requires_grad=True)]
+for p, x in zip(ps, g):
+    p.grad = x.clone()
+n = torch.nn.utils.clip_grad_norm_(ps, 1.0)
+print("clip", round(float(n), 4), round(float(torch.cat([p.grad for p in ps]).norm()), 4))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("how", ["disable()", "ZERO_TRITON_PATCHES=0"])
+def test_patches_can_be_turned_off_and_undone(how):
+    """``zero_triton.integrations.disable()`` undoes every patch applied (torch's clipping
+    wrappers' cells and markers, GradScaler's two methods, DCP's two functions, torch's
+    ZeroRedundancyOptimizer's bucket builder, accelerate's clip and its import hook): the
+    very objects torch had, and no later ZeroAdam patches again; with
+    ``ZERO_TRITON_PATCHES=0`` none is ever applied. torch's ``clip_grad_norm_`` then clips
+    what it is given by its own norm, as without zero_triton."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from dist_utils import run_python
+    env = {**os.environ, "PORT": str(port)}
+    if how != "disable()":
+        env["ZERO_TRITON_PATCHES"] = "0"
+    out = run_python(["-c", _OFF], timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    n = 11 if importlib.util.find_spec("accelerate") is not None else 10
+    if how == "disable()":
+        applied = next(line for line in out.stdout.splitlines() if line.startswith("applied"))
+        names = {"grad_scaler", "clip_grad", "dcp", "torch_zero"} | (
+            {"accelerate_clip"} if n == 11 else set())
+        assert all(f"'{name}'" in applied for name in names), out.stdout
+        assert "changed True" in out.stdout, out.stdout
+    else:
+        assert "applied []" in out.stdout and "changed False" in out.stdout, out.stdout
+    assert f"restored {[True] * n} True True" in out.stdout, out.stdout
+    assert "after [] True True" in out.stdout, out.stdout
+    assert "clip 9.5394 1.0" in out.stdout, out.stdout  # sqrt(3 * 9 + 4 * 16)

@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from zero_triton.integrations import patching
 from zero_triton.integrations.clip_grad import any_owned, as_list
 
 _MODULE = "accelerate.accelerator"
@@ -32,13 +33,18 @@ def install() -> None:
     if module is not None:
         _wrap(module)
     elif not any(isinstance(f, _WhenImported) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WhenImported())
+        patching.add_finder("accelerate_clip", _WhenImported())
 
 
 def _wrap(module) -> None:
     cls = getattr(module, "Accelerator", None)
     original = getattr(cls, "clip_grad_norm_", None)
-    if original is None or getattr(original, "_zero_triton_routes", False):
+    if original is not None and getattr(original, "_zero_triton_routes", False):
+        return
+    if original is None:
+        patching.skipped("accelerate_clip", "accelerate's Accelerator.clip_grad_norm_",
+                         "under ZeroAdam clip with max_grad_norm= or "
+                         "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)")
         return
 
     @functools.wraps(original)
@@ -50,7 +56,7 @@ def _wrap(module) -> None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
 
     clip_grad_norm_._zero_triton_routes = True
-    cls.clip_grad_norm_ = clip_grad_norm_
+    patching.set_attr("accelerate_clip", cls, "clip_grad_norm_", clip_grad_norm_)
 
 
 class _WhenImported(importlib.abc.MetaPathFinder):
@@ -76,5 +82,6 @@ class _WhenImported(importlib.abc.MetaPathFinder):
         def exec_module(module):
             run(module)
             _wrap(module)
-        loader.exec_module = exec_module  # this module's own loader instance
+        # this module's own loader instance
+        patching.set_attr("accelerate_clip", loader, "exec_module", exec_module)
         return spec

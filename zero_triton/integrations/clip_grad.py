@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from zero_triton.integrations import patching
 from zero_triton.optim import owners
 from zero_triton.optim.owners import owner as owner_of
 
@@ -82,15 +83,15 @@ def _reroute(module, name: str, make) -> None:
         except ValueError:  # an empty cell
             continue
         if held is inner:
-            cell.cell_contents = functools.wraps(inner)(make(inner))
-            fn._zero_triton_routes = True
+            patching.set_cell("clip_grad", cell, functools.wraps(inner)(make(inner)))
+            patching.set_attr("clip_grad", fn, "_zero_triton_routes", True)
             return
     routed = functools.wraps(fn)(make(fn))
     routed._zero_triton_routes = True
     for where in (module, torch.nn.utils):
         for attr, value in list(vars(where).items()):
             if value is fn:
-                setattr(where, attr, routed)
+                patching.set_attr("clip_grad", where, attr, routed)
 
 
 def _owners_of(params):

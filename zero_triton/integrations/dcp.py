@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from zero_triton.integrations import patching
 from zero_triton.optim.zero import ZeroAdam
 
 _SHARDED = []  # non-empty while torch builds a sharded (not full) optimizer state dict
@@ -24,7 +25,14 @@ def install() -> None:
         return
     build = getattr(dcp_state_dict, "_get_optim_state_dict", None)
     ask = getattr(dcp_state_dict, "_state_dict_fn", None)
-    if build is None or ask is None or getattr(ask, "zero_triton", False):
+    if ask is not None and getattr(ask, "zero_triton", False):
+        return
+    if build is None or ask is None:
+        patching.skipped("dcp", "torch.distributed.checkpoint.state_dict's "
+                         "_get_optim_state_dict/_state_dict_fn",
+                         "get_optimizer_state_dict gets ZeroAdam.state_dict() (the whole state "
+                         "on every rank; correct, not sharded); for sharded saves use "
+                         "zero_triton.checkpoint.save, or hand DCP opt.sharded_state_dict()")
         return
 
     @functools.wraps(build)
@@ -44,5 +52,5 @@ def install() -> None:
             return obj.sharded_state_dict
         return ask(obj, api)
     _state_dict_fn.zero_triton = True
-    dcp_state_dict._get_optim_state_dict = _get_optim_state_dict
-    dcp_state_dict._state_dict_fn = _state_dict_fn
+    patching.set_attr("dcp", dcp_state_dict, "_get_optim_state_dict", _get_optim_state_dict)
+    patching.set_attr("dcp", dcp_state_dict, "_state_dict_fn", _state_dict_fn)

@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from zero_triton.integrations import patching
+
 
 class ZeroGradScaler(torch.amp.GradScaler):
     """torch.amp.GradScaler, kept as a name for scripts that use it.
@@ -40,7 +42,13 @@ def install() -> None:
     cls = torch.amp.GradScaler
     if getattr(cls._unscale_grads_, "_zero_triton_agrees", False):
         return
-    original = cls._unscale_grads_
+    original = vars(cls).get("_unscale_grads_")
+    original_unscale = vars(cls).get("unscale_")
+    if not callable(original) or not callable(original_unscale):
+        patching.skipped("grad_scaler", "torch.amp.GradScaler._unscale_grads_/unscale_",
+                         "under ZeroAdam at 2+ ranks the ranks may disagree on found_inf; "
+                         "clip and check for inf yourself, or train without a scaler (bf16)")
+        return
 
     @functools.wraps(original)
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
@@ -54,9 +62,7 @@ def install() -> None:
         return per_device
 
     _unscale_grads_._zero_triton_agrees = True
-    cls._unscale_grads_ = _unscale_grads_
-
-    original_unscale = cls.unscale_
+    patching.set_attr("grad_scaler", cls, "_unscale_grads_", _unscale_grads_)
 
     @functools.wraps(original_unscale)
     def unscale_(self, optimizer):
@@ -68,4 +74,4 @@ def install() -> None:
             rescaled()
         return out
 
-    cls.unscale_ = unscale_
+    patching.set_attr("grad_scaler", cls, "unscale_", unscale_)

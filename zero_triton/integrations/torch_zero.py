@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import sys
 
+from zero_triton.integrations import patching
 from zero_triton.optim.fused import FusedAdam
 
 _MODULE = "torch.distributed.optim.zero_redundancy_optimizer"
@@ -44,4 +45,4 @@ def install() -> None:
         return build(self)
 
     _build_param_buckets._zero_triton = True
-    cls._build_param_buckets = _build_param_buckets
+    patching.set_attr("torch_zero", cls, "_build_param_buckets", _build_param_buckets)

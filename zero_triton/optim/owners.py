@@ -40,10 +40,10 @@ def register(optimizer, params, *, routes_clipping: bool) -> None:
     """``params`` (its trainable parameters) belong to ``optimizer`` from now on; with
     ``routes_clipping``, torch's ``clip_grad_norm_`` on them is the optimizer's to do (its
     local gradients are not the averaged ones)."""
+    if not routes_clipping:  # one rank of ZeRO-1: nothing of torch needs routing
+        return
     for install in _WHEN_BUILT:
         install()
-    if not routes_clipping:
-        return
     ref = weakref.ref(optimizer)
     for p in params:
         _OWNER[p] = ref
