@@ -4,6 +4,7 @@ bits as the collective gather, or the soak counts a failure. Never a hang.
 
     python bench/serve_soak.py --runs 20 --rounds 12            # 2 to 8 ranks
     python bench/serve_soak.py --runs 5 --worlds 4 --rounds 30
+    python bench/serve_soak.py --accelerate 4 --runs 3          # accelerate's save_state
 
 Each run starts ``world`` gloo ranks (CPU processes) on a tiny model and plays ``rounds``
 rounds drawn from the run's seed (the same draw on every rank): a training step, then
@@ -14,11 +15,19 @@ in lockstep. After each round every rank takes ``consolidated_state_dict(None)``
 collective gather) as the reference. Prints per world size: runs, rounds, calls, wrong
 results, hangs (a run past ``--timeout``), and the slowest call. Exit status 1 on any
 wrong result or hang. ``tests/test_serve.py`` plays a few of these schedules in the suite.
+
+``--accelerate N`` runs accelerate's own checkpointing instead: ``torchrun
+--nproc_per_node N`` of a script that prepares a 6 x Linear(512, 512) model and a
+ZeroAdamW with ``Accelerator(cpu=True)`` and calls ``save_state`` after every one of 5
+steps, each process arriving 0 to 150 ms after its step (accelerate calls
+``state_dict()`` on every process, each at its own moment). Prints each run's status
+and seconds.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
 import sys
 import time
@@ -82,6 +91,49 @@ def play(rank: int, world: int, seed: int, rounds: int, stage: int) -> list:
     return out
 
 
+ACCELERATE = """
+import os, random, sys, time, torch
+from accelerate import Accelerator
+from zero_triton import ZeroAdamW
+acc = Accelerator(cpu=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
+model, opt = acc.prepare(model, ZeroAdamW(model.parameters(), lr=1e-3))
+rng = random.Random(acc.process_index)
+for step in range(int(sys.argv[2])):
+    acc.backward(model(torch.randn(8, 512)).pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+    time.sleep(rng.uniform(0, 0.15))
+    acc.save_state(os.path.join(sys.argv[1], f"step{step}"), safe_serialization=False)
+acc.print("saved", step + 1)
+"""
+
+
+def accelerate_runs(nproc: int, runs: int, timeout: float) -> int:
+    import subprocess
+    import tempfile
+    bad = 0
+    for run in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "save.py"
+            script.write_text(ACCELERATE)
+            start = time.monotonic()
+            try:
+                proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc_per_node", str(nproc), str(script),
+                                       str(Path(tmp) / "ckpt"), "5"],
+                                      capture_output=True, text=True, timeout=timeout,
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+                status = proc.returncode if "saved 5" in proc.stdout else f"{proc.returncode}, no save"
+            except subprocess.TimeoutExpired:
+                status = "hung"
+            bad += status != 0
+            print(f"accelerate save_state, {nproc} processes, run {run + 1}: status {status}, "
+                  f"{time.monotonic() - start:.1f} s", flush=True)
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=10, help="runs per world size")
@@ -89,7 +141,11 @@ def main(argv=None) -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4, 5, 6, 8])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    ap.add_argument("--accelerate", type=int, default=0, metavar="N",
+                    help="run accelerate's save_state at N processes instead")
     args = ap.parse_args(argv)
+    if args.accelerate:
+        return accelerate_runs(args.accelerate, args.runs, args.timeout)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from dist_utils import run_ranks
     bad = 0

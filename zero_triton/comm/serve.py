@@ -46,15 +46,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# A queue entry: kind, ordinal, requester, tag, then the optimizer's two words (its step
-# count and a digest of its layout).
-_ENTRY = struct.Struct("<6q")
+# A queue entry: kind, ordinal, requester, tag, then the optimizer's three words (its step
+# count, a digest of its layout, its count of loads).
+_ENTRY = struct.Struct("<7q")
 ASK, STOP = 1, 2
 HEADER_WORDS = 4
 # Header statuses (the first word of a server's answer): answered; no optimizer of that
 # ordinal here; it failed reading (the reason follows as bytes: word 2 is their count);
-# at another step count; other flat buffers.
-OK, NO_OPTIMIZER, FAILED, STEPS, LAYOUT = range(5)
+# at another step count; other flat buffers; at another count of loads.
+OK, NO_OPTIMIZER, FAILED, STEPS, LAYOUT, LOADS = range(6)
 IDLE_WAIT = datetime.timedelta(hours=1)  # a blocked read of the queue, renewed when it ends
 REGISTER_WAIT_S = 30.0  # at most this long for an optimizer still being built to register
 
@@ -110,7 +110,7 @@ class ShardServer:
 
     def register(self, ordinal: int, provider) -> None:
         """``provider(words) -> Answer``: the answer to a request with the requester's
-        ``words`` (its step count and layout digest)."""
+        ``words`` (its step count, layout digest and count of loads)."""
         with self.registered:
             self.providers[ordinal] = weakref.WeakMethod(provider)
             self.registered.notify_all()
@@ -123,7 +123,7 @@ class ShardServer:
         if self.thread is None or not self.thread.is_alive():
             return
         try:
-            self.store.queue_push(queue_key(self.rank), _ENTRY.pack(STOP, 0, 0, 0, 0, 0))
+            self.store.queue_push(queue_key(self.rank), _ENTRY.pack(STOP, 0, 0, 0, 0, 0, 0))
         except Exception:  # the store is gone: the blocked read fails by itself
             pass
         if self.thread is not threading.current_thread():
@@ -230,7 +230,7 @@ class ShardServer:
 
     # -- asking -------------------------------------------------------------------------
     def ask(self, ordinal: int, words: list) -> "Reply":
-        """Ask every peer for optimizer ``ordinal``'s shards (``words``: two ints the
+        """Ask every peer for optimizer ``ordinal``'s shards (``words``: three ints the
         provider reads); returns a ``Reply`` to receive the answers with, read to its end
         (``Reply.drain``: ``with server.ask(...) as reply``), or the peers' sends wait."""
         if self.stopping:

@@ -343,21 +343,22 @@ def layout_digest(flats) -> int:
 
 
 @torch.no_grad()
-def served_state_dict(opt, server, ordinal: int, steps: int, chunk_elems: int = GATHER_CHUNK):
+def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int = GATHER_CHUNK):
     """``ZeroAdam.state_dict()`` on this rank alone: every peer's shards asked of its
     shard server (``zero_triton.comm.serve``), which answers wherever that rank's main
     thread is, assembled into torch.optim.Adam's format. The master of a parameter this
     rank sees written since the last step is taken from the parameter, as that step's
-    entry (on every rank alike) would seed it."""
+    entry (on every rank alike) would seed it. ``counts``: this rank's steps and loads."""
     flats = [flat for _, flat in opt._current_flats()]
     comm = opt._comm
-    with server.ask(ordinal, [steps, layout_digest(flats)]) as reply:
+    steps, loads = counts
+    with server.ask(ordinal, [steps, layout_digest(flats), loads]) as reply:
         # What each peer that said yes sends: read to the end (``drain``) if this raises.
         reply.expect([(part.numel(), flat.state.dtype) for flat in flats
                       for part in shard_chunks([flat], chunk_elems)])
         for peer, header in sorted(reply.headers.items()):
             if header[0] != serve.OK:
-                raise RuntimeError(_refusal(peer, header, comm.rank, steps, reply.reasons.get(peer)))
+                raise RuntimeError(_refusal(peer, header, comm.rank, counts, reply.reasons.get(peer)))
 
         def pieces(part, rows):
             n = part.numel()
@@ -377,8 +378,9 @@ def served_state_dict(opt, server, ordinal: int, steps: int, chunk_elems: int = 
     return state_dict
 
 
-def _refusal(peer: int, header: list, rank: int, steps: int, reason: str | None = None) -> str:
-    status, their_steps = header[0], header[1]
+def _refusal(peer: int, header: list, rank: int, counts: list, reason: str | None = None) -> str:
+    status, their_steps, their_loads = header[0], header[1], header[2]
+    steps, loads = counts
     head = f"ZeroAdam.state_dict() on rank {rank} asked rank {peer} for its shards: "
     if status == serve.NO_OPTIMIZER:
         return head + ("it has no such optimizer (built on fewer ranks, or deleted there); build "
@@ -387,6 +389,10 @@ def _refusal(peer: int, header: list, rank: int, steps: int, reason: str | None 
         return head + (f"it has taken {their_steps} steps and this rank {steps}. Every rank must "
                        "call step() once per iteration (a rank that skips a step, e.g. on a NaN "
                        "loss, must skip it everywhere). Nothing was changed")
+    if status == serve.LOADS:
+        return head + (f"it has loaded state {their_loads} times and this rank {loads} "
+                       "(load_state_dict, zero_triton.checkpoint.load, a reset of opt.state): "
+                       "load on every rank alike. Nothing was changed")
     if status == serve.LAYOUT:
         return head + ("its parameters are not this rank's (a param group added on some ranks "
                        "only?): add param groups on every rank alike. Nothing was changed")

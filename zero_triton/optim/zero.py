@@ -16,6 +16,7 @@ divided by the world size.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
 
@@ -153,6 +154,10 @@ class ZeroAdam(FusedAdam, Joinable):
         self._server = channel.server if channel is not None else None
         self._state_version = 0  # bumped, with an event per GPU, whenever the state is written
         self._state_events = {}
+        # Loads (load_state_dict, checkpoint.load, agreed resets) completed, counted alike on
+        # every rank as steps are, at their ends: the shard server waits for a peer's count.
+        self._loads = 0
+        self._settled = threading.Condition()
         if channel is not None:
             channel.attach(self)
         self._told = None  # the step's entry agreement's flags, until _agree reads them
@@ -255,15 +260,32 @@ class ZeroAdam(FusedAdam, Joinable):
         if self._state_edited():
             self._restore_state_table()  # kept: whatever is not ours
         self._reseed_written(flats)
-        self._state_written()
+        if agreed & agreement.RESET:
+            self._loaded()  # every rank reset its shards: counted as a load
+        else:
+            self._state_written()
         return bool(agreed & agreement.STALE)
 
     def _stepped(self) -> None:
         self._notified = False
         if self._agreement is not None:
             self._state_written()
-            self._agreement.stepped()
+            with self._settled:
+                self._agreement.stepped()
+                self._settled.notify_all()
             self._reducer.backwards = 0
+
+    def _loaded(self) -> None:
+        """A load (or an agreed reset) wrote the state on every rank: count it."""
+        self._state_written()
+        with self._settled:
+            self._loads += 1
+            self._settled.notify_all()
+
+    def shards_loaded(self, flats) -> None:
+        super().shards_loaded(flats)
+        if self._agreement is not None:
+            self._loaded()
 
     def _state_written(self) -> None:
         """Mark a write of the state (a step's kernels, a load, a reset) for the shard
@@ -573,25 +595,29 @@ class ZeroAdam(FusedAdam, Joinable):
             return adam_state.gathered_state_dict(self, None, self._GATHER_CHUNK)
         self._check_groups()
         return adam_state.served_state_dict(self, self._server, self._agreement.ordinal,
-                                            self._agreement.steps, self._GATHER_CHUNK)
+                                            [self._agreement.steps, self._loads],
+                                            self._GATHER_CHUNK)
 
     def _serve_shards(self, words: list):
         """Another rank's ``state_dict()`` asks for this rank's shards (on the shard
-        server's thread, wherever the main thread is): its step count and layout digest
-        in ``words``. This rank's shards change only inside collective calls the asking
-        rank is not in, so none can start; the tail of the step both took (after its
-        last collective) may still be running here, and is waited for."""
-        steps, digest = words[0], words[1]
+        server's thread, wherever the main thread is): its step count, layout digest and
+        count of loads in ``words``. This rank's shards change only inside collective
+        calls the asking rank is not in, so none can start; the tail of a step or a load
+        both took (after its last collective: the kernels, the copies of a loaded state)
+        may still be running here, and is waited for: the counts go up at their ends."""
+        steps, digest, loads = words[0], words[1], words[2]
         # (milliseconds; bounded well inside the group's timeout, which the asking rank's
         # peers may be waiting out in a collective of their own)
-        deadline = time.monotonic() + min(30.0, agreement.group_timeout(
-            self._comm.process_group).total_seconds() / 4)
-        while self._agreement.steps < steps and time.monotonic() < deadline:
-            time.sleep(0.002)
+        timeout = min(30.0, agreement.group_timeout(self._comm.process_group).total_seconds() / 4)
+        with self._settled:
+            self._settled.wait_for(lambda: self._agreement.steps >= steps and self._loads >= loads,
+                                   timeout)
         flats = [flat for _, flat in self._all_flats()]
-        header = [serve.OK, self._agreement.steps, 0, 0]
+        header = [serve.OK, self._agreement.steps, self._loads, 0]
         if self._agreement.steps != steps:
             header[0] = serve.STEPS
+        elif self._loads != loads:
+            header[0] = serve.LOADS
         elif adam_state.layout_digest(flats) != digest:
             header[0] = serve.LAYOUT
         if header[0] != serve.OK:
@@ -650,7 +676,7 @@ class ZeroAdam(FusedAdam, Joinable):
             if msg is not None:
                 raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
         adam_state.apply_load(self, state_dict, plan)
-        self._state_written()
+        self._loaded()
 
 
 def _describe(entry) -> str:
