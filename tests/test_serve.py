@@ -299,3 +299,36 @@ def test_a_state_dict_right_after_a_load_waits_for_the_peers_copies():
     """(It answered at once with rank 1's shard from before the load: the copies of a
     load run after its last collective, and only the step's tail was waited for.)"""
     assert run_ranks(_load_then_ask, 2, timeout=120)[0] == [0.25]
+
+
+def _peer_destroyed(rank, world, port):
+    """Rank 1 destroys the group while handling an exception (it failed: its channel
+    closes at once); rank 0 then asks it for its shards."""
+    import torch.distributed as dist
+    _, opt = _trained(1)
+    result = None
+    if rank == 1:
+        try:
+            raise RuntimeError("rank 1 fails")
+        except RuntimeError:
+            dist.destroy_process_group()
+        time.sleep(3.0)
+    else:
+        time.sleep(1.0)
+        start = time.monotonic()
+        try:
+            opt.state_dict()
+        except RuntimeError as exc:
+            result = (time.monotonic() - start, str(exc))
+        dist.destroy_process_group()
+    # a group again, for the harness to destroy
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return result
+
+
+def test_a_peer_that_destroyed_its_group_fails_the_request_at_once():
+    """(The request's own lock was released twice on that path, which raised "release
+    unlocked lock" in place of the reason.)"""
+    seconds, message = run_ranks(_peer_destroyed, 2, free_port(), timeout=120)[0]
+    assert seconds < 5 and "asked rank 1 for its shards" in message and \
+        "connection closed" in message, (seconds, message)

@@ -34,6 +34,7 @@ them must: the simplest thing that can is one thread per process group, and this
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import struct
 import sys
@@ -250,10 +251,10 @@ class ShardServer:
             peers = [r for r in range(self.world_size) if r != self.rank]
             for peer in peers:
                 self.store.queue_push(queue_key(peer), entry)
-            return Reply(self, peers, tag)
         except BaseException:
             self.asking.release()
             raise
+        return Reply(self, peers, tag)  # it lets the next request go (on failure, at once)
 
 
 class Reply:
@@ -303,16 +304,21 @@ class Reply:
 
     def _receive(self, outs: dict) -> None:
         group, tag = self.server.group, self.tag
-        works = {peer: group.recv([out], peer, tag) for peer, out in outs.items()}
-        for peer, work in works.items():
-            try:
+        works, peer = {}, None
+        try:
+            for peer, out in outs.items():
+                works[peer] = group.recv([out], peer, tag)
+            for peer, work in works.items():
                 work.wait()
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"zero_triton: rank {self.server.rank} asked rank {peer} for its shards and "
-                    f"got no answer within the process group's timeout "
-                    f"({self.server.timeout.total_seconds():g} s) or the connection closed "
-                    f"({exc}); it probably died, exited or destroyed its process group") from exc
+        except RuntimeError as exc:  # posting fails at once where the connection closed
+            for other in works.values():  # the receives already posted land before we go
+                with contextlib.suppress(RuntimeError):
+                    other.wait()
+            raise RuntimeError(
+                f"zero_triton: rank {self.server.rank} asked rank {peer} for its shards and "
+                f"got no answer within the process group's timeout "
+                f"({self.server.timeout.total_seconds():g} s) or the connection closed "
+                f"({exc}); it probably died, exited or destroyed its process group") from exc
 
     def drain(self) -> None:
         while self.expected and self.sending:
