@@ -9,7 +9,8 @@ bits as the collective gather, or the soak counts a failure. Never a hang.
 Each run starts ``world`` gloo ranks (CPU processes) on a tiny model and plays ``rounds``
 rounds drawn from the run's seed (the same draw on every rank): a training step, then
 a random set of ranks (none, one, some, all) calls ``state_dict()`` after a random delay
-of 0 to 60 ms, some twice; the round ends with ``dist.barrier()`` on every rank, or with
+of 0 to 60 ms, some twice (the shards sent in chunks of 5, 16 or 4 Mi elements, by
+the seed); the round ends with ``dist.barrier()`` on every rank, or with
 nothing (the callers catch up in the next step's collectives), or with every rank's call
 in lockstep. After each round every rank takes ``consolidated_state_dict(None)`` (the
 collective gather) as the reference. Prints per world size: runs, rounds, calls, wrong
@@ -71,6 +72,9 @@ def play(rank: int, world: int, seed: int, rounds: int, stage: int) -> list:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(12, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5))
     opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=0.0002)
+    # Chunks of 5, 16 or 4 Mi elements (the default): a shard sent in many pieces, as a
+    # large model's is, or in one.
+    opt._GATHER_CHUNK = random.Random(seed).choice([5, 16, 4 << 20])
     g = torch.Generator().manual_seed(seed * 7 + rank)
     out = []
     for callers, ending in schedule(seed, world, rounds):

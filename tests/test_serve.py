@@ -24,11 +24,14 @@ import serve_soak  # noqa: E402
 
 
 # -- no wait cycles: random schedules ------------------------------------------------------
-@pytest.mark.parametrize("world,seed,stage", [(2, 101, 1), (3, 102, 2), (4, 103, 1), (5, 104, 2),
-                                              (8, 105, 1)])
+# Seeds drawn so that the shards go in one chunk (101, 105) or in chunks of 5 or 16
+# elements (102, 107, 109): a large model's many chunks, at 4 and 8 ranks too.
+@pytest.mark.parametrize("world,seed,stage", [(2, 101, 1), (3, 102, 2), (4, 107, 1), (5, 105, 2),
+                                              (8, 109, 1)])
 def test_any_ranks_in_any_order_at_any_moment_get_the_whole_state(world, seed, stage):
     """Rounds drawn from ``seed``: a step, then none, one, some or all ranks call
-    ``state_dict()`` (some twice) after random delays of 0-60 ms, ending in a barrier,
+    ``state_dict()`` (some twice; the shards in chunks of the seed's size) after random
+    delays of 0-60 ms, ending in a barrier,
     in nothing (the next step) or in lockstep. Every call returns the collective
     gather's bits. (Every rank's call a few ms apart hung at 4 ranks: each rank's main
     thread waited for a peer's server, which was sending to a rank that waited too.)"""
