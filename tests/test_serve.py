@@ -185,15 +185,19 @@ def _provider_fails(rank, world):
             raise OSError("the disk under rank 1 is full")
         ZeroAdamW._serve_shards = failing
     model, opt = _trained(1)
-    message = None
-    if rank == 0:
-        start = time.monotonic()
-        try:
-            opt.state_dict()
-        except RuntimeError as exc:
-            message = (time.monotonic() - start, str(exc))
+    message = _refused_in(opt) if rank == 0 else None
     dist.barrier()
     return message
+
+
+def _refused_in(opt):
+    """(seconds, message) of ``opt.state_dict()``'s error; None if it returned."""
+    start = time.monotonic()
+    try:
+        opt.state_dict()
+    except RuntimeError as exc:
+        return time.monotonic() - start, str(exc)
+    return None
 
 
 def test_a_failed_answer_raises_on_the_asking_rank_with_the_reason_at_once():
@@ -318,11 +322,7 @@ def _peer_destroyed(rank, world, port):
         time.sleep(3.0)
     else:
         time.sleep(1.0)
-        start = time.monotonic()
-        try:
-            opt.state_dict()
-        except RuntimeError as exc:
-            result = (time.monotonic() - start, str(exc))
+        result = _refused_in(opt)
         dist.destroy_process_group()
     # a group again, for the harness to destroy
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
