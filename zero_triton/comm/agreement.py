@@ -16,7 +16,7 @@ it found locally (gradients edited after their bucket was averaged, parameters w
 the buckets backward launched, a digest of the parameters it has no gradient for and one
 of its hyperparameters (and for ``clip_grad_norm_`` its max_norm and norm_type, which a
 rank that ran out of inputs under torch's Join reads to make the same call).
-The side group waits as long as the process group's own collectives (``group_timeout``).
+The side group waits as long as the process group's own collectives (``side.group_timeout``).
 Every rank then reads the same rows and takes the same decision: go on, do an agreed
 extra (average again, re-seed, reset), or raise — on every rank, naming the ranks, the
 calls and the fix. A rank that exits instead of joining closes its side connections,
@@ -33,11 +33,9 @@ import struct
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from zero_triton.comm import side
 from zero_triton.comm.group import without_python_tls
-from zero_triton.comm.side import group_timeout  # noqa: F401 - published here too
 
 ENTRIES = ("backward", "step", "clip_grad_norm_", "GradScaler", "state_dict",
            "load_state_dict", "consolidated_state_dict", "checkpoint.save", "checkpoint.load",
@@ -181,7 +179,7 @@ class Agreement:
         except RuntimeError as exc:
             what = f"{entry} ({detail})" if detail else entry
             if "timed out" in str(exc).lower():
-                seconds = group_timeout(self.comm.process_group).total_seconds()
+                seconds = self.channel.timeout.total_seconds()
                 why = (f"a peer rank did not join it within the process group's timeout "
                        f"({seconds:g} s) ({exc}); it is stuck, far slower, at another call, "
                        "or out of inputs")

@@ -45,7 +45,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 # A queue entry: kind, ordinal, requester, tag, then the optimizer's three words (its step
 # count, a digest of its layout, its count of loads).

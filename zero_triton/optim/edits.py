@@ -177,6 +177,11 @@ class FollowsUserEdits:
         user = self.state if isinstance(self.state, dict) else {}
         self._set_extras(*adam_state.extras(user, [p for _, f in self._all_flats() for p in f.params]))
 
-    def _reseed_written(self, flats) -> None:
+    def _reseed_written(self, flats) -> bool:
+        """Seed the masters of the parameters written since we last looked; whether any was."""
+        wrote = False
         for _, flat in flats:
-            flat.reseed(flat.versions.written())
+            written = flat.versions.written()
+            wrote |= bool(written)
+            flat.reseed(written)
+        return wrote

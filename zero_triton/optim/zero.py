@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import warnings
 
 import torch
@@ -259,11 +258,11 @@ class ZeroAdam(FusedAdam, Joinable):
                 flat.reseed(range(len(flat.params)))
         if self._state_edited():
             self._restore_state_table()  # kept: whatever is not ours
-        self._reseed_written(flats)
+        reseeded = self._reseed_written(flats)
         if agreed & agreement.RESET:
             self._loaded()  # every rank reset its shards: counted as a load
-        else:
-            self._state_written()
+        elif reseeded:
+            self._state_written()  # masters seeded from written parameters
         return bool(agreed & agreement.STALE)
 
     def _stepped(self) -> None:
@@ -608,7 +607,7 @@ class ZeroAdam(FusedAdam, Joinable):
         steps, digest, loads = words[0], words[1], words[2]
         # (milliseconds; bounded well inside the group's timeout, which the asking rank's
         # peers may be waiting out in a collective of their own)
-        timeout = min(30.0, agreement.group_timeout(self._comm.process_group).total_seconds() / 4)
+        timeout = min(30.0, self._server.timeout.total_seconds() / 4)
         with self._settled:
             self._settled.wait_for(lambda: self._agreement.steps >= steps and self._loads >= loads,
                                    timeout)
