@@ -109,7 +109,9 @@ PACKAGE_DIR = {"zero_triton": "zero_triton", "zero_triton.kernels": "kernels"}
 # triton is not required: torch's CUDA wheels bring the triton they were built with, and
 # the CPU path never imports it. The "triton" extra adds it where torch does not (the
 # tests run the Triton kernels on CPU tensors under its interpreter).
-install_requires = ["torch>=2.4", "numpy"]
+# The supported range, tested by .ci/torch-matrix (README, "Tested torch versions").
+install_requires = ["torch>=2.7,<2.15", "numpy"]
+DOCS = ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"]
 TRITON = "triton; platform_system == 'Linux'"
 
 setup(
@@ -124,8 +126,8 @@ setup(
     package_data={"zero_triton": ["csrc/*.cpp", "csrc/*.h", "csrc/cpu/*.cpp", "csrc/cpu/*.h", "csrc/cuda/*.cu", "csrc/cuda/*.cpp", "csrc/cuda/*.h"]},
     install_requires=install_requires,
     extras_require={"test": ["pytest", "hypothesis", "accelerate", "transformers", "expecttest", "deepspeed",
-                             TRITON],
-                    "bench": ["matplotlib"], "peers": ["deepspeed"], "triton": [TRITON]},
+                             "pyyaml", TRITON, *DOCS],
+                    "bench": ["matplotlib"], "peers": ["deepspeed"], "triton": [TRITON], "docs": DOCS},
     ext_modules=EXT_MODULES,
     cmdclass={"build_py": BuildPyWithCsrc, **EXT_CMDCLASS},
     entry_points={"console_scripts": ["zero-triton=zero_triton.tools.cli:main"]},

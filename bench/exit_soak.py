@@ -15,7 +15,7 @@ when any run ended otherwise.
 
 The ``lone-*`` variants start the ranks as plain processes (``env://``, no launcher that
 would kill the others when one ends) and time how long a rank whose script is done
-stays after its peers end, however they end (README, "State dicts on one rank"):
+stays after its peers end, however they end (docs/checkpoints.md, "State dicts on one rank"):
 
 - ``lone-end``: rank 1 is done; rank 0 ends 1 s later (nothing asked: the baseline, where
   the teardown figure is a 2-rank process's own shutdown);

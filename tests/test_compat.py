@@ -1,4 +1,4 @@
-"""``import zero_triton`` never fails because a torch private moved (README, Install):
+"""``import zero_triton`` never fails because a torch private moved (docs/install.md):
 the privates the library uses are looked up in one place (``zero_triton.native.compat``)
 without failing, and what cannot work without one says so when it is used, naming the
 torch it needs."""

@@ -49,12 +49,13 @@ def _save(rank, world_size, path):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     import zero_triton
+    from zero_triton.optim.interface import internals
     model = _model()
     opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.0008)
     _train(model, opt, 3, seed=rank)
     saved = get_optimizer_state_dict(model, opt)
     # What each rank hands DCP: its shard, as views of its own state (no copy).
-    ours = {t.untyped_storage().data_ptr() for _, flat in opt.flat_shards()
+    ours = {t.untyped_storage().data_ptr() for _, flat in internals(opt).flat_shards()
             for t in flat.state.buffers().values()}
     handed, views, kinds = 0, True, set()
     for entry in saved["state"].values():

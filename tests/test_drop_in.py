@@ -1,4 +1,4 @@
-"""A drop-in by PyTorch's measure (README, Features vs torch.optim.Adam): ``.grad`` is
+"""A drop-in by PyTorch's measure (docs/api.md, Features vs torch.optim.Adam): ``.grad`` is
 torch's (None after ``zero_grad()`` and after a backward that did not reach the
 parameter; ``zero_grad(set_to_none=False)`` keeps zero gradients, which are stepped),
 checked against torch.optim.AdamW at world size 1 and ZeroAdamW on two gloo ranks; and

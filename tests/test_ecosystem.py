@@ -414,7 +414,7 @@ def test_trainer_two_processes_zero_adamw_matches_one_process(trainer1_ref, trai
 
 
 def test_trainer_two_processes_reports_the_ddp_wrapper(trainer2_zero):
-    """The README says ZeroAdam reports once, at the first step, that a DDP wrapper
+    """docs/integrations.md says ZeroAdam reports once, at the first step, that a DDP wrapper
     averaged the gradients already (as it does under accelerate's prepare): under HF
     Trainer's DDP wrapper it should too; with ddp_local_grads_hook it must not."""
     run = trainer2_zero

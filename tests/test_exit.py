@@ -1,4 +1,4 @@
-"""Scripts that use ZeroAdam end with their own status, never an abort (README,
+"""Scripts that use ZeroAdam end with their own status, never an abort (docs/reliability.md,
 Reliability): torchrun scripts ending with or without ``destroy_process_group()``, with
 all-gathers in flight under ``overlap()``, or with an exception; and ranks started as
 plain processes (no launcher to kill the rest) whose peers end every way (later, a save as rank

@@ -1,4 +1,4 @@
-"""Uneven inputs: ZeroAdam under torch.distributed.algorithms.join.Join (README, Uneven
+"""Uneven inputs: ZeroAdam under torch.distributed.algorithms.join.Join (docs/integrations.md, Uneven
 inputs). A rank that runs out of batches shadows the others' iterations, stepping its
 shard with zero gradients, so every rank ends holding what a single process would have
 trained: at each iteration, AdamW on the sum of the gradients of the ranks that still had

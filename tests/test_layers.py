@@ -5,7 +5,8 @@
   just under tools: it imports the layers below and the tools import it).
 - No import circles between modules.
 - Outside ``optim/``, no module reads an optimizer's private attributes: what checkpoint,
-  overlap, clipping, memory and the tools need is published by the optimizer.
+  integrations and the tools need beyond the optimizers' public face (torch.optim's and
+  the short list in docs/reference.md) they reach through ``optim.interface.internals``.
 - The patches of other libraries (``integrations/``) touch nothing until a ZeroAdam exists.
 
 ``__main__.py`` files are programs (``python -m zero_triton``), imported by no module:
@@ -155,6 +156,27 @@ def test_no_reaches_into_the_optimizers_privates():
                 reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: "
                                f"getattr(..., {node.args[1].value!r})")
     assert not reaches, "reaches into an optimizer's privates:\n" + "\n".join(reaches)
+
+
+# The optimizers' public face beyond torch.optim.Optimizer's (docs/reference.md lists it).
+FUSED_FACE = {"backend", "clip_grad_norm_", "clip_grads_with_norm_", "total_grad_norm",
+              "memory_report", "wait_params"}
+ZERO_FACE = FUSED_FACE | {"stage", "process_group", "rank", "world_size", "no_sync",
+                          "consolidated_state_dict", "sharded_state_dict",
+                          "join_hook", "join_device", "join_process_group"}  # torch's Joinable
+
+
+def test_the_optimizers_public_face_is_torchs_plus_a_documented_list():
+    import torch
+    import zero_triton
+    torch_names = set(dir(torch.optim.Optimizer))
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    for cls, face in ((zero_triton.FusedAdam, FUSED_FACE), (zero_triton.FusedAdamW, FUSED_FACE),
+                      (zero_triton.ZeroAdam, ZERO_FACE), (zero_triton.ZeroAdamW, ZERO_FACE)):
+        public = {n for n in dir(cls) if not n.startswith("_")} - torch_names
+        assert public == face, (cls.__name__, sorted(public ^ face))
+        for name in face - {"join_hook", "join_device", "join_process_group"}:
+            assert f"`{name}" in reference, f"docs/reference.md does not list {name}"
 
 
 def test_the_rules_see_a_planted_violation(tmp_path, graph):

@@ -1,7 +1,7 @@
 """Nothing silently wrong, nothing hangs: what users do to the tensors the optimizer keeps
-copies of, and what one rank does that the others do not (README, Reliability).
+copies of, and what one rank does that the others do not (docs/reliability.md).
 
-Each test names the README guarantee it holds. The multi-rank ones run on gloo ranks
+Each test names the docs/reliability.md guarantee it holds. The multi-rank ones run on gloo ranks
 with a hard timeout: on a build without the agreement they hang and fail by it.
 """
 import collections

@@ -1,4 +1,4 @@
-"""The shard server and the side channel (README, "State dicts on one rank"): any ranks
+"""The shard server and the side channel (docs/checkpoints.md, "State dicts on one rank"): any ranks
 call ``state_dict()`` in any order at any moment and get the whole state; idle costs one
 blocked store read; a request costs one queue entry per peer; nothing outlives its
 process group or its optimizer; a failed answer says why, at once.

@@ -8,7 +8,7 @@ against torch's own class over several steps (parameters and state compared, as 
 ``_compare_between`` does), each error input must raise what torch raises, and the
 behaviours of torch's ``TestOptimRenewed`` that a drop-in must share (complex and float64
 parameters, hooks, state dicts, named parameters, deepcopy, schedulers, tensor lr) run
-on the installed torch's data. Named differences (README, Features vs torch.optim.Adam)
+on the installed torch's data. Named differences (docs/api.md, Features vs torch.optim.Adam)
 are the only exceptions, each marked where it applies.
 """
 import copy

@@ -18,18 +18,18 @@ The seed's worked example: 5 parameters, 2 workers, lr 0.1. Worker 0 owns parame
 0-2, worker 1 owns 3-4; parameter 3's mean gradient is 0, so it does not move, and the
 result is Adam on the full vector with the mean gradient:
 
->>> import numpy as np
->>> from zero_triton.reference import adam_update, init_states, zero_step
->>> [tuple(m.shape) for m, v in init_states(5, 2)]
-[(3,), (2,)]
->>> param = np.ones(5)
->>> grads = [np.array([0.2, 0.4, 0.6, 0.8, 1.0]), np.array([0.4, 0.0, 0.2, -0.8, 3.0])]
->>> new, states = zero_step(param, grads, init_states(5, 2), t=1, lr=0.1)
->>> np.round(new, 6).tolist()
-[0.9, 0.9, 0.9, 1.0, 0.9]
->>> full, _, _ = adam_update(param, np.mean(grads, axis=0), np.zeros(5), np.zeros(5), 1, lr=0.1)
->>> bool(np.array_equal(new, full))
-True
+    >>> import numpy as np
+    >>> from zero_triton.reference import adam_update, init_states, zero_step
+    >>> [tuple(m.shape) for m, v in init_states(5, 2)]
+    [(3,), (2,)]
+    >>> param = np.ones(5)
+    >>> grads = [np.array([0.2, 0.4, 0.6, 0.8, 1.0]), np.array([0.4, 0.0, 0.2, -0.8, 3.0])]
+    >>> new, states = zero_step(param, grads, init_states(5, 2), t=1, lr=0.1)
+    >>> np.round(new, 6).tolist()
+    [0.9, 0.9, 0.9, 1.0, 0.9]
+    >>> full, _, _ = adam_update(param, np.mean(grads, axis=0), np.zeros(5), np.zeros(5), 1, lr=0.1)
+    >>> bool(np.array_equal(new, full))
+    True
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from zero_triton.checkpoint.manifest import NOT_HYPER, dtype_name, plain_names
+from zero_triton.optim.interface import internals
 from zero_triton.state.flat import unflatten_into
 
 # What torch's LR schedulers write into param groups (OneCycleLR and CyclicLR cycle the
@@ -43,17 +44,19 @@ class Target:
     """One optimizer (FusedAdam or ZeroAdam), seen as a checkpoint sees it."""
 
     def __init__(self, optimizer, entry: str = "checkpoint.save"):
-        if not hasattr(optimizer, "flat_shards"):
+        view = internals(optimizer)
+        if view is None:
             raise TypeError(f"zero_triton.checkpoint saves and loads zero_triton optimizers "
                             f"(FusedAdam, FusedAdamW, ZeroAdam, ZeroAdamW), not "
                             f"{type(optimizer).__name__}; use torch.save(optimizer.state_dict())")
         self.optimizer = optimizer
-        self.comm = optimizer.comm
+        self.view = view
+        self.comm = view.comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         optimizer.wait_params()  # all-gathers left in flight by overlap
         # Every rank is here (ZeroAdam), and the optimizer follows what the user changed:
         # parameters moved or written, opt.state edited.
-        shards = optimizer.flat_shards(reader=entry)
+        shards = view.flat_shards(reader=entry)
         self.flats = [flat for _, flat in shards]
         self.flat_groups = [gi for gi, _ in shards]
         for flat in self.flats:
@@ -167,7 +170,7 @@ class Target:
                 for master, part in zip(flat.state.master_parts(), flat.param_parts):
                     part.copy_(master)
         # The masters are the checkpoint's, not the parameters' writes.
-        self.optimizer.shards_loaded(self.flats)
+        self.view.shards_loaded(self.flats)
         if plan["model_extra"]:
             current = model.state_dict()
             for n, t in plan["model_extra"].items():

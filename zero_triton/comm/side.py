@@ -7,7 +7,7 @@ the user's backend, and never paired with the user's data collectives. There is 
 process group, made by the group's first ZeroAdam (collectively: every rank of the group
 is in that constructor) and shared by every ZeroAdam on it.
 
-What a rank holds per group while the channel lives (``README``: the arithmetic at 1,000
+What a rank holds per group while the channel lives (docs/checkpoints.md: the arithmetic at 1,000
 and 10,000 ranks): one gloo group (one worker thread, one transport thread, one socket
 per peer and a listening one); the shard server's thread, blocked in a read of its own
 store connection; no store keys (gloo's rendezvous keys are deleted once every rank has
@@ -224,7 +224,7 @@ def _ended_on_failure() -> bool:
     in a ``multiprocessing`` child with a non-zero exit code (``torch.multiprocessing.
     spawn`` turns a rank's exception into ``sys.exit(1)``; the child's bootstrap holds
     the code when it shuts threading down). A plain script's ``sys.exit(n)`` cannot be
-    told from a normal end: such a rank leaves (README, "State dicts on one rank")."""
+    told from a normal end: such a rank leaves (docs/checkpoints.md, "State dicts on one rank")."""
     if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
         return True
     frame = sys._getframe(1)

@@ -48,7 +48,7 @@ def install() -> None:
     @functools.wraps(ask)
     def _state_dict_fn(obj, api):
         if (_SHARDED and api == "state_dict" and isinstance(obj, ZeroAdam)
-                and obj.comm.world_size > 1):
+                and obj.world_size > 1):
             return obj.sharded_state_dict
         return ask(obj, api)
     _state_dict_fn.zero_triton = True

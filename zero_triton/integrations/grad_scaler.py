@@ -12,6 +12,7 @@ import functools
 import torch
 
 from zero_triton.integrations import patching
+from zero_triton.optim.interface import internals
 
 
 class ZeroGradScaler(torch.amp.GradScaler):
@@ -53,12 +54,10 @@ def install() -> None:
     @functools.wraps(original)
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         per_device = original(self, optimizer, inv_scale, found_inf, allow_fp16)
-        shards = getattr(optimizer, "unscale_grads_", None)
-        if shards is not None:  # ZeRO-2: the gradients are the optimizer's shards
-            shards(inv_scale, found_inf, per_device, allow_fp16)
-        agree = getattr(optimizer, "agree_found_inf_", None)
-        if agree is not None:
-            agree(per_device)
+        view = internals(optimizer)
+        if view is not None:  # ZeRO-2's gradients are the optimizer's shards; every rank agrees
+            view.unscale_grads_(inv_scale, found_inf, per_device, allow_fp16)
+            view.agree_found_inf_(per_device)
         return per_device
 
     _unscale_grads_._zero_triton_agrees = True
@@ -69,9 +68,9 @@ def install() -> None:
         # unscale_ rescales .grad in place with an op that leaves the version counter
         # alone: a ZeroAdam whose buckets averaged them during backward must know.
         out = original_unscale(self, optimizer)
-        rescaled = getattr(optimizer, "grads_rescaled", None)
-        if rescaled is not None and getattr(self, "_enabled", True):
-            rescaled()
+        view = internals(optimizer)
+        if view is not None and getattr(self, "_enabled", True):
+            view.grads_rescaled()
         return out
 
     patching.set_attr("grad_scaler", cls, "unscale_", unscale_)

@@ -232,25 +232,14 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             self._reducer.rebuild([f for _, f in self._all_flats()])
         return list(self._all_flats())
 
-    # -- what the layers above read (checkpoint, overlap, clipping, memory, the tools) ----
-    @property
-    def comm(self):
-        """The communicator: ``rank``, ``world_size``, ``group`` (one rank: no group)."""
-        return self._comm
-
-    @property
-    def stage(self) -> int:
-        """1: each rank keeps its local gradients until the step; 2: backward hands them
-        over bucket by bucket and keeps only the rank's shard of the average."""
-        return self._stage
-
+    # -- what users read; the layers above read the rest through optim.interface ----------
     @property
     def backend(self) -> str | None:
         """The backend that steps the first flat buffer (None without flat buffers:
         ``differentiable=True``)."""
         return next((flat.backend for _, flat in self._all_flats()), None)
 
-    def flat_shards(self, reader: str | None = None) -> list:
+    def _flat_shards(self, reader: str | None = None) -> list:
         """(group index, FlatShard) of every flat buffer, in order. With ``reader`` (the
         name of a call that reads the state, e.g. "checkpoint.save"), first follow what the
         user changed since the last such call (parameters moved or written, ``opt.state``
@@ -259,7 +248,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             self._enter(reader)
         return [(gi, flat) for gi, flats in enumerate(self._flats) for flat in flats]
 
-    def shards_loaded(self, flats) -> None:
+    def _shards_loaded(self, flats) -> None:
         """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``flats``
         and the parameters from them: the parameters' writes are ours, and ``opt.state``
         views the new state (one rank)."""
@@ -330,7 +319,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                 self._reducer.finish(buffers, again)
         self._grads_reduced = True
 
-    def grads_rescaled(self) -> None:
+    def _grads_rescaled(self) -> None:
         """GradScaler.unscale_ has rescaled the local gradients in place, without bumping
         their version counter: the averages that buckets started from them during
         backward are stale, and so is any average already taken (zero_triton.optim.zero makes
@@ -340,6 +329,13 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             buffer.rewritten()
         if local:
             self._grads_reduced = False
+
+    def _unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
+        """GradScaler's unscale of gradients it cannot see: none here (every gradient is a
+        ``.grad``); ZeroAdam's stage 2 unscales its averaged shards."""
+
+    def _agree_found_inf_(self, per_device: dict) -> None:
+        """GradScaler's per-device inf flags agreed by every rank: one rank agrees."""
 
     def _before_reduce(self, flats) -> None:
         """Called once the local gradients are all in the flat buffers, before any

@@ -91,7 +91,7 @@ def sharded_state_dict(opt, flats) -> dict:
     tensor per parameter (the same on every rank), each state tensor a ShardedTensor of
     the parameter's shape over every rank's boxes, its local shards views of the state.
     ``flats``: the optimizer's (group, FlatShard) pairs."""
-    comm = opt.comm
+    comm = opt._comm
     groups, ids = packed_groups(opt)
     state = {}
     for _, flat in flats:

@@ -281,8 +281,8 @@ class ZeroAdam(FusedAdam, Joinable):
             self._loads += 1
             self._settled.notify_all()
 
-    def shards_loaded(self, flats) -> None:
-        super().shards_loaded(flats)
+    def _shards_loaded(self, flats) -> None:
+        super()._shards_loaded(flats)
         if self._agreement is not None:
             self._loaded()
 
@@ -506,7 +506,7 @@ class ZeroAdam(FusedAdam, Joinable):
             "reaches), or make every rank's forward use every parameter")
 
     @torch.no_grad()
-    def unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
+    def _unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
         """Stage 2, called by GradScaler's ``unscale_`` / ``step``: the gradients are no
         ``.grad`` GradScaler could see, so the averaged shards are checked for inf/nan
         (and unscaled by ``inv_scale``, 1 inside ``scaler.step``) here, recorded in
@@ -525,7 +525,7 @@ class ZeroAdam(FusedAdam, Joinable):
                 flag = per_device[flat.device] = torch.zeros_like(found_inf, device=flat.device)
             torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, inv_scale.to(flat.device))
 
-    def agree_found_inf_(self, per_device: dict) -> None:
+    def _agree_found_inf_(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
         if self._agreement is not None:
             self._agreement.check("GradScaler", backwards=self._reducer.backwards)
@@ -549,15 +549,24 @@ class ZeroAdam(FusedAdam, Joinable):
             reducer.sync = before
 
     @property
+    def stage(self) -> int:
+        """1: each rank keeps its local gradients until the step; 2: backward hands them
+        over bucket by bucket and keeps only the rank's shard of the average."""
+        return self._stage
+
+    @property
     def process_group(self):
+        """The process group the state is sharded over (None: the default group)."""
         return self._comm.group
 
     @property
     def world_size(self) -> int:
+        """The number of ranks the state is sharded over."""
         return self._comm.world_size
 
     @property
     def rank(self) -> int:
+        """This rank's index in ``process_group``: it steps the rank-th shard."""
         return self._comm.rank
 
     # -- full (torch.optim.Adam-format) state dicts: zero_triton.optim.state_dict -------------

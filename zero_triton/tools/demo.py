@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zero_triton.native.backends import NAMES
+from zero_triton.optim.interface import internals
 from zero_triton.tools.console import run, silence_stdout
 from zero_triton.tools.profiling import launch
 from zero_triton.tools.units import positive_number, rank_count, whole_number
@@ -96,7 +97,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
     # fp32 master this rank owns (the parameters are its rounding).
     diff = torch.zeros((), device=device)
     twin = {id(p): q for p, q in zip(model.parameters(), replica.parameters())}
-    for _, flat in opt.flat_shards():
+    for _, flat in internals(opt).flat_shards():
         # The reference laid out like this flat buffer, so the shards line up.
         ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
                                      world_size=world_size, bucket_numel=flat.bucket_numel)
@@ -109,7 +110,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
         table = memory_table(n_params, world_size, master_dtype=master)
         formula = {s["stage"]: s for s in table["stages"]}
         held = "exp_avg + exp_avg_sq" if dtype == torch.float32 else "fp32 master + exp_avg + exp_avg_sq"
-        shard = sum(flat.layout.shard_numel for _, flat in opt.flat_shards())
+        shard = sum(flat.layout.shard_numel for _, flat in internals(opt).flat_shards())
         _say("", format_table(table), "",
              f"optimizer state per rank ({held}), {n_params:,} params, {world_size} ranks:",
              f"  DDP formula      {formula['ddp']['optimizer_bytes']:>12,} bytes  (every rank holds all)",
