@@ -104,7 +104,7 @@ PACKAGES = ["zero_triton", "zero_triton.native", "zero_triton.state", "zero_trit
             "zero_triton.integrations", "zero_triton.checkpoint", "zero_triton.memory",
             "zero_triton.tools", "zero_triton.tools.bench", "zero_triton.tools.profiling",
             "zero_triton.kernels"]
-PACKAGE_DIR = {"zero_triton": "zero_triton", "zero_triton.kernels": "kernels"}
+PACKAGE_DIR = {"zero_triton": "zero_triton"}
 
 # triton is not required: torch's CUDA wheels bring the triton they were built with, and
 # the CPU path never imports it. The "triton" extra adds it where torch does not (the

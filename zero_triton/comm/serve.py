@@ -7,11 +7,12 @@ DDP tutorial), or HF Trainer's checkpoint. The other ranks then wait in a collec
 their own that nothing pairs with. Their main threads cannot answer, so something beside
 them must: the simplest thing that can is one thread per process group, and this is it.
 
-- **Idle costs nothing.** The thread blocks in one read of the rendezvous store's queue
-  for this rank (a store connection of its own, ``Store.queue_pop``): no polling; one
-  store operation per ``IDLE_WAIT`` (an hour) while nobody asks.
-- **A request** is one queue entry pushed to each peer: O(world size) store operations
-  per request, one per peer; the data goes over the side channel's gloo group
+- **Idle costs nothing.** The thread blocks in one read of its mailbox in the
+  rendezvous store (``zero_triton.comm.mailbox``: a store queue, or on torch 2.7 a
+  numbered key, on a store connection of its own): no polling; one store operation per
+  ``IDLE_WAIT`` (an hour) while nobody asks.
+- **A request** is one entry pushed to each peer's mailbox: O(world size) store
+  operations per request, one or two per peer; the data goes over the side channel's gloo group
   (``zero_triton.comm.side``), a header then the shards in chunks, in an order both sides
   derive from the same layout.
 - **No wait cycles.** A server never waits for a requester: it posts every send of an
@@ -30,7 +31,7 @@ them must: the simplest thing that can is one thread per process group, and this
   requester finds the store gone at once. A peer that died fails the request at once
   (gloo closes its connections).
 - **Lifetime.** The side channel stops the thread (``stop``: a STOP entry in its own
-  queue) when the group is destroyed, its last optimizer dropped, or the process exits.
+  mailbox) when the group is destroyed, its last optimizer dropped, or the process exits.
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-# A queue entry: kind, ordinal, requester, tag, then the optimizer's three words (its step
+from zero_triton.comm.mailbox import IDLE_WAIT, MailboxError, open_mailbox
+
+# A mailbox entry: kind, ordinal, requester, tag, then the optimizer's three words (its step
 # count, a digest of its layout, its count of loads).
 _ENTRY = struct.Struct("<7q")
 ASK, STOP = 1, 2
@@ -55,7 +58,6 @@ HEADER_WORDS = 4
 # ordinal here; it failed reading (the reason follows as bytes: word 2 is their count);
 # at another step count; other flat buffers; at another count of loads.
 OK, NO_OPTIMIZER, FAILED, STEPS, LAYOUT, LOADS = range(6)
-IDLE_WAIT = datetime.timedelta(hours=1)  # a blocked read of the queue, renewed when it ends
 REGISTER_WAIT_S = 30.0  # at most this long for an optimizer still being built to register
 
 
@@ -71,16 +73,14 @@ class Answer:
     version: object = None
 
 
-def queue_key(rank: int) -> str:
-    return f"inbox/{rank}"
-
-
 class ShardServer:
     """One process group's server thread, and the requests this rank makes of others,
-    over ``group`` (the side channel's gloo group) and ``store`` (the channel's store)."""
+    over ``group`` (the side channel's gloo group) and a mailbox under ``prefix`` of the
+    rendezvous store ``base``."""
 
-    def __init__(self, group, store, rank: int, world_size: int, timeout: datetime.timedelta):
-        self.group, self.store = group, store
+    def __init__(self, group, base, prefix: str, rank: int, world_size: int,
+                 timeout: datetime.timedelta):
+        self.group = group
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.providers: dict = {}          # ordinal -> weakref.WeakMethod of a provider
         self.registered = threading.Condition()
@@ -94,16 +94,11 @@ class ShardServer:
         self.leaving = False               # the rank is leaving: its store may go first
         self.inbox = None
         self.thread = None
-        try:  # a store connection of the thread's own: its blocked read holds it
-            inbox = store.clone()
-            inbox.queue_len(queue_key(rank))
-            inbox.set_timeout(IDLE_WAIT)
-        except (RuntimeError, NotImplementedError, AttributeError) as exc:
-            self.failure = (f"the rendezvous store ({type(store).__name__}) has no queues "
-                            f"({exc}); use a TCP store (torchrun, env:// or tcp:// "
-                            "init_method)")
+        try:  # with a store connection of the thread's own: its blocked read holds it
+            self.inbox = open_mailbox(base, prefix, rank)
+        except MailboxError as exc:
+            self.failure = str(exc)
             return
-        self.inbox = inbox
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"zero_triton shard server (rank {rank})")
         self.thread.start()
@@ -123,7 +118,7 @@ class ShardServer:
         if self.thread is None or not self.thread.is_alive():
             return
         try:
-            self.store.queue_push(queue_key(self.rank), _ENTRY.pack(STOP, 0, 0, 0, 0, 0, 0))
+            self.inbox.push(self.rank, _ENTRY.pack(STOP, 0, 0, 0, 0, 0, 0))
         except Exception:  # the store is gone: the blocked read fails by itself
             pass
         if self.thread is not threading.current_thread():
@@ -138,10 +133,9 @@ class ShardServer:
 
     # -- serving ----------------------------------------------------------------------
     def _serve(self) -> None:
-        key = queue_key(self.rank)
         while True:
             try:
-                entry = self.inbox.queue_pop(key)
+                entry = self.inbox.pop()
             except Exception as exc:  # noqa: BLE001 - any store failure ends the thread
                 if "timeout" in str(exc).lower() and not self.stopping:
                     continue  # nobody asked for an hour: read again
@@ -249,7 +243,7 @@ class ShardServer:
             entry = _ENTRY.pack(ASK, ordinal, self.rank, tag, *words)
             peers = [r for r in range(self.world_size) if r != self.rank]
             for peer in peers:
-                self.store.queue_push(queue_key(peer), entry)
+                self.inbox.push(peer, entry)
         except BaseException:
             self.asking.release()
             raise

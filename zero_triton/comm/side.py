@@ -98,7 +98,6 @@ class SideChannel:
         # every rank): a group destroyed and made again under its name starts afresh.
         generation = _made[pg.group_name] = _made.get(pg.group_name, 0) + 1
         prefix = f"zero_triton/side/{pg.group_name}/{generation}/"
-        self.store = dist.PrefixStore(prefix, base)  # this process's requests, its STOP
         mesh = dist.PrefixStore(prefix + "mesh/", base)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = self.timeout
@@ -110,8 +109,8 @@ class SideChannel:
         self._exchange(torch.zeros(1, dtype=torch.int64))
         with contextlib.suppress(Exception):
             mesh.delete_key(f"0/{self.rank}")
-        self.server = serve.ShardServer(self.group, self.store, self.rank, self.world_size,
-                                        self.timeout)
+        self.server = serve.ShardServer(self.group, base, prefix + "serve/", self.rank,
+                                        self.world_size, self.timeout)
         # torch holds the group's store in its registry until destroy_process_group
         # drops it: our cue to leave, with no patch of torch (``_on_destroy``).
         entry = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", {}).get(pg)

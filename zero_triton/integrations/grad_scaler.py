@@ -1,9 +1,9 @@
 """torch.amp.GradScaler under ZeroAdam: every rank agrees on found_inf.
 
 ``install`` patches ``GradScaler._unscale_grads_`` and ``unscale_`` (once, when the first
-ZeroAdam is built): an optimizer that publishes GradScaler's calls (``unscale_grads_``,
-``agree_found_inf_``, ``grads_rescaled``: ZeroAdam and FusedAdam) is called from them;
-any other optimizer is untouched.
+ZeroAdam is built): a zero_triton optimizer is called from them through its declared
+interface (``optim.interface.internals``: ``unscale_grads_``, ``agree_found_inf_``,
+``grads_rescaled``); any other optimizer is untouched.
 """
 from __future__ import annotations
 
