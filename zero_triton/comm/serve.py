@@ -10,7 +10,7 @@ them must: the simplest thing that can is one thread per process group, and this
 - **Idle costs nothing.** The thread blocks in one read of its mailbox in the
   rendezvous store (``zero_triton.comm.mailbox``: a store queue, or on torch 2.7 a
   numbered key, on a store connection of its own): no polling; one store operation per
-  ``IDLE_WAIT`` (an hour) while nobody asks.
+  ``mailbox.IDLE_WAIT`` (an hour) while nobody asks.
 - **A request** is one entry pushed to each peer's mailbox: O(world size) store
   operations per request, one or two per peer; the data goes over the side channel's gloo group
   (``zero_triton.comm.side``), a header then the shards in chunks, in an order both sides
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zero_triton.comm.mailbox import IDLE_WAIT, MailboxError, open_mailbox
+from zero_triton.comm.mailbox import MailboxError, open_mailbox
 
 # A mailbox entry: kind, ordinal, requester, tag, then the optimizer's three words (its step
 # count, a digest of its layout, its count of loads).
