@@ -413,3 +413,9 @@ def test_the_seeds_worked_example_runs_as_written():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         assert importlib.import_module("zero_triton.tools.reference").zero_step is reference.zero_step
+    # zero_triton.checkpoint.main, the checkpoint command line, moved to tools: an alias.
+    from zero_triton.tools.checkpoint import main
+    with pytest.warns(DeprecationWarning, match="zero_triton.tools.checkpoint.main"):
+        assert zero_triton.checkpoint.main is main
+    with pytest.raises(AttributeError):
+        zero_triton.checkpoint.no_such_name

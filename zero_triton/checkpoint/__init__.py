@@ -49,3 +49,17 @@ def resolve(path) -> tuple[str, dict]:
     directory, manifest = _resolve(path)
     directory.close()
     return directory.path, manifest
+
+
+def __getattr__(name):
+    """``zero_triton.checkpoint.main`` (the checkpoint command line) moved to
+    ``zero_triton.tools.checkpoint.main``; the old name stays as an alias that warns,
+    resolved only when used (the command line is a tool, above this layer)."""
+    if name == "main":
+        import importlib
+        import warnings
+        warnings.warn("zero_triton.checkpoint.main moved to zero_triton.tools.checkpoint.main "
+                      "(or run `python -m zero_triton checkpoint`)", DeprecationWarning,
+                      stacklevel=2)
+        return importlib.import_module("zero_triton.tools.checkpoint").main
+    raise AttributeError(f"module 'zero_triton.checkpoint' has no attribute {name!r}")
