@@ -239,8 +239,9 @@ def test_a_compiled_training_step_names_no_extension_symbol_and_matches_eager():
             twin(_batch(step), True).square().mean().backward()
             opt2.step()
             opt2.zero_grad()
-    named = [str(w.message)[:200] for w in caught if "zero_triton_C" in str(w.message)
-             or "pybind" in str(w.message)]
+    # Dynamo's "does not know how to trace the builtin ..." naming our extension (torch
+    # 2.7's inductor says the same of its own generated kernels: not ours, not counted).
+    named = [str(w.message)[:200] for w in caught if "zero_triton" in str(w.message)]
     assert not named, named
     for p, q in zip(ours.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -96,6 +96,17 @@ def test_every_import_runs_downwards(graph):
     assert not upward, "imports that run back up:\n" + "\n".join(upward)
 
 
+# The declared seams: pure declarations, which import nothing of the package, so that an
+# implementation in any layer at or above theirs can implement them.
+PROTOCOLS = ["zero_triton.comm.protocol"]
+
+
+def test_protocol_modules_import_nothing_of_the_package(graph):
+    for name in PROTOCOLS:
+        assert name in graph, f"{name} is gone: update PROTOCOLS"
+        assert not graph[name], f"{name} imports {sorted(graph[name])}"
+
+
 def test_no_import_circles(graph):
     seen, stack, circles = set(), [], []
 

@@ -36,7 +36,11 @@ def test_any_ranks_in_any_order_at_any_moment_get_the_whole_state(world, seed, s
     gather's bits. (Every rank's call a few ms apart hung at 4 ranks: each rank's main
     thread waited for a peer's server, which was sending to a rank that waited too.)"""
     rounds = 8
-    results = run_ranks(serve_soak.play, world, seed, rounds, stage, timeout=240, pg_timeout_s=240)
+    _every_call_got_the_gather(run_ranks(serve_soak.play, world, seed, rounds, stage,
+                                         timeout=240, pg_timeout_s=240))
+
+
+def _every_call_got_the_gather(results) -> None:
     calls = 0
     for rank, per_rank in enumerate(results):
         for k, (got, ref, _) in enumerate(per_rank):
@@ -65,13 +69,8 @@ def _play_numbered(*args):
 def test_stores_without_queues_serve_through_numbered_keys(world, seed, stage):
     """The same random schedules with the mailboxes in numbered keys and a blocked
     ``Store.wait`` (torch 2.7's stores have no queues): the same bits."""
-    results = run_ranks(_play_numbered, world, seed, 6, stage, timeout=240, pg_timeout_s=240)
-    calls = 0
-    for rank, per_rank in enumerate(results):
-        for k, (got, ref, _) in enumerate(per_rank):
-            assert all(d == ref for d in got), f"rank {rank} round {k}: {got} != {ref}"
-            calls += len(got)
-    assert calls > 0
+    _every_call_got_the_gather(run_ranks(_play_numbered, world, seed, 6, stage, timeout=240,
+                                         pg_timeout_s=240))
 
 
 # -- idle costs nothing; a request costs O(world size) -----------------------------------

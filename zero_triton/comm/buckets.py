@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from . import pending_reads, streams
+from .protocol import Comm
 
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 
@@ -167,7 +168,7 @@ class Reducer:
     """Launches the buckets of every flat buffer of one optimizer in one agreed order,
     and waits for them."""
 
-    def __init__(self, comm, max_in_flight: int = 2):
+    def __init__(self, comm: Comm, max_in_flight: int = 2):
         self.comm = comm
         self.max_in_flight = max(1, max_in_flight)
         self.buckets: list[Bucket] = []

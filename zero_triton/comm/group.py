@@ -168,6 +168,8 @@ class _Added(Pending):
 
 
 class LocalComm:
+    """One rank (``comm.protocol.Comm``): every collective is a copy or nothing."""
+
     world_size = 1
     rank = 0
     group = None
@@ -215,7 +217,7 @@ _tags: dict = {}
 
 
 class GroupComm:
-    """Collectives over ``group`` (None: the world group)."""
+    """Collectives over ``group`` (None: the world group): ``comm.protocol.Comm``."""
 
     _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -254,7 +256,7 @@ class GroupComm:
         except RuntimeError as exc:  # DistBackendError and gloo's errors derive from it
             raise self._failed(name, exc) from exc
 
-    def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv: torch.Tensor,
+    def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
                            async_op: bool = False, name: str = "reduce_scatter",
                            accumulate: bool = False):
         """``out`` (``inp.numel() // world_size`` elements, of ``inp``'s dtype or wider)

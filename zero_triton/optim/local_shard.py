@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from zero_triton.comm.grads import zero_in_place
+from zero_triton.comm.protocol import Comm
 from zero_triton.native import backends
 from zero_triton.optim.shard import LOW_PRECISION, FlatShard, one_kind
 from zero_triton.state import watch
@@ -160,7 +161,7 @@ class LocalShard(FlatShard):
     # reduces their norm over each parameter's mesh, checkpoints go through DCP.
     engine_owned = True
 
-    def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, key=0, **_):
+    def __init__(self, params, comm: Comm, *, master_weights, backend, amsgrad=False, key=0, **_):
         locals_ = [_local(p) for p in params]
         for i, (p, t) in enumerate(zip(params, locals_)):
             if p.is_complex():

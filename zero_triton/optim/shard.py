@@ -10,6 +10,7 @@ import weakref
 import torch
 
 from zero_triton.comm import buckets, grads
+from zero_triton.comm.protocol import Comm
 from zero_triton.native import backends
 from zero_triton.state import watch
 from zero_triton.state.flat import as_param, flatten_params, real_dtype
@@ -78,7 +79,7 @@ class FlatShard:
     # The parameters live in our flat buffer (``LocalShard``: their engine's, DTensor).
     engine_owned = False
 
-    def __init__(self, params, comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
+    def __init__(self, params, comm: Comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
                  bucket_numel=None, key=0, reducer=None, stage=1):
         self.params = params
         self.dtype, self.device = real_dtype(params[0].dtype), params[0].device

@@ -1,0 +1,60 @@
+"""How ranks talk (``zero_triton.comm.protocol``): both communicators implement ``Comm``,
+signature by signature, and what they return from an async launch is a ``Handle``. A new
+communicator (hybrid sharding, compressed collectives) is held to the same test by adding
+it to ``IMPLEMENTATIONS``."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from zero_triton.comm.group import GroupComm, LocalComm
+from zero_triton.comm.protocol import Comm, Handle
+
+IMPLEMENTATIONS = [LocalComm, GroupComm]
+METHODS = [name for name, member in vars(Comm).items()
+           if inspect.isfunction(member) and not name.startswith("_")]
+
+
+def test_the_protocol_names_the_collectives_the_step_uses():
+    assert set(METHODS) == {"reduce_scatter_avg", "recv_numel", "needs_recv", "all_gather",
+                            "all_reduce", "all_gather_object", "gather"}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("method", METHODS)
+def test_each_communicator_has_the_protocols_signature(impl, method):
+    want = inspect.signature(getattr(Comm, method))
+    got = inspect.signature(getattr(impl, method))
+    strip = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
+    assert strip(got) == strip(want), f"{impl.__name__}.{method}{got} is not Comm.{method}{want}"
+
+
+def test_one_rank_is_a_comm_and_its_launches_are_handles():
+    comm = LocalComm()
+    assert isinstance(comm, Comm)
+    out, inp = torch.zeros(4), torch.arange(4.0)
+    assert isinstance(comm.reduce_scatter_avg(out, inp, async_op=True), Handle)
+    assert torch.equal(out, inp)
+    flat = torch.zeros(4)
+    assert isinstance(comm.all_gather(flat, inp, async_op=True), Handle)
+    assert torch.equal(flat, inp)
+
+
+def _group(rank, world):
+    comm = GroupComm()
+    out, inp = torch.zeros(2), torch.arange(4.0) + rank
+    handle = comm.reduce_scatter_avg(out, inp, torch.empty(comm.recv_numel(4)), async_op=True)
+    handle.wait()
+    flat = torch.zeros(2 * world)
+    gathered = comm.all_gather(flat, out, async_op=True)
+    gathered.wait()
+    return isinstance(comm, Comm), isinstance(handle, Handle), isinstance(gathered, Handle), flat.tolist()
+
+
+def test_a_group_is_a_comm_and_its_launches_are_handles():
+    for is_comm, rs, ag, flat in run_ranks(_group, 2):
+        assert is_comm and rs and ag
+        assert flat == [0.5, 1.5, 2.5, 3.5]  # the average of (0..3) and (1..4), gathered

@@ -1,0 +1,66 @@
+"""How ranks talk: the one interface the optimizer's layers communicate through.
+
+``Comm`` is what a flat shard, the buckets, the agreements and the checkpoint protocol
+use of a communicator: its rank and size, the rank-ordered average a ZeRO step
+reduce-scatters gradients with, the all-gather of parameters, the all-reduce of norms and
+flags, and two object collectives. ``Handle`` is what an async launch returns.
+Implementations: ``comm.group.LocalComm`` (one rank: copies) and ``comm.group.GroupComm``
+(a torch.distributed process group). A new way of talking (a 2-D mesh that reduces
+within a node and across nodes, compressed collectives) is a class of its own that
+implements ``Comm``; nothing that uses one changes. ``tests/test_comm_protocol.py``
+holds both implementations to it, signature by signature.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """A collective in flight."""
+
+    def wait(self) -> None:
+        """Block until it finished, and do what is left after the transfer (a sum, a
+        copy); raise, naming the collective, if it failed."""
+
+    def landed(self) -> bool:
+        """Finished (a host query that never blocks); ``wait`` must still run."""
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """A communicator over ``world_size`` ranks, this one ``rank``."""
+
+    rank: int
+    world_size: int
+    group: Any  # the torch.distributed group (None: the world group, or one rank)
+
+    def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
+                           async_op: bool = False, name: str = "reduce_scatter",
+                           accumulate: bool = False) -> Optional[Handle]:
+        """``out`` (``inp.numel() // world_size`` elements) becomes (``accumulate``: is
+        added) this rank's chunk of the average of every rank's ``inp``, summed in rank
+        order, so the bits do not depend on arrival order. ``recv`` is receive scratch of
+        ``recv_numel`` elements; ``inp`` and ``recv`` are busy until the wait."""
+
+    def recv_numel(self, numel: int, into_out: bool = True) -> int:
+        """The receive scratch ``reduce_scatter_avg`` needs for an input of ``numel``."""
+
+    def needs_recv(self, out: torch.Tensor, inp: torch.Tensor, accumulate: bool = False) -> bool:
+        """Whether ``reduce_scatter_avg(out, inp)`` needs any receive scratch."""
+
+    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                   name: str = "all_gather") -> Optional[Handle]:
+        """``flat`` (``world_size`` chunks of ``shard``'s size) receives every rank's
+        ``shard`` in rank order."""
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        """``t`` becomes the sum (``op="max"``: the maximum) over the ranks, in place."""
+
+    def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
+        """Every rank's picklable ``obj``, in rank order."""
+
+    def gather(self, tensor: torch.Tensor, gather_list, dst: int, what: str = "gather") -> None:
+        """``tensor`` of every rank into ``gather_list`` on rank ``dst`` (only there)."""
