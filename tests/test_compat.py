@@ -44,3 +44,25 @@ def test_import_and_a_step_survive_torch_privates_that_moved():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "same True" in out.stdout and "leaves [1, 2, 3]" in out.stdout, out.stdout
     assert "overlap()'s guard of parameter reads needs torch 2.4 or newer" in out.stdout, out.stdout
+
+
+def test_the_tested_torch_range_is_setup_pys_bound_and_info_says_it():
+    """setup.py's ``torch>=A,<B`` is exactly ``compat.TESTED_TORCH`` (the releases
+    ``.ci/torch-matrix`` runs the suite on), and ``info`` says whether this torch is in it."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zero_triton.native import compat
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    lo, hi = re.search(r'"torch>=(\d+\.\d+),<(\d+\.\d+)"', setup).groups()
+    (a, b), (c, d) = compat.TESTED_TORCH
+    assert (lo, hi) == (f"{a}.{b}", f"{c}.{d + 1}"), (lo, hi, compat.TESTED_TORCH)
+    assert compat.torch_release("2.13.0+cpu") == (2, 13)
+    assert compat.tested_torch("2.7.1+cu126") and compat.tested_torch("2.14.1")
+    assert not compat.tested_torch("2.6.0") and not compat.tested_torch("2.15.0")
+    out = subprocess.run([sys.executable, "-m", "zero_triton", "info"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"tested {a}.{b} to {c}.{d}" in out.stdout, out.stdout

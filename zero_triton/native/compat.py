@@ -6,7 +6,24 @@ that renamed or moved one of them; what then cannot work says so when it is used
 """
 from __future__ import annotations
 
+import re
+
 import torch
+
+# The torch releases the suite passes on (``.ci/torch-matrix``; setup.py's bound says the
+# same: tests/test_compat.py holds them together). Outside, nothing is refused: ``info``
+# says the torch is untested.
+TESTED_TORCH = ((2, 7), (2, 14))
+
+
+def torch_release(version: str = torch.__version__) -> tuple:
+    """(major, minor) of a torch version string ("2.13.0+cpu" -> (2, 13))."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def tested_torch(version: str = torch.__version__) -> bool:
+    return TESTED_TORCH[0] <= torch_release(version) <= TESTED_TORCH[1]
 
 
 def _eager(fn=None, recursive=True):

@@ -31,10 +31,13 @@ def info(argv=None) -> int:
     ).parse_args(argv)
 
     from zero_triton import __version__
-    from zero_triton.native import backends
+    from zero_triton.native import backends, compat
     print(f"zero_triton {__version__}")
     print(f"python      {platform.python_version()} ({platform.machine()})")
-    print(f"torch       {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    lo, hi = (".".join(map(str, v)) for v in compat.TESTED_TORCH)
+    tested = "tested" if compat.tested_torch() else "NOT tested: outside"
+    print(f"torch       {torch.__version__} (CUDA {torch.version.cuda or 'none'}; "
+          f"{tested} {lo} to {hi}, docs/install.md)")
     try:
         import triton
         print(f"triton      {triton.__version__}")
