@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +38,8 @@ def test_every_docs_page_is_in_the_site_navigation():
 
 
 def test_the_site_builds_in_strict_mode(tmp_path):
-    if shutil.which("mkdocs") is None and importlib_missing("mkdocs"):
-        pytest.skip("mkdocs is not installed: pip install -e '.[docs]' (the test extra has it)")
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' "
+                                          "(the test extra has it, so CI runs this)")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
                           "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -49,13 +48,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     # The API reference is generated from the docstrings, not written by hand.
     for name in ("ZeroAdam", "clip_grad_norm_", "consolidated_state_dict", "init_states"):
         assert name in reference, f"the generated API reference lacks {name}"
-    assert "every rank writes what it owns" in reference.lower() or \
-        "sharded checkpoints" in reference.lower()
-
-
-def importlib_missing(name: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(name) is None
+    assert "every rank writes what it owns" in reference.lower()  # a module docstring
 
 
 def test_the_readme_example_trains_on_two_ranks(tmp_path):
@@ -68,6 +61,7 @@ def test_the_readme_example_trains_on_two_ranks(tmp_path):
                           "--nproc_per_node=2", "train.py"], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    loss = float(re.search(r"loss (\d+\.\d+)", out.stdout).group(1))
-    assert loss < 1.2, f"the example did not train: final loss {loss}"
+    # (The final loss alone would not do: with lr=0 it is 1.11, under any fixed bar near it.)
+    first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out.stdout).groups())
+    assert last < 0.9 * first, f"the example did not train: loss {first} -> {last}"
     assert (tmp_path / "ckpt" / "manifest.json").exists()

@@ -28,11 +28,16 @@ class MailboxError(RuntimeError):
     """No mailbox can be had over this rendezvous store."""
 
 
-class Queues:
-    """One store queue per rank (torch 2.8 and later)."""
+class _Mailbox:
+    """``store``: the connection every push goes through; ``own``: the server's, which
+    its blocked read holds; ``rank``: whose mailbox ``pop`` reads."""
 
     def __init__(self, store, own, rank: int):
         self.store, self.own, self.rank = store, own, rank
+
+
+class Queues(_Mailbox):
+    """One store queue per rank (torch 2.8 and later)."""
 
     def push(self, rank: int, entry: bytes) -> None:
         self.store.queue_push(f"inbox/{rank}", entry)
@@ -42,12 +47,10 @@ class Queues:
         return self.own.queue_pop(f"inbox/{self.rank}")
 
 
-class Numbered:
+class Numbered(_Mailbox):
     """Numbered keys per rank and a blocked ``wait`` for the next (stores without queues)."""
 
-    def __init__(self, store, own, rank: int):
-        self.store, self.own, self.rank = store, own, rank
-        self.next = 1  # ``add`` counts from 1
+    next = 1  # the next entry to read: ``add`` counts from 1
 
     def push(self, rank: int, entry: bytes) -> None:
         n = self.store.add(f"inbox/{rank}/n", 1)
