@@ -40,6 +40,24 @@ from .protocol import Comm
 
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 
+# What a bucket's buffers cost: ZeRO-2 stages each bucket's gradients until its launch
+# and every reduce-scatter at more than two ranks receives into scratch, up to
+# ``Reducer.max_in_flight`` buckets of each (twice that on a GPU). ``bucket_cap_mb``
+# (25, DDP's) alone would make those buffers larger than the gradient shard for any
+# model under ~1B parameters at 8 ranks; so a flat buffer is also cut into at least
+# MIN_BUCKETS buckets, none under MIN_BUCKET_BYTES (a collective that small is latency).
+MIN_BUCKETS = 8
+MIN_BUCKET_BYTES = 2**20
+
+
+def bucket_numel(cap_mb: float, dtype: torch.dtype, numel: int) -> int:
+    """Elements per bucket of a flat buffer of ``numel`` elements of ``dtype``:
+    ``cap_mb`` MiB at most, ``numel / MIN_BUCKETS`` where that keeps MIN_BUCKET_BYTES.
+    The result does not depend on it (the averages are summed in rank order, element
+    by element), only the buffers and the overlap do."""
+    cap = max(1, int(cap_mb * 2**20) // dtype.itemsize)
+    return min(cap, max(MIN_BUCKET_BYTES // dtype.itemsize, -(-numel // MIN_BUCKETS)))
+
 
 def _written_while_gathering(bucket: Bucket, param):
     return RuntimeError(
@@ -67,7 +85,11 @@ class Bucket:
         self.grad_in = None if self.sharded else grads.flat[g.start:g.start + g.numel]
         self.grad_dtype = flat_param.dtype
         self.staging = None     # ZeRO-2: the pool buffer grad_in lives in
+        # ZeRO-2: grad_in is the gradient autograd made for the bucket's one parameter,
+        # taken as it is (no staging copy); never written, never pooled.
+        self.adopted = False
         self.sending = None     # ZeRO-2 on CPUs: the staging buffer the reduce in flight reads
+        self.sending_adopted = False
         self.staging_pool = None
         self.accumulated = False  # ZeRO-2: the shard already holds an average this step
         # This rank's averaged shard of the bucket (``averaged``). ``out``: where it lives
@@ -137,7 +159,8 @@ class Bucket:
                 self.pool.append((self.recv, None))
                 self.recv = None
             if self.sending is not None:
-                self.staging_pool.append((self.sending, None))
+                if not self.sending_adopted:
+                    self.staging_pool.append((self.sending, None))
                 self.sending = None
 
     def wait_gather(self) -> None:
@@ -193,8 +216,10 @@ class Reducer:
         self._guards: list = []
         weakref.finalize(self, pending_reads.drop_all, self._guards)
         self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
-        self.buffer_numel: dict = {}
-        self.recv_numel: dict = {}        # receive scratch per (dtype, device)
+        self._held: list = []             # GPU: adopted gradients being sent, with their Done
+        self.counts = {"adopted": 0, "restaged": 0}  # ZeRO-2 gradients taken as they were
+        self.into_out: dict = {}          # per (dtype, device): averages land in the shard
+        self.recv_numel: dict = {}        # receive scratch per (dtype, device), at most
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).
@@ -238,7 +263,7 @@ class Reducer:
         # never needs more than two), up to max_in_flight of each kind. Receive scratch is
         # sized for an average into the shard (ZeRO-2's later averages of a step, added
         # to the shard, take one chunk more for the launch: zero_triton.comm.group).
-        self.pools, self.staging_pools, self.buffer_numel = {}, {}, dict(sizes)
+        self.pools, self.staging_pools, self.into_out = {}, {}, into_out
         self.recv_numel = {kind: self.comm.recv_numel(sizes[kind], into_out[kind]) for kind in sizes}
         self.made = {}
         for kind in sizes:
@@ -257,11 +282,21 @@ class Reducer:
             self.order = list(self.buckets)
             self.in_backward = len(self.order)
 
+    def _need(self, bucket: Bucket, role: str) -> int:
+        """Elements of a ``role`` buffer for ``bucket``: its gradients (staging), or the
+        receive scratch of its reduce-scatter."""
+        if role == "staging":
+            return bucket.geometry.numel
+        return self.comm.recv_numel(bucket.geometry.numel, self.into_out[self._kind(bucket)])
+
     def _take(self, pool: list, bucket: Bucket, role: str, grow: bool) -> torch.Tensor:
-        """A buffer from ``pool``: a free one, else a new one while fewer than the limit
-        exist, else one freed by waiting for the oldest average still using it. ZeRO-2
-        staging may ``grow`` past the limit when no average holds one (buckets waiting
-        for their turn); ``finish`` hands the extra ones back.
+        """A buffer from ``pool`` large enough for ``bucket``: a free one, else a new one
+        while fewer than the limit exist, else one freed by waiting for the oldest
+        average still using it. ZeRO-2 staging may ``grow`` past the limit when no
+        average holds one (buckets waiting for their turn); ``finish`` hands the extra
+        ones back. Buffers are made at the size a bucket needs (a free one too small for
+        this bucket is let go for a new one), so the pool holds the largest buckets in
+        flight, not ``max_in_flight`` copies of the largest bucket of all.
 
         On a GPU a receive buffer is free as soon as its average is queued (the side
         stream reuses it in order) and a staging buffer once its average's event has
@@ -271,11 +306,15 @@ class Reducer:
         kind = self._kind(bucket)
         key = (role, kind)
         limit = self._limit(kind[1])
+        need = self._need(bucket, role)
         while True:
+            small = None  # a free buffer too small for this bucket
             for i, (buf, done) in enumerate(pool):
                 if done is None or done.query():
-                    del pool[i]
-                    return buf
+                    if buf.numel() >= need:
+                        del pool[i]
+                        return buf
+                    small = i if small is None else small
             if self.in_flight and (self.in_flight[0].reduce is None or self.in_flight[0].reduce.landed()):
                 # CPU: an average that already arrived gives its buffers back (its sum in
                 # rank order runs now) before another buffer is made: a model whose
@@ -284,10 +323,17 @@ class Reducer:
                 continue
             if self.made.get(key, 0) < limit:
                 break
+            if small is not None:  # at the limit: a free one too small makes way
+                del pool[small]
+                self.made[key] -= 1
+                break
             if pool:  # GPU: every staging buffer is still being sent: the oldest one
                 buf, done = pool.pop(0)
                 done.wait()
-                return buf
+                if buf.numel() >= need:
+                    return buf
+                self.made[key] -= 1
+                break
             if self.in_flight:
                 self.in_flight.popleft().wait_reduce()
                 continue
@@ -295,8 +341,7 @@ class Reducer:
                 break
             raise AssertionError("zero_triton: a gradient bucket buffer was lost")
         self.made[key] = self.made.get(key, 0) + 1
-        numel = self.recv_numel[kind] if role == "recv" else self.buffer_numel[kind]
-        return torch.empty(numel, dtype=kind[0], device=kind[1])
+        return torch.empty(need, dtype=kind[0], device=kind[1])
 
     def _side(self, bucket: Bucket):
         return self._side_of(bucket.param_full.device)
@@ -337,15 +382,44 @@ class Reducer:
         self._in_backward = False
         self.backwards += 1
 
-    def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor) -> None:
+    def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor,
+               adopt: bool = False) -> None:
         """ZeRO-2: add a parameter's gradient into its bucket's staging buffer (a new one
-        when the last is still being sent: the next micro-batch)."""
-        if bucket.grad_in is None:
-            self._stage(bucket)
+        when the last is still being sent: the next micro-batch). ``adopt``: the gradient
+        is autograd's own, handed over (nobody else holds it), so a bucket of that one
+        parameter may take it as its staging buffer (``_adoptable``)."""
         if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
             grad = torch.view_as_real(grad)
-        bucket.grad_in[lo:hi].add_(grad.reshape(-1))
+        if bucket.grad_in is None and adopt and lo == 0 and self._adoptable(bucket, grad):
+            bucket.staging = bucket.grad_in = grad.view(-1)
+            bucket.adopted = True
+            self.counts["adopted"] += 1
+        else:
+            if bucket.adopted:  # another micro-batch's gradient: the adopted one is read only
+                self._restage(bucket)
+                self.counts["restaged"] += 1
+            elif bucket.grad_in is None:
+                self._stage(bucket)
+            bucket.grad_in[lo:hi].add_(grad.reshape(-1))
         self.arrived(bucket, j)
+
+    @staticmethod
+    def _adoptable(bucket: Bucket, grad: torch.Tensor) -> bool:
+        """A bucket of one parameter whose gradient fills it exactly (no padding), of its
+        dtype and contiguous: the gradient is the staging buffer (autograd made it for
+        us; the hook lets go of ``.grad``), which saves a copy and a buffer the size of
+        the largest parameters (embeddings, output layers)."""
+        return (bucket.nparams == 1 and grad.numel() == bucket.geometry.numel
+                and grad.dtype == bucket.grad_dtype and grad.device == bucket.param_full.device
+                and grad.is_contiguous() and not grad.requires_grad)
+
+    def _restage(self, bucket: Bucket) -> None:
+        """Move an adopted gradient into a staging buffer, to add another to it."""
+        adopted = bucket.grad_in
+        bucket.staging = bucket.grad_in = None
+        bucket.adopted = False
+        self._stage(bucket)
+        bucket.grad_in.copy_(adopted)
 
     def _stage(self, bucket: Bucket) -> None:
         """A zeroed staging buffer for ``bucket``: from the pool, after the oldest
@@ -410,17 +484,31 @@ class Reducer:
             if recv is not None:  # reused in the side stream's order
                 bucket.pool.append((recv, None))
             if bucket.sharded:  # reused once the compute stream may write it
-                bucket.staging_pool.append((bucket.staging, done))
+                if bucket.adopted:  # held until the side stream has sent it
+                    self._hold(bucket.staging, done)
+                else:
+                    bucket.staging_pool.append((bucket.staging, done))
                 bucket.staging = bucket.grad_in = None
+                bucket.adopted = False
             return
         bucket.recv = recv
         bucket.reduce = start()
         if bucket.sharded:  # the next micro-batch stages into another buffer
             bucket.sending, bucket.staging, bucket.grad_in = bucket.staging, None, None
+            bucket.sending_adopted, bucket.adopted = bucket.adopted, False
         if self.comm.world_size > 1:
             self.in_flight.append(bucket)
         else:
             bucket.wait_reduce()  # world size 1: a copy, done
+
+    def _hold(self, grad: torch.Tensor, done) -> None:
+        """GPU: keep an adopted gradient until the side stream has sent it, at most the
+        staging buffers' limit of them: past it the compute stream waits for the oldest,
+        as it would for a staging buffer."""
+        self._held = [(t, d) for t, d in self._held if not d.query()]
+        while len(self._held) >= self._limit(grad.device):
+            self._held.pop(0)[1].wait()
+        self._held.append((grad, done))
 
     # -- step -----------------------------------------------------------------------
     def changed_since_launch(self, grad_buffers) -> bool:
@@ -493,8 +581,10 @@ class Reducer:
         self.wait_reduces()
         for b in self.buckets:
             if b.staging is not None:  # ZeRO-2 gradients not averaged yet: dropped
-                b.staging_pool.append((b.staging, None))
+                if not b.adopted:
+                    b.staging_pool.append((b.staging, None))
                 b.staging = b.grad_in = None
+                b.adopted = False
             launched = b.launched
             b.reset()
             if launched:
@@ -508,6 +598,7 @@ class Reducer:
             self.in_flight.popleft().wait_reduce()
         for b in self.buckets:
             b.wait_reduce()
+        self._held.clear()  # the compute stream has waited for every average
 
     @property
     def guarded(self) -> bool:

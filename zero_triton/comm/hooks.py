@@ -61,7 +61,7 @@ def grad_taken(reached: bytearray, i: int, j: int, lo: int, hi: int, bucket: Buc
         return
     reached[i] = 2  # taken by the hook (1: found at step)
     reducer.note_backward()
-    reducer.accept(bucket, j, lo, hi, g)
+    reducer.accept(bucket, j, lo, hi, g, adopt=True)  # .grad is let go just below
     param.grad = None
 
 

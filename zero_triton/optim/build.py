@@ -13,7 +13,7 @@ def build_flats(trainable: list, comm, *, backend: str, master_weights, amsgrad:
                 reduce_dtype, bucket_numel, key: int, reducer, stage: int) -> list:
     """The shards of one param group, numbered from ``key``: a ``FlatShard`` per dtype of
     the plain tensors of ``trainable`` (complex parameters in their real dtype's;
-    ``bucket_numel(dtype)`` cuts each into buckets), then a ``LocalShard`` per dtype of
+    ``bucket_numel(dtype, numel)`` cuts each into buckets), then a ``LocalShard`` per dtype of
     its DTensors. The backend is resolved first (an error names the fix); if one shard
     fails, the hooks of those already built are removed and nothing is left behind."""
     if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
@@ -28,7 +28,8 @@ def build_flats(trainable: list, comm, *, backend: str, master_weights, amsgrad:
                 flats.append(FlatShard(members, comm, master_weights=master_weights,
                                        backend=backend, amsgrad=amsgrad,
                                        reduce_dtype=reduce_dtype,
-                                       bucket_numel=bucket_numel(dtype),
+                                       bucket_numel=bucket_numel(dtype, sum(
+                                           p.numel() * (2 if p.is_complex() else 1) for p in members)),
                                        key=key + len(flats), reducer=reducer, stage=stage))
         for dtype in dict.fromkeys(p.dtype for p in engine):
             members = [p for p in engine if p.dtype == dtype]

@@ -203,10 +203,13 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                            bucket_numel=self._bucket_numel, key=key, reducer=reducer,
                            stage=self._stage)
 
-    def _bucket_numel(self, dtype) -> int | None:
+    def _bucket_numel(self, dtype, numel: int) -> int | None:
+        """Elements per bucket of a flat buffer of ``numel`` elements: ``bucket_cap_mb``
+        at most, and a cut of the buffer into ``buckets.MIN_BUCKETS`` or more where each
+        keeps ``buckets.MIN_BUCKET_BYTES`` (``buckets.bucket_numel``)."""
         if self._bucket_cap_mb is None or self._comm.world_size == 1:
             return None
-        return max(1, int(self._bucket_cap_mb * 2**20) // dtype.itemsize)
+        return buckets.bucket_numel(self._bucket_cap_mb, dtype, numel)
 
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
