@@ -120,8 +120,7 @@ def _snapshot(opt, averages=None):
     out = {"params": [p.detach().clone() for p in flat.params],
            "flat_param": flat.flat_param.clone(),
            "master": flat.state.master.detach().clone(),
-           "exp_avg": flat.state.exp_avg.clone(),
-           "exp_avg_sq": flat.state.exp_avg_sq.clone(),
+           **{k: v.clone() for k, v in flat.state.moments.export().items()},
            "step": float(flat.state.step)}
     if averages is not None:
         out["grad_shard"] = torch.cat([averages[k] for k in sorted(averages)])
@@ -132,7 +131,8 @@ def _describe_flat(opt):
     flat = opt._flats[0][0]
     return {"padded_numel": flat.layout.padded_numel, "shard_numel": flat.layout.shard_numel,
             "segments": flat.segments,
-            "sizes": {k: getattr(flat.state, k).numel() for k in ("master", "exp_avg", "exp_avg_sq")}}
+            "sizes": {k: t.numel() for k, t in {"master": flat.state.master, **flat.state.moments.export()}.items()
+                      if k in ("master", "exp_avg", "exp_avg_sq")}}
 
 
 def _job_trajectory(rank, world_size, case: Case):
@@ -438,7 +438,9 @@ class _References:
 
     def fused_state(self, key: str) -> torch.Tensor:
         """FusedAdam's flat master/m/v padded to the ZeRO layout's length."""
-        return _padded(getattr(self.fused._flats[0][0].state, key), self.layout.padded_numel)
+        state = self.fused._flats[0][0].state
+        t = state.master if key == "master" else state.moments.export()[key]
+        return _padded(t, self.layout.padded_numel)
 
     def torch_state(self, key: str) -> torch.Tensor:
         if key == "master":

@@ -24,10 +24,13 @@ from zero_triton.checkpoint.errors import CheckpointError, ModelMismatchError
 from zero_triton.checkpoint.files import (EXTRA_FILE, HEADER_BYTES, MAX_MANIFEST_BYTES,
                                           MODEL_EXTRA_FILE, MODEL_FILE, file_crc, rank_file)
 from zero_triton.state.flat import is_dense
+from zero_triton.state.moments import KEYS as MOMENT_KEYS
 
 FORMAT = "zero_triton.checkpoint"
 VERSION = 2
-STATES = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The states a shard file holds, in file order: the master, then the moments by torch's
+# names (the store's export, zero_triton.state.moments); the running maximum is optional.
+STATES = ("master", *MOMENT_KEYS)
 REQUIRED_STATES = STATES[:3]
 FLAT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Keys of a param group that are bookkeeping, not hyperparameters of the step.
@@ -207,7 +210,7 @@ def validate(m: dict, source: str) -> None:
         if any(s not in STATES for s in states) or len(set(states)) != len(states) or \
                 any(s not in states for s in REQUIRED_STATES):
             v.fail(f"{field}.states", f"is {states}: it must name each of {list(REQUIRED_STATES)} "
-                   "once, and max_exp_avg_sq at most once")
+                   f"once, and {STATES[3]} at most once")
         if "param_steps" in flat:
             for i, _ in enumerate(v.list(flat, "param_steps", f"{field}.param_steps")):
                 v.number(flat["param_steps"], i, f"{field}.param_steps[{i}]", 0.0, step)

@@ -14,6 +14,7 @@ from zero_triton.checkpoint.protocol import read_model_flat, read_state_range
 from zero_triton.checkpoint.target import own_bytes
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.state.flat import shaped
+from zero_triton.state.shards import MASTER
 
 
 def consolidate(path) -> tuple[dict, dict]:
@@ -46,7 +47,7 @@ def consolidate(path) -> tuple[dict, dict]:
                     t = torch.empty(numel, dtype=torch.float32)
                     if numel:
                         read_state_range(readers, manifest, k, name, lo, end, t)
-                    s["master_param" if name == "master" else name] = shaped(
+                    s[MASTER if name == "master" else name] = shaped(
                         t, entry["shape"], entry.get("stride"))
                 state[entry["index"]] = s
                 model_sd[entry["name"]] = shaped(flat_params[k][lo:end].clone(), entry["shape"],

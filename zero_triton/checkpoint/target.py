@@ -156,13 +156,15 @@ class Target:
             saved, got = manifest["flats"][k], plan["states"][k]
             flat.state.set_param_steps(saved.get("param_steps") or [saved["step"]] * len(flat.params))
             unflatten_into(flat.params, plan["params"][k], flat.layout.canonical)
-            if "max_exp_avg_sq" in got:
-                flat.state.ensure_amsgrad()
-            elif flat.state.max_exp_avg_sq is not None:
-                flat.state.max_exp_avg_sq.zero_()
-            for name, buf in self.states(flat).items():
+            # Zeros first where the checkpoint holds nothing (a running maximum it lacks);
+            # one it holds that this store lacks is stored from now on.
+            stored = flat.state.moments.export()
+            flat.state.reset(amsgrad=any(k != "master" and k not in stored for k in got) or None)
+            bufs = self.states(flat)
+            for name, buf in bufs.items():
                 if name in got:
                     buf.copy_(got[name])
+            flat.state.commit({k: v for k, v in bufs.items() if k != "master"})
             if flat.state.master is None and "master" in got:  # fp32 over several buckets
                 for (lo, hi, s0), part in zip(flat.segments, flat.param_parts):
                     part.copy_(got["master"][s0:s0 + hi - lo])

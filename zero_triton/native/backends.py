@@ -145,35 +145,65 @@ def resolve(name: str, device: torch.device) -> str:
     raise AssertionError("unreachable: the torch backend is always usable")
 
 
-def step_function(name: str):
-    """The step callable of a concrete backend name (see ``resolve``)."""
-    if name == "triton":
-        from zero_triton.kernels.adam import adam_step
-        return adam_step
-    if name in ("cpu", "cuda"):
-        from zero_triton.native import ext as _ext
-        native = _ext.load().adam_step
+def _native_step():
+    from zero_triton.native import ext as _ext
+    native = _ext.load().adam_step
 
-        def native_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-                        beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                        grad_scale=None, found_inf=None, clip_coef=None):
-            native(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr,
-                   float(beta1), float(beta2), float(eps), float(weight_decay),
-                   bool(adamw), bool(amsgrad), bool(maximize), grad_scale, found_inf, clip_coef)
-        return native_step
-    if name == "torch":
-        return torch_step
-    raise ValueError(f"not a concrete backend: {name!r}")
+    def native_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
+                    beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+                    grad_scale=None, found_inf=None, clip_coef=None):
+        native(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr,
+               float(beta1), float(beta2), float(eps), float(weight_decay),
+               bool(adamw), bool(amsgrad), bool(maximize), grad_scale, found_inf, clip_coef)
+    return native_step
 
 
-def list_step_function(name: str):
+def _triton_step():
+    from zero_triton.kernels.adam import adam_step
+    return adam_step
+
+
+def _triton_step_list():
+    from zero_triton.kernels.adam import adam_step_list
+    return adam_step_list
+
+
+# The kernel registry: (concrete backend, moments format) -> (a loader of the step over
+# one shard's operands, a loader of the step over lists in one launch or None). A moments
+# format (``zero_triton.state.moments.FORMATS``) brings its kernels by adding its rows.
+STEPS = {
+    ("triton", "fp32"): (_triton_step, _triton_step_list),
+    ("cpu", "fp32"): (_native_step, None),
+    ("cuda", "fp32"): (_native_step, None),
+    ("torch", "fp32"): (lambda: torch_step, None),
+}
+
+
+def _entry(name: str, format: str):
+    if name not in NAMES[1:]:
+        raise ValueError(f"not a concrete backend: {name!r}")
+    try:
+        return STEPS[name, format]
+    except KeyError:
+        has = sorted(b for b, f in STEPS if f == format)
+        raise ValueError(f"backend {name!r} has no kernel for {format!r} moments; "
+                         f"backends that have one: {has}") from None
+
+
+def step_function(name: str, format: str = "fp32"):
+    """The step callable of a concrete backend name (see ``resolve``) for moments of
+    ``format``: its arguments are the master (or fp32 parameter), the gradient, the
+    store's operands (``MomentStore.operands``), the low-precision parameter or None,
+    the step count and the learning rate, then the hyperparameters by keyword."""
+    return _entry(name, format)[0]()
+
+
+def list_step_function(name: str, format: str = "fp32"):
     """The step over lists of tensors in one launch, for a concrete backend that has one
     (``"triton"``: ``zero_triton.kernels.adam.adam_step_list``), else None: the caller
     launches ``step_function(name)`` once per tensor."""
-    if name == "triton":
-        from zero_triton.kernels.adam import adam_step_list
-        return adam_step_list
-    return None
+    loader = _entry(name, format)[1]
+    return loader() if loader is not None else None
 
 
 def availability() -> list[tuple[str, str, str | None]]:

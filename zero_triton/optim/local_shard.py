@@ -201,8 +201,9 @@ class LocalShard(FlatShard):
         self.versions = watch.ParamVersions(params)  # the DTensors' own writes, not ours
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
         self.backend = "torch" if self.dtype == torch.float64 else backends.resolve(backend, self.device)
-        self.step_fn = backends.step_function(self.backend)
-        self.step_list = backends.list_step_function(self.backend)  # one launch for all, or None
+        self.step_fn = backends.step_function(self.backend, self.state.moments.format)
+        # one launch for all, or None
+        self.step_list = backends.list_step_function(self.backend, self.state.moments.format)
         self.scratch = torch.empty(self.layout.shard_numel, dtype=self.state.dtype, device=self.device) \
             if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
@@ -248,7 +249,7 @@ class LocalShard(FlatShard):
                 f"optimizer was built (now {shapes}); their state cannot follow them. Build the "
                 "optimizer after the model is sharded and materialised")
         new = LocalShard(self.params, self.comm, master_weights=master_weights, backend=backend,
-                         amsgrad=self.state.max_exp_avg_sq is not None, key=self.key)
+                         amsgrad=self.state.amsgrad, key=self.key)
         with torch.no_grad():
             new.state.carry_over(self.state)
         return new
@@ -285,13 +286,14 @@ class LocalShard(FlatShard):
 
     # -- the step -----------------------------------------------------------------------
     def _slots(self) -> list:
-        """Per segment, the views of its state slot: (master or None, exp_avg, exp_avg_sq,
-        max_exp_avg_sq or None), made again only when a state buffer is replaced (amsgrad
-        switched on, a re-home)."""
+        """Per segment, the views of its state slot: (master or None, then the moments'
+        kernel operands: first, second, running maximum or None), made again only when a
+        state buffer is replaced (amsgrad switched on, a re-home)."""
         st = self.state
-        key = (st.master, st.exp_avg, st.exp_avg_sq, st.max_exp_avg_sq)
+        key = (st.master, st.moments, st.amsgrad)
         if self._slot_key is None or any(a is not b for a, b in zip(key, self._slot_key)):
-            self._slot_views = [tuple(None if buf is None else buf[s0:s0 + hi - lo] for buf in key)
+            self._slot_views = [(None if st.master is None else st.master[s0:s0 + hi - lo],
+                                 *st.moments.operands(s0, s0 + hi - lo, st.amsgrad))
                                 for lo, hi, s0 in self.segments]
             self._slot_key = key
         return self._slot_views
@@ -305,12 +307,12 @@ class LocalShard(FlatShard):
         kwargs, amsgrad, st = plan["kwargs"], plan["amsgrad"], self.state
         if self.step_list is None or len({grads[k].dtype for k in members}) > 1:
             for k in members:
-                master, exp_avg, exp_avg_sq, vmax = slots[k]
+                master, first, second, vmax = slots[k]
                 param = self.param_parts[k]
                 if self.scratch is not None:  # the torch backend's work space
                     lo, hi, s0 = self.segments[k]
                     kwargs = {**plan["kwargs"], "scratch": self.scratch[s0:s0 + hi - lo]}
-                self.step_fn(param if master is None else master, grads[k], exp_avg, exp_avg_sq,
+                self.step_fn(param if master is None else master, grads[k], first, second,
                              vmax if amsgrad else None, param if self.has_master else None,
                              st.step_of(k), self.lr, **kwargs)
             return

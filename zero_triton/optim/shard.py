@@ -133,7 +133,7 @@ class FlatShard:
             self.backend = "torch"
         else:
             self.backend = backends.resolve(backend, self.device)
-        self.step_fn = backends.step_function(self.backend)
+        self.step_fn = backends.step_function(self.backend, self.state.moments.format)
         self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.device) \
             if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
@@ -193,7 +193,7 @@ class FlatShard:
         if self.reducer is not None:
             self.reducer.wait_all()
         new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
-                        amsgrad=self.state.max_exp_avg_sq is not None, reduce_dtype=self.reduce_dtype,
+                        amsgrad=self.state.amsgrad, reduce_dtype=self.reduce_dtype,
                         bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer,
                         stage=self.stage)
         if self.device.type == "meta":  # materialised (model.to_empty): nothing to carry over
@@ -281,9 +281,8 @@ class FlatShard:
         st = self.state
         param = self.param_parts[k][a:b]
         master = st.master[s0 + a:s0 + b] if st.master is not None else param
-        self.step_fn(master, self.buckets[k].averaged()[a:b], st.exp_avg[s0 + a:s0 + b],
-                     st.exp_avg_sq[s0 + a:s0 + b],
-                     st.max_exp_avg_sq[s0 + a:s0 + b] if plan["amsgrad"] else None,
+        self.step_fn(master, self.buckets[k].averaged()[a:b],
+                     *st.moments.operands(s0 + a, s0 + b, plan["amsgrad"]),
                      param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:

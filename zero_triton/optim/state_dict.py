@@ -17,6 +17,9 @@ import torch
 
 from zero_triton.comm import serve
 from zero_triton.state.flat import contiguous_strides, memory_order, real_shape
+from zero_triton.state.moments import KEYS as MOMENT_KEYS
+from zero_triton.state.moments import MAXIMUM
+from zero_triton.state.shards import MASTER
 
 # Keys torch.optim.Adam keeps in every param group, with the values that describe this
 # optimizer: a torch.optim.Adam loading our state dict behaves as its defaults.
@@ -72,7 +75,7 @@ def packed_groups(opt):
 # The per-parameter state keys this optimizer keeps in its flat buffers; anything else a
 # user or a wrapper puts in ``opt.state`` (a parameter's extra entry, a key that is not a
 # parameter) is kept beside them and round-trips through the state dict as in torch.
-OWN_KEYS = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"))
+OWN_KEYS = frozenset(("step", *MOMENT_KEYS, MASTER))
 
 
 def extras(table, params) -> tuple[dict, dict]:
@@ -221,7 +224,7 @@ def plan_load(opt, state_dict) -> list:
             for i, (p, e) in enumerate(zip(flat.params, entries)):
                 if e is None:
                     continue
-                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                for key in (*MOMENT_KEYS, MASTER):
                     if key in e and tuple(e[key].shape) != real_shape(p) and not (
                             p.is_complex() and tuple(e[key].shape) == tuple(p.shape)):
                         raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
@@ -259,23 +262,16 @@ def apply_load(opt, state_dict, plan) -> None:
 def load_shard(flat, entries, step) -> None:
     """Copy this rank's shard (every bucket's) of each full per-parameter state in."""
     state = flat.state
-    state.exp_avg.zero_()
-    state.exp_avg_sq.zero_()
     state.set_param_steps(step if step is not None else [0.0] * len(flat.params))
-    has_max = entries is not None and any(e is not None and "max_exp_avg_sq" in e for e in entries)
-    if has_max:
-        state.ensure_amsgrad()
-        state.max_exp_avg_sq.zero_()
-    elif state.max_exp_avg_sq is not None:
-        state.max_exp_avg_sq.zero_()
+    # Zeros wherever the entries hold nothing; a running maximum from now on if one has it.
+    has_max = entries is not None and any(e is not None and MAXIMUM in e for e in entries)
+    state.reset(amsgrad=has_max or None)
     if flat.has_master:
         for master, part in zip(state.master_parts(), flat.param_parts):
             master.copy_(part)
     if entries is None:
         return
     targets = state.buffers()
-    if not has_max:
-        targets.pop("max_exp_avg_sq", None)  # zeroed above: not every entry has it
     for lo, hi, s0 in flat.segments:
         for i, a, b in flat.layout.ranges_in(lo, hi):
             o = flat.layout.offsets[i] + a - lo + s0
@@ -289,8 +285,9 @@ def load_shard(flat, entries, step) -> None:
                         given = torch.view_as_real(given)
                     # In the parameter's memory order (channels_last keeps its own).
                     buf[o:o + b - a].copy_(memory_order(given, flat.layout.strides[i])[a:b])
+    state.commit(targets)
     # Every rank decides this from the same state dict: the all-gather is collective.
-    if flat.has_master and any(e is not None and "master_param" in e for e in entries):
+    if flat.has_master and any(e is not None and MASTER in e for e in entries):
         for master, part in zip(state.master_parts(), flat.param_parts):
             part.copy_(master)
         for k, bucket in enumerate(flat.buckets):
@@ -372,7 +369,7 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
     for flat in flats:
         written = flat.versions.written() if flat.state.has_master else ()
         for i in written:
-            m = state_dict["state"][ids[id(flat.params[i])]]["master_param"]
+            m = state_dict["state"][ids[id(flat.params[i])]][MASTER]
             p = flat.params[i].detach().to(m.device).reshape(m.shape)
             m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
     return state_dict
@@ -458,16 +455,16 @@ def plan_user_state(flat, user):
         entry = dict.get(user, p) if isinstance(user, dict) else None
         if not entry:  # no state: torch.optim.Adam starts this parameter over
             copies.extend((v[i], torch.zeros((), dtype=v[i].dtype)) for k, v in views.items()
-                          if k != "master_param")
+                          if k != MASTER)
             reseed.append(i)
             counts[i], steps_changed = 0.0, True
             continue
         for key, v in views.items():
             given = entry.get(key)
             if given is None:
-                if key == "master_param":  # torch's own format: the master is the parameter
+                if key == MASTER:  # torch's own format: the master is the parameter
                     reseed.append(i)
-                elif key == "max_exp_avg_sq":
+                elif key == MAXIMUM:
                     copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
                 else:
                     raise ValueError(

@@ -250,10 +250,7 @@ class ZeroAdam(FusedAdam, Joinable):
             self._share_hyperparameters()
         if agreed & agreement.RESET:
             for _, flat in flats:
-                flat.state.exp_avg.zero_()
-                flat.state.exp_avg_sq.zero_()
-                if flat.state.max_exp_avg_sq is not None:
-                    flat.state.max_exp_avg_sq.zero_()
+                flat.state.reset()
                 flat.state.set_param_steps([0.0] * len(flat.params))
                 flat.reseed(range(len(flat.params)))
         if self._state_edited():

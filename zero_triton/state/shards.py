@@ -6,25 +6,32 @@ lives here, contiguous, on the shard's device:
 
 - ``master``: the fp32 master of fp16/bf16 parameters; fp32 parameters are their own
   master (then ``master`` is the shard itself when it is one segment, else None);
-- ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq`` (float32; float64
+- ``moments``: the Adam moments in a ``MomentStore`` of the format the optimizer was
+  built with (``zero_triton.state.moments``; its kernels compute in float32, float64
   for float64 parameters);
 - the step count: one device tensor ``step`` while every parameter has the same history,
   one per parameter (``steps``) once some missed a step (no gradient, as torch.optim.Adam
   skips them), with a host label per parameter (``history``) equal for equal counts.
 
 ``FlatShard`` (zero_triton.optim.shard) owns one and hands its slices to the kernel;
-``zero_triton.optim.state_dict`` and ``zero_triton.checkpoint`` read and write it.
+``zero_triton.optim.state_dict`` and ``zero_triton.checkpoint`` read and write it through
+``buffers()`` (torch's format) and ``commit``, never by a moment's name.
 """
 from __future__ import annotations
 
 import torch
+
+from .moments import make as make_moments
+
+MASTER = "master_param"  # torch-format key of an fp32 master (fp16/bf16 parameters)
 
 
 class ShardState:
     """``param_parts``: this rank's shard of the flat parameter buffer, one view per
     segment; ``layout``: the buffer's FlatLayout; ``segments``: this rank's."""
 
-    def __init__(self, param_parts, segments, layout, *, has_master: bool, amsgrad: bool):
+    def __init__(self, param_parts, segments, layout, *, has_master: bool, amsgrad: bool,
+                 moments: str = "fp32"):
         self.param_parts, self.segments, self.layout = param_parts, segments, layout
         self.has_master = has_master
         self.device = param_parts[0].device
@@ -38,10 +45,7 @@ class ShardState:
         # float64 parameters keep float64 state (torch steps them in float64); every
         # other dtype float32.
         self.dtype = torch.float64 if param_parts[0].dtype == torch.float64 else torch.float32
-        kind = dict(dtype=self.dtype, device=self.device)
-        self.exp_avg = torch.zeros(n, **kind)
-        self.exp_avg_sq = torch.zeros(n, **kind)
-        self.max_exp_avg_sq = torch.zeros(n, **kind) if amsgrad else None
+        self.moments = make_moments(moments, n, self.dtype, self.device, amsgrad)
         f32 = dict(dtype=torch.float32, device=self.device)  # step counts
         self.step = torch.zeros(1, **f32)
         self.steps = None    # per-parameter counts (float32, on the device) once they differ
@@ -50,22 +54,33 @@ class ShardState:
         self.one = torch.ones(1, **f32)  # step += one: a Python 1.0 would be wrapped in a new tensor
 
     # -- the buffers ----------------------------------------------------------------
+    @property
+    def amsgrad(self) -> bool:
+        """Whether the running maximum of the second moment is stored."""
+        return self.moments.amsgrad
+
     def ensure_amsgrad(self) -> bool:
-        """Allocate max_exp_avg_sq (amsgrad switched on after construction); True if new."""
-        if self.max_exp_avg_sq is None:
-            self.max_exp_avg_sq = torch.zeros_like(self.exp_avg)
-            return True
-        return False
+        """Store the running maximum (amsgrad switched on after construction); True if new."""
+        return self.moments.ensure_amsgrad()
+
+    def reset(self, amsgrad: bool | None = None) -> None:
+        """The moments zero (``amsgrad``: see ``MomentStore.reset``); the step counts and
+        the master are the caller's."""
+        self.moments.reset(amsgrad)
 
     def buffers(self) -> dict:
-        """This shard of each state buffer, keyed as torch.optim.Adam keys its
-        per-parameter state (``master_param`` only for fp16/bf16 parameters)."""
-        bufs = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.max_exp_avg_sq is not None:
-            bufs["max_exp_avg_sq"] = self.max_exp_avg_sq
+        """This shard of each state buffer in torch.optim.Adam's format, keyed as torch
+        keys its per-parameter state (``master_param`` only for fp16/bf16 parameters):
+        the moments' ``export()``; what is written into them is taken back by
+        ``commit``."""
+        bufs = self.moments.export()
         if self.has_master:
-            bufs["master_param"] = self.master
+            bufs[MASTER] = self.master
         return bufs
+
+    def commit(self, bufs: dict) -> None:
+        """Take back what was written into ``buffers()``'s tensors."""
+        self.moments.commit({k: v for k, v in bufs.items() if k != MASTER})
 
     def views(self) -> dict:
         """Per-parameter views of each buffer (world size 1: the shard is the whole buffer)."""
@@ -81,26 +96,19 @@ class ShardState:
         """What a sharded checkpoint saves, float32 in state order (an fp32 master spread
         over several segments is a copy)."""
         master = self.master if self.master is not None else torch.cat(self.param_parts)
-        out = {"master": master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.max_exp_avg_sq is not None:
-            out["max_exp_avg_sq"] = self.max_exp_avg_sq
-        return out
+        return {"master": master, **self.moments.export()}
 
     def nbytes(self) -> dict:
         def size(t):
             return 0 if t is None else t.numel() * t.element_size()
         return {"master": size(self.master) if self.has_master else 0,
-                "moments": size(self.exp_avg) + size(self.exp_avg_sq) + size(self.max_exp_avg_sq)}
+                "moments": self.moments.nbytes()}
 
     def carry_over(self, old: "ShardState") -> None:
         """Take ``old``'s state (the same parameters, re-homed to another device or
         dtype). Same precision (a device move): the old master is exact; after a cast the
         master is the parameters as they are now, as for an optimizer built after it."""
-        self.exp_avg.copy_(old.exp_avg)
-        self.exp_avg_sq.copy_(old.exp_avg_sq)
-        if old.max_exp_avg_sq is not None:
-            self.ensure_amsgrad()
-            self.max_exp_avg_sq.copy_(old.max_exp_avg_sq)
+        self.moments.carry_over(old.moments)
         self.step.copy_(old.step)
         if old.steps is not None:
             self.steps = old.steps.to(self.device)

@@ -1,0 +1,83 @@
+"""The moment stores (``zero_triton.state.protocol.MomentStore``) and their registry.
+
+``fp32``: torch.optim.Adam's own layout: ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
+``max_exp_avg_sq``, one contiguous tensor each over the shard, in the parameters'
+compute dtype (float32; float64 for float64 parameters). Its export is the storage
+itself, so ``opt.state`` and ``state_dict()`` hand out views of the live state, as torch
+does.
+
+A format is added by a class here (or a module of its own) registered in ``FORMATS``
+and its kernels in ``zero_triton.native.backends``; ``ShardState`` makes the one the
+optimizer was built with.
+"""
+from __future__ import annotations
+
+import torch
+
+# torch.optim.Adam's names of the moments, in the kernels' argument order.
+FIRST, SECOND, MAXIMUM = "exp_avg", "exp_avg_sq", "max_exp_avg_sq"
+KEYS = (FIRST, SECOND, MAXIMUM)
+
+
+class Fp32Moments:
+    """The moments in full precision, one tensor per moment over the shard."""
+
+    format = "fp32"
+
+    def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.exp_avg = torch.zeros(numel, dtype=dtype, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=dtype, device=device)
+        self.max_exp_avg_sq = torch.zeros(numel, dtype=dtype, device=device) if amsgrad else None
+
+    @property
+    def amsgrad(self) -> bool:
+        return self.max_exp_avg_sq is not None
+
+    def ensure_amsgrad(self) -> bool:
+        if self.max_exp_avg_sq is None:
+            self.max_exp_avg_sq = torch.zeros_like(self.exp_avg)
+            return True
+        return False
+
+    def operands(self, a: int, b: int, amsgrad: bool) -> tuple:
+        return (self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                self.max_exp_avg_sq[a:b] if amsgrad else None)
+
+    def reset(self, amsgrad: bool | None = None) -> None:
+        if amsgrad:
+            self.ensure_amsgrad()
+        for t in self.export().values():
+            t.zero_()
+
+    def export(self) -> dict:
+        out = {FIRST: self.exp_avg, SECOND: self.exp_avg_sq}
+        if self.max_exp_avg_sq is not None:
+            out[MAXIMUM] = self.max_exp_avg_sq
+        return out
+
+    def commit(self, exported: dict) -> None:
+        """The export is the storage: written in place already."""
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.export().values())
+
+    def carry_over(self, old) -> None:
+        if old.amsgrad:
+            self.ensure_amsgrad()
+        mine = self.export()
+        for key, value in old.export().items():
+            mine[key].copy_(value)
+
+
+FORMATS = {Fp32Moments.format: Fp32Moments}
+
+
+def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
+    """A store of ``format`` for a shard of ``numel`` state elements."""
+    try:
+        cls = FORMATS[format]
+    except KeyError:
+        raise ValueError(f"unknown moments format {format!r}; choose one of "
+                         f"{tuple(FORMATS)}") from None
+    return cls(numel, dtype, device, amsgrad)
