@@ -32,3 +32,21 @@ def devices():
 
 def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def protocol_methods(protocol) -> list:
+    """The public methods a typing Protocol declares."""
+    import inspect
+    return [name for name, member in vars(protocol).items()
+            if inspect.isfunction(member) and not name.startswith("_")]
+
+
+def assert_signature(impl, protocol, method: str) -> None:
+    """``impl.method`` takes exactly the parameters (names, kinds, defaults) that
+    ``protocol.method`` declares."""
+    import inspect
+    want = inspect.signature(getattr(protocol, method))
+    got = inspect.signature(getattr(impl, method))
+    strip = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
+    assert strip(got) == strip(want), \
+        f"{impl.__name__}.{method}{got} is not {protocol.__name__}.{method}{want}"

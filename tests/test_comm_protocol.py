@@ -4,18 +4,16 @@ communicator (hybrid sharding, compressed collectives) is held to the same test 
 it to ``IMPLEMENTATIONS``."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
+from conftest import assert_signature, protocol_methods
 from dist_utils import run_ranks
 from zero_triton.comm.group import GroupComm, LocalComm
 from zero_triton.comm.protocol import Comm, Handle
 
 IMPLEMENTATIONS = [LocalComm, GroupComm]
-METHODS = [name for name, member in vars(Comm).items()
-           if inspect.isfunction(member) and not name.startswith("_")]
+METHODS = protocol_methods(Comm)
 
 
 def test_the_protocol_names_the_collectives_the_step_uses():
@@ -26,10 +24,7 @@ def test_the_protocol_names_the_collectives_the_step_uses():
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("method", METHODS)
 def test_each_communicator_has_the_protocols_signature(impl, method):
-    want = inspect.signature(getattr(Comm, method))
-    got = inspect.signature(getattr(impl, method))
-    strip = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
-    assert strip(got) == strip(want), f"{impl.__name__}.{method}{got} is not Comm.{method}{want}"
+    assert_signature(impl, Comm, method)
 
 
 def test_one_rank_is_a_comm_and_its_launches_are_handles():

@@ -6,19 +6,17 @@ every (backend, format) it lists and refuses one it lacks with the fix. A new fo
 held to all of it by being registered."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
+from conftest import assert_signature, protocol_methods
 from zero_triton import FusedAdamW
 from zero_triton.native import backends
 from zero_triton.state import moments
 from zero_triton.state.protocol import MomentStore
 
 FORMATS = list(moments.FORMATS.values())
-METHODS = [name for name, member in vars(MomentStore).items()
-           if inspect.isfunction(member) and not name.startswith("_")]
+METHODS = protocol_methods(MomentStore)
 
 
 def test_the_protocol_names_what_the_optimizer_needs():
@@ -29,10 +27,7 @@ def test_the_protocol_names_what_the_optimizer_needs():
 @pytest.mark.parametrize("impl", FORMATS, ids=lambda c: c.format)
 @pytest.mark.parametrize("method", METHODS)
 def test_each_format_has_the_protocols_signature(impl, method):
-    want = inspect.signature(getattr(MomentStore, method))
-    got = inspect.signature(getattr(impl, method))
-    strip = lambda sig: [(p.name, p.kind, p.default) for p in sig.parameters.values()]  # noqa: E731
-    assert strip(got) == strip(want), f"{impl.__name__}.{method}{got} is not MomentStore.{method}{want}"
+    assert_signature(impl, MomentStore, method)
 
 
 @pytest.mark.parametrize("impl", FORMATS, ids=lambda c: c.format)
