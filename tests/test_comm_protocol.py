@@ -53,3 +53,30 @@ def test_a_group_is_a_comm_and_its_launches_are_handles():
     for is_comm, rs, ag, flat in run_ranks(_group, 2):
         assert is_comm and rs and ag
         assert flat == [0.5, 1.5, 2.5, 3.5]  # the average of (0..3) and (1..4), gathered
+
+
+# How gradients are held (``GradHolder``): one class per ZeRO stage and the engine's.
+from zero_triton.comm import grads as _grads  # noqa: E402
+from zero_triton.comm.protocol import GradHolder  # noqa: E402
+from zero_triton.optim.local_shard import EngineGrads  # noqa: E402
+
+HOLDERS = [_grads.LocalGrads, _grads.ShardedGrads, EngineGrads]
+
+
+@pytest.mark.parametrize("impl", HOLDERS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("method", protocol_methods(GradHolder))
+def test_each_gradient_holder_has_the_protocols_signature(impl, method):
+    assert_signature(impl, GradHolder, method)
+
+
+def test_a_stage_is_a_holder_and_its_attributes_say_what_differs():
+    assert {s: c.__name__ for s, c in _grads.HOLDERS.items()} == {1: "LocalGrads", 2: "ShardedGrads"}
+    for impl in HOLDERS:
+        assert isinstance(impl.stage, int) and isinstance(impl.sharded, bool), impl
+    assert [c.sharded for c in HOLDERS] == [False, True, False]
+    assert _grads.ShardedGrads.flat is None and EngineGrads.flat is None
+    # one place turns a stage into a class: the spec
+    from zero_triton.optim.spec import Spec
+    assert Spec.build(stage=2).grads is _grads.ShardedGrads
+    with pytest.raises(ValueError, match="stage must be 1"):
+        Spec.build(stage=3)

@@ -8,6 +8,9 @@
   integrations and the tools need beyond the optimizers' public face (torch.optim's and
   the short list in docs/reference.md) they reach through ``optim.interface.internals``.
 - The patches of other libraries (``integrations/``) touch nothing until a ZeroAdam exists.
+- No function takes more than 9 parameters but the kernels' entry points and the
+  optimizers' public constructors: what is built once travels as one value (the
+  optimizer's ``Spec``, the agreement's ``Row``), not keyword by keyword.
 
 ``__main__.py`` files are programs (``python -m zero_triton``), imported by no module:
 they may start a tool.
@@ -344,3 +347,29 @@ def test_patches_can_be_turned_off_and_undone(how):
     assert f"restored {[True] * n} True True" in out.stdout, out.stdout
     assert "after [] True True" in out.stdout, out.stdout
     assert "clip 9.5394 1.0" in out.stdout, out.stdout  # sqrt(3 * 9 + 4 * 16)
+
+
+# Functions that take torch.optim.Adam's arguments or a kernel's operands one by one, as
+# their callers give them: the optimizers' public signatures and the kernels' entry points.
+MANY_PARAMETERS = {
+    "optim/fused.py": {"__init__"}, "optim/zero.py": {"__init__"},
+    "kernels/adam.py": {"_adam_kernel", "_adam_list_kernel", "_step_block", "_adam_update",
+                        "adam_step", "adam_step_list"},
+    "native/ops.py": {"adam_step_", "_"}, "native/backends.py": {"torch_step", "native_step"},
+    "reference.py": {"torch_adam_step_"},
+}
+
+
+def test_no_function_takes_more_than_nine_parameters():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            count = len(names) - (1 if names[:1] in (["self"], ["cls"]) else 0)
+            if count > 9 and node.name not in MANY_PARAMETERS.get(rel, ()):
+                found.append(f"{rel}:{node.lineno} {node.name} takes {count}")
+    assert not found, "pass what is built once as one value (a dataclass): " + "; ".join(found)

@@ -636,7 +636,7 @@ def test_deepcopy_and_pickle_give_an_optimizer_that_trains_the_copies(how):
     train(model, opt, 2)
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
-    assert type(opt2) is FusedAdamW and opt2._max_grad_norm == 1.0
+    assert type(opt2) is FusedAdamW and opt2._spec.max_grad_norm == 1.0
     assert opt2.param_groups[0]["param_names"] == opt.param_groups[0]["param_names"]
     for (i, s), (_, s2) in zip(opt.state_dict()["state"].items(), opt2.state_dict()["state"].items()):
         for k in s:

@@ -31,6 +31,7 @@ import atexit
 import hashlib
 import struct
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -125,6 +126,27 @@ def _as_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
+@dataclass(frozen=True)
+class Row:
+    """What this rank tells the others at an entry (``Agreement.check``): backward passes
+    since the last step (``backwards``), its ``flags`` (STALE, RESET, JOINED), the
+    parameters it saw written (``written``: ints), a refusal code of ``REFUSALS``
+    (``refuse``), what it was about to start (``detail``, for errors), the checksum of the
+    buckets it launched (``signature``; None: not compared), ``missing_digest`` of the
+    parameters without a gradient (``missing``), a call's two float arguments (``args``)
+    and a digest of its hyperparameters (``hyper``, compared at ``step``)."""
+
+    backwards: int = 0
+    flags: int = 0
+    written: tuple = ()
+    refuse: int = 0
+    detail: str = ""
+    signature: int | None = None
+    missing: int = 0
+    args: tuple = (None, None)
+    hyper: int = 0
+
+
 class Agreement:
     """The agreement of one optimizer (``ordinal``: its place among the optimizers built
     on this process group, the same on every rank) over ``comm``'s ranks."""
@@ -143,18 +165,16 @@ class Agreement:
         """The side channel's gloo group; None once the channel closed."""
         return self.channel.group
 
-    def check(self, entry: str, *, backwards: int = 0, flags: int = 0, written=(),
-              refuse: int = 0, detail: str = "", signature: int | None = None,
-              missing: int = 0, args: tuple = (None, None), hyper: int = 0) -> int:
-        """Exchange this rank's row for ``entry`` and return the flags OR-ed over the
-        ranks (``hyper``: a digest of this rank's hyperparameters, compared at ``step``,
-        ``HYPER_DIFFER``), with ``DIFFER`` added when ``signature`` (the buckets launched, in order;
-        None: not compared) is not the same on every rank and ``GRADS_DIFFER`` when
-        ``missing`` (``missing_digest`` of the parameters without a gradient) is not;
-        raise on every rank if they are at different calls, have taken different numbers
-        of steps, wrote different parameters (``written``: ints), reset the state on some
-        ranks only, or one refuses (``refuse``: a code of ``REFUSALS``; that rank raises
-        its own error afterwards). ``detail`` names what it was about to start."""
+    def check(self, entry: str, ask: Row = Row()) -> int:
+        """Exchange this rank's row ``ask`` for ``entry`` and return the flags OR-ed over
+        the ranks, with ``HYPER_DIFFER`` added when the hyperparameters' digests differ
+        (at ``step``), ``DIFFER`` when the launched buckets' ``signature`` is not the same
+        on every rank and ``GRADS_DIFFER`` when ``missing`` is not; raise on every rank if
+        they are at different calls, have taken different numbers of steps, wrote
+        different parameters, reset the state on some ranks only, or one refuses (that
+        rank raises its own error afterwards)."""
+        backwards, flags, written, refuse = ask.backwards, ask.flags, ask.written, ask.refuse
+        detail, signature, missing, args, hyper = ask.detail, ask.signature, ask.missing, ask.args, ask.hyper
         row = self.mine
         row[_MAGIC], row[_ORDINAL], row[_ENTRY], row[_STEPS] = MAGIC, self.ordinal, _CODE[entry], self.steps
         row[_BACKWARDS] = backwards

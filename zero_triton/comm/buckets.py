@@ -519,7 +519,7 @@ class Reducer:
         if any(b.stale for b in self.buckets):
             return True
         return any(b.launched for b in self.buckets) and any(
-            not g.sharded and g.written_since_hooks() for g in grad_buffers)
+            g.written_since_hooks() for g in grad_buffers)
 
     def complete_round(self) -> None:
         """Launch, in order, the buckets backward did not, without waiting for a receive

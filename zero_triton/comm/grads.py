@@ -53,7 +53,7 @@ def _adopt(views: list, dirty: bytearray, i: int, param) -> None:
         dirty[i] = 1
 
 
-class LocalGrads:
+class LocalGrads:  # implements comm.protocol.GradHolder
     """ZeRO-1 / FusedAdam: the local gradients in one flat buffer, each ``.grad`` None or
     its view of it.
 
@@ -63,9 +63,10 @@ class LocalGrads:
     the buffer never needs zeroing as a whole.
     """
 
+    stage = 1
     sharded = False
 
-    def __init__(self, params, layout, flat_param):
+    def __init__(self, params, layout, flat_param, reducer=None):
         self.params = params
         self.flat = torch.zeros_like(flat_param)
         self.views = [as_param(v, p) for v, p in zip(layout.views(self.flat), params)]
@@ -188,28 +189,38 @@ class LocalGrads:
         return self.flat.numel() * self.flat.element_size()
 
 
-class ShardedGrads:
+class ShardedGrads:  # implements comm.protocol.GradHolder
     """ZeRO-2: no gradient buffer; backward's hooks hand each ``.grad`` to its bucket."""
 
+    stage = 2
     sharded = True
     flat = None
     views = None
     check_flat = None
     foreign_hint = None
 
-    def __init__(self, params, layout, reducer, bucket_list):
+    def __init__(self, params, layout, flat_param, reducer=None):
         self.params = params
         self.layout = layout
         self.reducer = reducer
-        self.buckets = bucket_list
+        self.buckets = None  # register_hooks gives them
         # Has a gradient this step: 0 no, 1 a .grad found at step, 2 taken by backward's
         # hook, 3 a zero gradient kept by zero_grad(set_to_none=False).
         self.reached = bytearray(len(params))
         self.bucket_of = [k for k, g in enumerate(layout.buckets) for _ in range(g.first, g.end)]
 
     def register_hooks(self, bucket_list, reducer) -> list:
+        self.buckets = bucket_list
         return hooks.register_sharded_hooks(self.params, self.reached, self.layout, bucket_list,
                                               reducer)
+
+    def written_since_hooks(self) -> bool:
+        """Nothing to write: a gradient is added to its bucket by the hook that takes it
+        (a later one makes the bucket stale, ``Reducer.arrived``)."""
+        return False
+
+    def rewritten(self) -> None:
+        """Nothing held here: GradScaler unscales the averaged shards (ZeroAdam)."""
 
     def first_moved(self, param_views, dtype, device, hint: bool) -> int:
         return _first_moved(self.params, param_views, dtype, device)
@@ -270,3 +281,8 @@ def _first_moved(params, param_views, dtype, device) -> int:
         if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != device:
             return i
     return -1
+
+
+# A ZeRO stage -> how its gradients are held (``comm.protocol.GradHolder``): the one place a
+# stage is turned into behaviour (``optim.spec.Spec.grads``).
+HOLDERS = {LocalGrads.stage: LocalGrads, ShardedGrads.stage: ShardedGrads}

@@ -9,6 +9,9 @@ Implementations: ``comm.group.LocalComm`` (one rank: copies) and ``comm.group.Gr
 within a node and across nodes, compressed collectives) is a class of its own that
 implements ``Comm``; nothing that uses one changes. ``tests/test_comm_protocol.py``
 holds both implementations to it, signature by signature.
+
+``GradHolder`` is how a shard's gradients are held until the step: one class per ZeRO
+stage and one for gradients their engine keeps (DTensor).
 """
 from __future__ import annotations
 
@@ -64,3 +67,40 @@ class Comm(Protocol):
 
     def gather(self, tensor: torch.Tensor, gather_list, dst: int, what: str = "gather") -> None:
         """``tensor`` of every rank into ``gather_list`` on rank ``dst`` (only there)."""
+
+
+@runtime_checkable
+class GradHolder(Protocol):
+    """How one shard's gradients are held between backward and the step. Implementations:
+    ``comm.grads.LocalGrads`` (stage 1 and one process: a local buffer, each ``.grad`` its
+    view), ``comm.grads.ShardedGrads`` (stage 2: handed to the buckets as backward makes
+    them, no local buffer) and ``optim.local_shard.EngineGrads`` (DTensor parameters:
+    where their engine puts them). ``comm.grads.HOLDERS`` maps a ZeRO stage to its class;
+    ``stage`` picks one once, at construction, and nothing else asks which stage it is."""
+
+    stage: int      # the ZeRO stage this way of holding is (0: the engine's own)
+    sharded: bool   # handed over as backward makes them: no local buffer, every micro-batch averaged
+    flat: Optional[torch.Tensor]  # the local gradient buffer, None without one
+
+    def register_hooks(self, bucket_list, reducer) -> list:
+        """Backward's hooks on the parameters (taking each gradient in, launching the
+        buckets with ``reducer``); returns their handles."""
+
+    def sync(self, param_views):
+        """At the step: take what backward's hooks did not, and return which parameters
+        have a gradient (a host list; None when all do)."""
+
+    def zero(self, set_to_none: bool = True) -> None:
+        """``zero_grad``, as torch.optim.Optimizer's."""
+
+    def carry_over(self, old) -> None:
+        """Take ``old``'s gradients (the same parameters, re-homed)."""
+
+    def nbytes(self) -> int:
+        """Bytes of gradients held outside the buckets."""
+
+    def written_since_hooks(self) -> bool:
+        """Something wrote the held gradients after the last bucket hook: average again."""
+
+    def rewritten(self) -> None:
+        """They were changed by an op that leaves version counters alone."""

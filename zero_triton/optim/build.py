@@ -9,15 +9,15 @@ from zero_triton.optim.shard import FLAT_DTYPES, FlatShard
 from zero_triton.state.flat import real_dtype
 
 
-def build_flats(trainable: list, comm, *, backend: str, master_weights, amsgrad: bool,
-                reduce_dtype, bucket_numel, key: int, reducer, stage: int) -> list:
+def build_flats(trainable: list, comm, spec, *, amsgrad: bool, key: int, reducer) -> list:
     """The shards of one param group, numbered from ``key``: a ``FlatShard`` per dtype of
-    the plain tensors of ``trainable`` (complex parameters in their real dtype's;
-    ``bucket_numel(dtype, numel)`` cuts each into buckets), then a ``LocalShard`` per dtype of
-    its DTensors. The backend is resolved first (an error names the fix); if one shard
-    fails, the hooks of those already built are removed and nothing is left behind."""
+    the plain tensors of ``trainable`` (complex parameters in their real dtype's), then a
+    ``LocalShard`` per dtype of its DTensors, each built to ``spec``
+    (``zero_triton.optim.spec``). The backend is resolved first (an error names the fix);
+    if one shard fails, the hooks of those already built are removed and nothing is left
+    behind."""
     if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
-        backends.resolve(backend, trainable[0].device)  # raises with the fix
+        backends.resolve(spec.backend, trainable[0].device)  # raises with the fix
     plain = [p for p in trainable if not is_dtensor(p)]
     engine = [p for p in trainable if is_dtensor(p)]
     flats = []
@@ -25,16 +25,11 @@ def build_flats(trainable: list, comm, *, backend: str, master_weights, amsgrad:
         for dtype in FLAT_DTYPES:
             members = [p for p in plain if real_dtype(p.dtype) == dtype]
             if members:
-                flats.append(FlatShard(members, comm, master_weights=master_weights,
-                                       backend=backend, amsgrad=amsgrad,
-                                       reduce_dtype=reduce_dtype,
-                                       bucket_numel=bucket_numel(dtype, sum(
-                                           p.numel() * (2 if p.is_complex() else 1) for p in members)),
-                                       key=key + len(flats), reducer=reducer, stage=stage))
+                flats.append(FlatShard(members, comm, spec, amsgrad=amsgrad,
+                                       key=key + len(flats), reducer=reducer))
         for dtype in dict.fromkeys(p.dtype for p in engine):
             members = [p for p in engine if p.dtype == dtype]
-            flats.append(LocalShard(members, comm, master_weights=master_weights,
-                                    backend=backend, amsgrad=amsgrad, key=key + len(flats)))
+            flats.append(LocalShard(members, comm, spec, amsgrad=amsgrad, key=key + len(flats)))
     except BaseException:
         for flat in flats:
             flat.remove_hooks()

@@ -177,3 +177,18 @@ def check_group_params(params: list, param_groups: list, *, materialised: bool) 
                              "no data to shard; materialise the model first (model.to_empty("
                              "device=...) and initialise it), then build ZeroAdam")
     check_no_shared_memory([q for g in param_groups for q in g["params"]], params)
+
+
+def adam_hyperparameters(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay,
+                         **torch_flags) -> dict:
+    """torch.optim.Adam's hyperparameters checked in torch's order, with its messages, and
+    returned as the param groups' defaults. ``torch_flags``: ``foreach``, ``fused``,
+    ``capturable`` and ``differentiable`` as given (``check_drop_in_flags``)."""
+    foreach, fused = torch_flags.get("foreach"), torch_flags.get("fused")
+    capturable = torch_flags.get("capturable", False)
+    check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
+    check_drop_in_flags(foreach, fused, capturable, torch_flags.get("differentiable", False))
+    check_flag("amsgrad", amsgrad)
+    check_flag("maximize", maximize)
+    return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)

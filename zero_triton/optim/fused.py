@@ -9,24 +9,23 @@ and ``.grad`` becomes its view there, so further micro-batches accumulate straig
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
 from zero_triton.comm import buckets
 from zero_triton.comm.group import LocalComm, phase
-from zero_triton.native import backends
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import clipping, owners
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.build import build_flats
-from zero_triton.optim.checks import (check_drop_in_flags, check_flag, check_group_params,
+from zero_triton.optim.checks import (adam_hyperparameters, check_group_params,
                                       check_hyperparameters, check_params_argument, to_float,
                                       with_grads)
 from zero_triton.optim.edits import FollowsUserEdits
 from zero_triton.optim.shard import FlatShard
+from zero_triton.optim.spec import Spec
 from zero_triton.state import watch
 
 
@@ -57,74 +56,44 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", max_grad_norm=None, foreach=None,
                  fused=None, capturable=False, differentiable=False):
-        self._build(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                    decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
-                    backend=backend, max_grad_norm=max_grad_norm, foreach=foreach, fused=fused,
-                    capturable=capturable, differentiable=differentiable, comm=LocalComm(),
-                    reduce_dtype=None)
-
-    def _build(self, params, lr, betas, eps, weight_decay, amsgrad, *, maximize,
-               decoupled_weight_decay, master_weights, backend, max_grad_norm, comm,
-               reduce_dtype, bucket_cap_mb=None, stage=1, foreach=None, fused=None,
-               capturable=False, differentiable=False):
-        """The constructor proper, over ``comm`` (``LocalComm`` here; ZeroAdam passes its
-        process group's) with gradients averaged in ``reduce_dtype`` (None: their own),
-        in buckets of ``bucket_cap_mb`` MiB of gradients (None: one per flat buffer)."""
-        # torch.optim.Adam's order: the hyperparameters, then the parameters.
-        check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
-        check_drop_in_flags(foreach, fused, capturable, differentiable)
+        hyper = adam_hyperparameters(lr, betas, eps, weight_decay, amsgrad, maximize,
+                                     decoupled_weight_decay, foreach=foreach, fused=fused,
+                                     capturable=capturable, differentiable=differentiable)
         check_params_argument(params, type(self).__name__)
-        check_flag("amsgrad", amsgrad)
-        check_flag("maximize", maximize)
-        if master_weights is not None:
-            check_flag("master_weights", master_weights)
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
-                                          not isinstance(max_grad_norm, (int, float)) or
-                                          not max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a float > 0 or None, got {max_grad_norm!r}")
-        check_flag("differentiable", differentiable)
+        spec = Spec.build(master_weights=master_weights, backend=backend,
+                          max_grad_norm=max_grad_norm, differentiable=differentiable)
+        self._build(params, hyper, spec, LocalComm())
+
+    def _build(self, params, hyper: dict, spec: Spec, comm) -> None:
+        """The constructor proper: the param groups' defaults ``hyper`` (torch's
+        hyperparameters, ``adam_hyperparameters``) and what the optimizer is built with,
+        ``spec``, over ``comm`` (``LocalComm`` here; ZeroAdam passes its process group's)."""
+        differentiable = spec.differentiable
         if differentiable and not isinstance(comm, LocalComm):
             raise ValueError(f"{type(self).__name__}(differentiable=True) is not supported: autograd "
                              "through a sharded step would need every rank's graph; use "
                              "FusedAdam(differentiable=True) (or torch.optim.Adam) on one process")
         # differentiable=True: torch's per-parameter state and torch's differentiable
         # single-tensor step (zero_triton.optim.differentiable); no flat buffers.
-        self._differentiable = bool(differentiable)
-        if not self._differentiable:
-            betas = tuple(to_float(b) for b in betas)
-        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._spec = spec
+        self._differentiable = differentiable
+        if not differentiable:
+            hyper = {**hyper, "betas": tuple(to_float(b) for b in hyper["betas"])}
         self.grad_norm = None
         self._frozen = []  # (group index, parameter) left out at construction
-        if backend not in backends.NAMES:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {backends.NAMES}")
-        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or
-                                          not isinstance(bucket_cap_mb, (int, float)) or
-                                          not 0 < bucket_cap_mb < math.inf):
-            raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB of gradients per bucket; "
-                             f"25 is DDP's default) or None for one bucket, got {bucket_cap_mb!r}")
-        if stage not in (1, 2) or not isinstance(stage, int) or isinstance(stage, bool):
-            raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), "
-                             f"got {stage!r}")
-        self._stage = stage
-        self._bucket_cap_mb = bucket_cap_mb
         self._comm = comm
         # One rank holds whole parameters' state: opt.state views it (``_expose_state``).
         self._views_state = comm.world_size == 1
         self._reducer = buckets.Reducer(comm)
         # bucket_cap_mb=None: one bucket per flat buffer, averaged in step() only (never
         # from backward's hooks: safe for models whose ranks reach different parameters).
-        self._reducer.early = bucket_cap_mb is not None
+        self._reducer.early = spec.bucket_cap_mb is not None
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
-        self._backend = backend
-        self._master_weights = True if master_weights is None else bool(master_weights)
-        self._reduce_dtype = reduce_dtype
         self._flats: list[list[FlatShard]] = []   # per param group
         self._grads_reduced = False
         self._clip_coef = None
         self._norms_given: list = []  # the norms total_grad_norm returned since the last step
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-                        **{**adam_state.TORCH_GROUP_KEYS, "differentiable": self._differentiable})
+        defaults = {**hyper, **adam_state.TORCH_GROUP_KEYS, "differentiable": differentiable}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
         # leaves the parameters as it found them.
@@ -196,20 +165,9 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
     def _group_shards(self, params, amsgrad: bool, key: int) -> list:
         """The shards of a param group's trainable ``params``, numbered from ``key``
         (``zero_triton.optim.build``)."""
-        reducer = self._reducer if self._comm.world_size > 1 or self._stage == 2 else None
-        return build_flats([p for p in params if p.requires_grad], self._comm,
-                           backend=self._backend, master_weights=self._master_weights,
-                           amsgrad=amsgrad, reduce_dtype=self._reduce_dtype,
-                           bucket_numel=self._bucket_numel, key=key, reducer=reducer,
-                           stage=self._stage)
-
-    def _bucket_numel(self, dtype, numel: int) -> int | None:
-        """Elements per bucket of a flat buffer of ``numel`` elements: ``bucket_cap_mb``
-        at most, and a cut of the buffer into ``buckets.MIN_BUCKETS`` or more where each
-        keeps ``buckets.MIN_BUCKET_BYTES`` (``buckets.bucket_numel``)."""
-        if self._bucket_cap_mb is None or self._comm.world_size == 1:
-            return None
-        return buckets.bucket_numel(self._bucket_cap_mb, dtype, numel)
+        reducer = self._reducer if self._comm.world_size > 1 or self._spec.grads.sharded else None
+        return build_flats([p for p in params if p.requires_grad], self._comm, self._spec,
+                           amsgrad=amsgrad, key=key, reducer=reducer)
 
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
@@ -227,7 +185,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             for k, flat in enumerate(flats):
                 if flat.first_moved(hint) < 0:
                     continue
-                flats[k] = flat.rehomed(master_weights=self._master_weights, backend=self._backend)
+                flats[k] = flat.rehomed()
                 moved = True
                 self._grads_reduced = False
                 self._expose_state(flats[k])
@@ -396,7 +354,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         Where the local gradients are not the averaged ones (ZeroAdam at several ranks, or
         stage 2), ``total_norm`` must be one ``total_grad_norm`` returned this step;
         another is refused with the fix, before anything changes."""
-        if (self._comm.world_size > 1 or self._stage == 2) and not (
+        if (self._comm.world_size > 1 or self._spec.grads.sharded) and not (
                 isinstance(total_norm, torch.Tensor) and any(t is total_norm for t in self._norms_given)):
             raise ValueError(
                 "zero_triton: clip_grads_with_norm_ over a ZeroAdam's parameters needs the norm "
@@ -443,8 +401,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         self._reduce_grads(flats)
-        if self._max_grad_norm is not None:  # on top of any clipping called since backward
-            self.clip_grad_norm_(self._max_grad_norm, _grad_scale=grad_scale, _in_step=True)
+        if self._spec.max_grad_norm is not None:  # on top of any clipping called since backward
+            self.clip_grad_norm_(self._spec.max_grad_norm, _grad_scale=grad_scale, _in_step=True)
         found_inf = self._agree([flat for _, flat in flats], found_inf)
         for group, flat in flats:
             if group["amsgrad"] and flat.state.ensure_amsgrad():
@@ -512,8 +470,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                 "or take consolidated_state_dict() and load it into a new optimizer")
         return {"defaults": self.defaults, "param_groups": self.param_groups,
                 "state_dict": adam_state.copyable(self.state_dict()),
-                "options": {"master_weights": self._master_weights, "backend": self._backend,
-                            "max_grad_norm": self._max_grad_norm}}
+                "options": self._spec.options()}
 
     def __setstate__(self, saved: dict) -> None:
         if "_plain" in saved:
@@ -526,10 +483,9 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         groups = [{k: v for k, v in g.items() if k != "param_names"} | (
             {"params": list(zip(g["param_names"], g["params"]))} if "param_names" in g else {})
             for g in saved["param_groups"]]
-        self._build(groups, d["lr"], d["betas"], d["eps"], d["weight_decay"], d["amsgrad"],
-                    maximize=d["maximize"], decoupled_weight_decay=d["decoupled_weight_decay"],
-                    master_weights=options["master_weights"], backend=options["backend"],
-                    max_grad_norm=options["max_grad_norm"], comm=LocalComm(), reduce_dtype=None)
+        hyper = adam_hyperparameters(d["lr"], d["betas"], d["eps"], d["weight_decay"], d["amsgrad"],
+                                     d["maximize"], d["decoupled_weight_decay"])
+        self._build(groups, hyper, Spec.build(**options), LocalComm())
         self.load_state_dict(saved["state_dict"])
 
     # -- reports --------------------------------------------------------------------

@@ -30,11 +30,6 @@ class Internals:
         the collectives the step uses."""
         return self._opt._comm
 
-    @property
-    def stage(self) -> int:
-        """1: local gradients until the step (FusedAdam too); 2: sharded gradients."""
-        return self._opt._stage
-
     def flat_shards(self, reader: Optional[str] = None) -> list:
         """(group index, FlatShard) of every flat buffer, in order. With ``reader`` (the
         name of a call that reads the state, e.g. "checkpoint.save"), first follow what the

@@ -88,6 +88,7 @@ class EngineGrads:
     (``sync``), never moved. ``grads[i]``: parameter ``i``'s local gradient, flat, at
     this step (None without one)."""
 
+    stage = 0  # not ZeRO's: the engine's own (FSDP2, tensor parallel)
     sharded = False
     flat = None
 
@@ -161,7 +162,7 @@ class LocalShard(FlatShard):
     # reduces their norm over each parameter's mesh, checkpoints go through DCP.
     engine_owned = True
 
-    def __init__(self, params, comm: Comm, *, master_weights, backend, amsgrad=False, key=0, **_):
+    def __init__(self, params, comm: Comm, spec, *, amsgrad=False, key=0):
         locals_ = [_local(p) for p in params]
         for i, (p, t) in enumerate(zip(params, locals_)):
             if p.is_complex():
@@ -177,13 +178,14 @@ class LocalShard(FlatShard):
         self.params = params
         self.dtype, self.device = locals_[0].dtype, locals_[0].device
         self.has_master = self.dtype in LOW_PRECISION
-        if self.has_master and not master_weights:
+        self.spec = spec
+        if self.has_master and not spec.master_weights:
             raise ValueError(
                 f"master_weights=False with {self.dtype} parameters is not supported: Adam "
                 "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
                 "for fp16/bf16 parameters) or train the parameters in float32")
         self.comm, self.key = comm, key
-        self.reduce_dtype, self.bucket_numel, self.reducer, self.stage = None, None, None, 1
+        self.bucket_numel, self.reducer = None, None
         # One aligned slot of state per local shard: segment i is parameter i's.
         self.layout = FlatLayout.build([tuple(t.shape) for t in locals_])
         self.segments = [(o, o + t.numel(), o) for o, t in zip(self.layout.offsets, locals_)]
@@ -195,12 +197,12 @@ class LocalShard(FlatShard):
         self.separate_shard = False  # the engine's gradients are stepped where they are
         self.buckets, self.hooks = [], []
         self.state = ShardState(self.param_parts, self.segments, self.layout,
-                                has_master=self.has_master, amsgrad=amsgrad)
+                                has_master=self.has_master, amsgrad=amsgrad, moments=spec.moments)
         if not self.has_master:  # the engine's shards are their own master
             self.state.master = None
         self.versions = watch.ParamVersions(params)  # the DTensors' own writes, not ours
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
-        self.backend = "torch" if self.dtype == torch.float64 else backends.resolve(backend, self.device)
+        self.backend = "torch" if self.dtype == torch.float64 else backends.resolve(spec.backend, self.device)
         self.step_fn = backends.step_function(self.backend, self.state.moments.format)
         # one launch for all, or None
         self.step_list = backends.list_step_function(self.backend, self.state.moments.format)
@@ -237,7 +239,7 @@ class LocalShard(FlatShard):
             self.reseed(swapped)
         return -1
 
-    def rehomed(self, *, master_weights, backend) -> "LocalShard":
+    def rehomed(self) -> "LocalShard":
         """A new LocalShard over the same parameters at their local shards' new dtype or
         device, this one's state carried over."""
         one_kind({(_local(p).dtype, _local(p).device) for p in self.params},
@@ -248,8 +250,7 @@ class LocalShard(FlatShard):
                 "zero_triton: the local shards of DTensor parameters changed shape after the "
                 f"optimizer was built (now {shapes}); their state cannot follow them. Build the "
                 "optimizer after the model is sharded and materialised")
-        new = LocalShard(self.params, self.comm, master_weights=master_weights, backend=backend,
-                         amsgrad=self.state.amsgrad, key=self.key)
+        new = LocalShard(self.params, self.comm, self.spec, amsgrad=self.state.amsgrad, key=self.key)
         with torch.no_grad():
             new.state.carry_over(self.state)
         return new

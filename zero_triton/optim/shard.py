@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from zero_triton.comm import buckets, grads
+from zero_triton.comm import buckets
 from zero_triton.comm.protocol import Comm
 from zero_triton.native import backends
 from zero_triton.state import watch
@@ -79,24 +79,33 @@ class FlatShard:
     # The parameters live in our flat buffer (``LocalShard``: their engine's, DTensor).
     engine_owned = False
 
-    def __init__(self, params, comm: Comm, *, master_weights, backend, amsgrad=False, reduce_dtype=None,
-                 bucket_numel=None, key=0, reducer=None, stage=1):
+    def __init__(self, params, comm: Comm, spec, *, amsgrad=False, key=0, reducer=None,
+                 bucket_numel=None):
+        """The flat buffer of ``params`` built to ``spec`` (``zero_triton.optim.spec``),
+        numbered ``key``, its buckets launched by ``reducer`` (None: one rank at stage 1),
+        of ``bucket_numel`` elements (None: ``spec.bucket_numel`` for this buffer)."""
         self.params = params
+        self.spec = spec
         self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
         self.has_master = self.dtype in LOW_PRECISION
-        if self.has_master and not master_weights:  # before the parameters are re-homed
+        reduce_dtype = spec.reduce_dtype
+        if bucket_numel is None:
+            bucket_numel = spec.bucket_numel(self.dtype, sum(
+                p.numel() * (2 if p.is_complex() else 1) for p in params), comm.world_size)
+        if self.has_master and not spec.master_weights:  # before the parameters are re-homed
             raise ValueError(
                 f"master_weights=False with {self.dtype} parameters is not supported: Adam "
                 "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
                 "for fp16/bf16 parameters) or train the parameters in float32")
         self.comm = comm
-        self.reduce_dtype = reduce_dtype
-        self.bucket_numel, self.key, self.reducer, self.stage = bucket_numel, key, reducer, stage
+        self.bucket_numel, self.key, self.reducer = bucket_numel, key, reducer
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
                                                       bucket_numel=bucket_numel)
         self.param_views = [p.detach() for p in params]  # where each parameter lives now
-        if stage == 1:  # the local gradients, .grad views of one buffer (zero_triton.comm.grads)
-            self.grad_buffer = grads.LocalGrads(params, self.layout, self.flat_param)
+        # Stage 1: the local gradients, .grad views of one buffer; stage 2: none, backward's
+        # hooks hand each .grad to its bucket (zero_triton.comm.grads).
+        self.grad_buffer = spec.grads(params, self.layout, self.flat_param, reducer)
+        sharded = self.grad_buffer.sharded
         # This rank's shard: one segment (buffer lo, hi, state offset) per bucket.
         self.segments = self.layout.shard_segments(comm.rank)
         n = self.layout.shard_numel
@@ -107,23 +116,21 @@ class FlatShard:
         # backward and let go after the step, unless it is too large to come back from
         # the C heap (``_keeps_averages``).
         wide = reduce_dtype is not None and reduce_dtype != self.dtype
-        self.separate_shard = comm.world_size > 1 or wide or stage == 2
+        self.separate_shard = comm.world_size > 1 or wide or sharded
         out_dtype = reduce_dtype if wide else self.dtype
         own = None if self.separate_shard else self.flat_grad
-        local = self.grad_buffer if stage == 1 else None
+        local = None if sharded else self.grad_buffer
         self.buckets = [buckets.Bucket((key, k), g, local, own, self.flat_param, comm.rank,
                                        zip(params[g.first:g.end], self.param_views[g.first:g.end]),
                                        out_dtype=out_dtype,
                                        keep_out=_keeps_averages(self.device, g.shard_numel, out_dtype))
                         for k, g in enumerate(self.layout.buckets)]
-        if stage == 2:  # no gradient buffer: backward's hooks hand .grad to the buckets
-            self.grad_buffer = grads.ShardedGrads(params, self.layout, reducer, self.buckets)
         self.hooks = self.grad_buffer.register_hooks(self.buckets, reducer)
         # The hooks live on the parameters, which outlive an optimizer that is dropped
         # (a sweep building one per trial): take them off when this buffer goes away.
         weakref.finalize(self, _remove_all, self.hooks)
         self.state = ShardState(self.param_parts, self.segments, self.layout,
-                                has_master=self.has_master, amsgrad=amsgrad)
+                                has_master=self.has_master, amsgrad=amsgrad, moments=spec.moments)
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
         self.versions = watch.ParamVersions(params)
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
@@ -132,7 +139,7 @@ class FlatShard:
             # meta device are never stepped (step refuses them until they are materialised).
             self.backend = "torch"
         else:
-            self.backend = backends.resolve(backend, self.device)
+            self.backend = backends.resolve(spec.backend, self.device)
         self.step_fn = backends.step_function(self.backend, self.state.moments.format)
         self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.device) \
             if self.backend == "torch" else None
@@ -175,7 +182,7 @@ class FlatShard:
         extension, the same C loop finds the first foreign ``.grad``)."""
         return self.grad_buffer.first_moved(self.param_views, self.dtype, self.device, hint)
 
-    def rehomed(self, *, master_weights, backend) -> "FlatShard":
+    def rehomed(self) -> "FlatShard":
         """A new FlatShard over the same parameters at their new dtype and device, with
         this one's state carried over (moved to the new device): training continues as
         with an optimizer built after the move."""
@@ -192,10 +199,8 @@ class FlatShard:
         self.remove_hooks()
         if self.reducer is not None:
             self.reducer.wait_all()
-        new = FlatShard(self.params, self.comm, master_weights=master_weights, backend=backend,
-                        amsgrad=self.state.amsgrad, reduce_dtype=self.reduce_dtype,
-                        bucket_numel=self.bucket_numel, key=self.key, reducer=self.reducer,
-                        stage=self.stage)
+        new = FlatShard(self.params, self.comm, self.spec, amsgrad=self.state.amsgrad,
+                        key=self.key, reducer=self.reducer, bucket_numel=self.bucket_numel)
         if self.device.type == "meta":  # materialised (model.to_empty): nothing to carry over
             return new
         with torch.no_grad():

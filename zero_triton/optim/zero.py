@@ -29,9 +29,9 @@ from zero_triton.comm.step_flags import StepFlags
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import join, owners, sharded_state
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.checks import (check_drop_in_flags, check_hyperparameters, check_no_dtensors,
-                                      check_params_argument)
+from zero_triton.optim.checks import adam_hyperparameters, check_no_dtensors, check_params_argument
 from zero_triton.optim.fused import FusedAdam
+from zero_triton.optim.spec import Spec
 from zero_triton.state import watch
 
 _FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
@@ -112,8 +112,9 @@ class ZeroAdam(FusedAdam, Joinable):
         # torch.optim.Adam's order and messages: the hyperparameters, then the parameters;
         # all before the first collective (the model check), so a bad argument fails on
         # each rank alone.
-        check_hyperparameters(lr, betas, eps, weight_decay, foreach, capturable)
-        check_drop_in_flags(foreach, fused, capturable, differentiable)
+        hyper = adam_hyperparameters(lr, betas, eps, weight_decay, amsgrad, maximize,
+                                     decoupled_weight_decay, foreach=foreach, fused=fused,
+                                     capturable=capturable, differentiable=differentiable)
         check_params_argument(params, type(self).__name__)
         if isinstance(params, torch.Tensor):  # one tensor: iterating it would give its rows
             raise TypeError("params argument given to the optimizer should be an iterable of "
@@ -128,9 +129,9 @@ class ZeroAdam(FusedAdam, Joinable):
                             f"torch.distributed.new_group(ranks)) or None for the default group, "
                             f"got {process_group!r}; the backend (nccl, gloo) is chosen by "
                             "init_process_group")
-        if reduce_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"reduce_dtype must be None (the gradients' own dtype), "
-                             f"torch.float32, torch.float16 or torch.bfloat16, got {reduce_dtype!r}")
+        spec = Spec.build(master_weights=master_weights, backend=backend,
+                          reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
+                          max_grad_norm=max_grad_norm, differentiable=differentiable)
         comm = GroupComm(process_group)
         params = list(params)
         if not params:
@@ -170,13 +171,8 @@ class ZeroAdam(FusedAdam, Joinable):
         self._ddp_averaged = False  # the first step found a DDP that averages before us
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
-        self._ddp_checked = comm.world_size == 1 or stage == 2
-        self._build(groups, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                    decoupled_weight_decay=decoupled_weight_decay, master_weights=master_weights,
-                    backend=backend, max_grad_norm=max_grad_norm, comm=comm,
-                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
-                    foreach=foreach, fused=fused,
-                    capturable=capturable, differentiable=differentiable)
+        self._ddp_checked = comm.world_size == 1 or spec.grads.sharded
+        self._build(groups, hyper, spec, comm)
         self._constructed = True
         if self._agreement is not None:
             self._reducer.enter = self._enter_backward
@@ -238,10 +234,10 @@ class ZeroAdam(FusedAdam, Joinable):
         if entry == "clip_grad_norm_" and self._clip_args and self._join_config.enable:
             args = tuple(float(a) for a in self._clip_args)
         hyper = join.digest(self.param_groups) if entry == "step" else 0
-        agreed = self._agreement.check(entry, backwards=self._reducer.backwards, flags=flags,
-                                       written=written, refuse=refuse, detail=detail,
-                                       signature=signature, missing=missing,
-                                       args=args or (None, None), hyper=hyper)
+        agreed = self._agreement.check(entry, agreement.Row(
+            backwards=self._reducer.backwards, flags=flags, written=tuple(written), refuse=refuse,
+            detail=detail, signature=signature, missing=missing, args=args or (None, None),
+            hyper=hyper))
         if entry == "step":
             self._told = agreed
         if error is not None:
@@ -398,7 +394,7 @@ class ZeroAdam(FusedAdam, Joinable):
         # the local gradients are not the averaged ones (several ranks), or there are none
         # (stage 2).
         owners.register(self, [p for f in self._flats[-1] for p in f.params],
-                        routes_clipping=self._comm.world_size > 1 or self._stage == 2)
+                        routes_clipping=self._comm.world_size > 1 or self._spec.grads.sharded)
 
     def _before_reduce(self, flats) -> None:
         # The local gradients, every .grad copied in (HF Trainer's model.zero_grad() makes
@@ -508,7 +504,7 @@ class ZeroAdam(FusedAdam, Joinable):
         ``.grad`` GradScaler could see, so the averaged shards are checked for inf/nan
         (and unscaled by ``inv_scale``, 1 inside ``scaler.step``) here, recorded in
         GradScaler's per-device flags."""
-        if self._stage != 2:
+        if not self._spec.grads.sharded:
             return
         self._reduce_grads(entry="GradScaler")
         for _, flat in self._all_flats():
@@ -525,7 +521,7 @@ class ZeroAdam(FusedAdam, Joinable):
     def _agree_found_inf_(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
         if self._agreement is not None:
-            self._agreement.check("GradScaler", backwards=self._reducer.backwards)
+            self._agreement.check("GradScaler", agreement.Row(backwards=self._reducer.backwards))
         for flag in per_device.values():
             self._comm.all_reduce(flag, "max")
 
@@ -539,7 +535,7 @@ class ZeroAdam(FusedAdam, Joinable):
         gradient buffer to accumulate in): the context changes nothing there."""
         reducer = self._reducer
         before = reducer.sync
-        reducer.sync = self._stage == 2
+        reducer.sync = self._spec.grads.sharded
         try:
             yield
         finally:
@@ -549,7 +545,7 @@ class ZeroAdam(FusedAdam, Joinable):
     def stage(self) -> int:
         """1: each rank keeps its local gradients until the step; 2: backward hands them
         over bucket by bucket and keeps only the rank's shard of the average."""
-        return self._stage
+        return self._spec.stage
 
     @property
     def process_group(self):

@@ -1,0 +1,91 @@
+"""What an optimizer was built with beyond torch's hyperparameters: one frozen ``Spec``,
+checked once by the constructor and handed down whole to the shards that step it
+(``optim/build.py``, ``optim/shard.py``, ``optim/local_shard.py``), where the layers
+used to pass each keyword to the next.
+
+torch.optim.Adam's hyperparameters (lr, betas, ...) are not here: they live in the param
+groups, where users and schedulers edit them between steps. A spec does not change after
+construction; a new capability adds a field here (with its check) rather than a keyword
+to every constructor on the way down.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zero_triton.comm import buckets, grads
+from zero_triton.native import backends
+from zero_triton.optim.checks import check_flag
+
+REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """``backend``: "auto" or a backend name (``zero_triton.native.backends``);
+    ``master_weights``: keep an fp32 master of fp16/bf16 parameters; ``reduce_dtype``: the
+    dtype gradients are averaged in (None: their own); ``bucket_cap_mb``: MiB of
+    gradients per bucket at most (None: one bucket per flat buffer); ``stage``: 1 (state
+    sharded) or 2 (gradients too); ``max_grad_norm``: clip by the global norm inside
+    ``step()`` (None: no); ``differentiable``: torch's differentiable step, no flat
+    buffers; ``moments``: the moments' format (``zero_triton.state.moments.FORMATS``)."""
+
+    backend: str = "auto"
+    master_weights: bool = True
+    reduce_dtype: torch.dtype | None = None
+    bucket_cap_mb: float | None = None
+    stage: int = 1
+    max_grad_norm: float | None = None
+    differentiable: bool = False
+    moments: str = "fp32"
+
+    @classmethod
+    def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
+              stage=1, max_grad_norm=None, differentiable=False) -> "Spec":
+        """The constructor's keywords, checked in the order the optimizers have always
+        checked them (each error names the fix; nothing has changed yet)."""
+        if master_weights is not None:
+            check_flag("master_weights", master_weights)
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
+                                          not isinstance(max_grad_norm, (int, float)) or
+                                          not max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a float > 0 or None, got {max_grad_norm!r}")
+        check_flag("differentiable", differentiable)
+        if backend not in backends.NAMES:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {backends.NAMES}")
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or
+                                          not isinstance(bucket_cap_mb, (int, float)) or
+                                          not 0 < bucket_cap_mb < math.inf):
+            raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB of gradients per bucket; "
+                             f"25 is DDP's default) or None for one bucket, got {bucket_cap_mb!r}")
+        if stage not in grads.HOLDERS or not isinstance(stage, int) or isinstance(stage, bool):
+            raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), "
+                             f"got {stage!r}")
+        if reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be None (the gradients' own dtype), "
+                             f"torch.float32, torch.float16 or torch.bfloat16, got {reduce_dtype!r}")
+        return cls(backend=backend, master_weights=True if master_weights is None else bool(master_weights),
+                   reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
+                   max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
+                   differentiable=bool(differentiable))
+
+    @property
+    def grads(self) -> type:
+        """How the gradients are held (``comm.protocol.GradHolder``): the class of this
+        ``stage``. Everything that differs between the stages asks it, not the number."""
+        return grads.HOLDERS[self.stage]
+
+    def bucket_numel(self, dtype: torch.dtype, numel: int, world_size: int) -> int | None:
+        """Elements per bucket of a flat buffer of ``numel`` elements of ``dtype``
+        (``zero_triton.comm.buckets.bucket_numel``); None: one bucket (one rank, or
+        ``bucket_cap_mb=None``)."""
+        if self.bucket_cap_mb is None or world_size == 1:
+            return None
+        return buckets.bucket_numel(self.bucket_cap_mb, dtype, numel)
+
+    def options(self) -> dict:
+        """What a copy (``copy.deepcopy``, ``pickle``) of a one-process optimizer keeps."""
+        return {"master_weights": self.master_weights, "backend": self.backend,
+                "max_grad_norm": self.max_grad_norm}
