@@ -36,13 +36,14 @@ import weakref
 import torch
 
 from . import pending_reads, streams
+from .pools import BufferPools
 from .protocol import Comm
 
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 
 # What a bucket's buffers cost: ZeRO-2 stages each bucket's gradients until its launch
 # and every reduce-scatter at more than two ranks receives into scratch, up to
-# ``Reducer.max_in_flight`` buckets of each (twice that on a GPU). ``bucket_cap_mb``
+# ``BufferPools.limit`` buckets of each (``zero_triton.comm.pools``). ``bucket_cap_mb``
 # (25, DDP's) alone would make those buffers larger than the gradient shard for any
 # model under ~1B parameters at 8 ranks; so a flat buffer is also cut into at least
 # MIN_BUCKETS buckets, none under MIN_BUCKET_BYTES (a collective that small is latency).
@@ -193,7 +194,6 @@ class Reducer:
 
     def __init__(self, comm: Comm, max_in_flight: int = 2):
         self.comm = comm
-        self.max_in_flight = max(1, max_in_flight)
         self.buckets: list[Bucket] = []
         self.order: list[Bucket] | None = None   # agreed launch order, once learned
         self.in_backward = 0                      # how many of them backward launches
@@ -203,9 +203,8 @@ class Reducer:
         self.early = True                         # False: launch in finish() only
         self.in_flight = collections.deque()     # CPU: buckets whose buffers a wait frees
         self.sides: dict = {}                     # device -> streams.SideStream (GPUs)
-        # Free buffers per (dtype, device): (buffer, None) or, for ZeRO-2 staging on a
-        # GPU, (buffer, streams.Done of the average that last read it).
-        self.pools: dict = {}
+        # Receive scratch and ZeRO-2 staging buffers (zero_triton.comm.pools).
+        self.pools = BufferPools(comm, max_in_flight, self._side_of)
         self.bucket_of_param: dict = {}  # id(parameter) -> its Bucket
         self.param_ranges: list = []      # per bucket: its parameters' byte addresses
         self.gathering = False            # all-gathers may be in flight
@@ -215,11 +214,7 @@ class Reducer:
         # go with the optimizer.
         self._guards: list = []
         weakref.finalize(self, pending_reads.drop_all, self._guards)
-        self.staging_pools: dict = {}     # ZeRO-2 staging buffers per (dtype, device)
-        self._held: list = []             # GPU: adopted gradients being sent, with their Done
         self.counts = {"adopted": 0, "restaged": 0}  # ZeRO-2 gradients taken as they were
-        self.into_out: dict = {}          # per (dtype, device): averages land in the shard
-        self.recv_numel: dict = {}        # receive scratch per (dtype, device), at most
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).
@@ -253,27 +248,10 @@ class Reducer:
             by_key = {b.key: b for b in self.buckets}
             self.order = [by_key[b.key] for b in self.order]
             self.in_backward = min(self.in_backward, len(self.order))
-        sizes: dict = {}
-        into_out: dict = {}  # every bucket of the kind averages into a shard of its dtype
-        for b in self.buckets:
-            kind = self._kind(b)
-            sizes[kind] = max(sizes.get(kind, 0), b.geometry.numel)
-            into_out[kind] = into_out.get(kind, True) and b.out_dtype == b.grad_dtype
         # Receive and staging buffers are made when first needed (a model of two buckets
-        # never needs more than two), up to max_in_flight of each kind. Receive scratch is
-        # sized for an average into the shard (ZeRO-2's later averages of a step, added
-        # to the shard, take one chunk more for the launch: zero_triton.comm.group).
-        self.pools, self.staging_pools, self.into_out = {}, {}, into_out
-        self.recv_numel = {kind: self.comm.recv_numel(sizes[kind], into_out[kind]) for kind in sizes}
-        self.made = {}
-        for kind in sizes:
-            if self.recv_numel[kind] > 0:
-                self.pools[kind] = []
-            if any(b.sharded for b in self.buckets if self._kind(b) == kind):
-                self.staging_pools[kind] = []
+        # never needs more than two), up to the pools' limit of each kind.
+        self.pools.rebuild(self.buckets)
         for b in self.buckets:
-            b.pool = self.pools.get(self._kind(b))
-            b.staging_pool = self.staging_pools.get(self._kind(b))
             b.reset()
         self.next = 0
         if any(b.sharded for b in self.buckets) and self.order is None:
@@ -281,67 +259,6 @@ class Reducer:
             # order (backward's, for most models) rather than none; learned at step 1.
             self.order = list(self.buckets)
             self.in_backward = len(self.order)
-
-    def _need(self, bucket: Bucket, role: str) -> int:
-        """Elements of a ``role`` buffer for ``bucket``: its gradients (staging), or the
-        receive scratch of its reduce-scatter."""
-        if role == "staging":
-            return bucket.geometry.numel
-        return self.comm.recv_numel(bucket.geometry.numel, self.into_out[self._kind(bucket)])
-
-    def _take(self, pool: list, bucket: Bucket, role: str, grow: bool) -> torch.Tensor:
-        """A buffer from ``pool`` large enough for ``bucket``: a free one, else a new one
-        while fewer than the limit exist, else one freed by waiting for the oldest
-        average still using it. ZeRO-2 staging may ``grow`` past the limit when no
-        average holds one (buckets waiting for their turn); ``finish`` hands the extra
-        ones back. Buffers are made at the size a bucket needs (a free one too small for
-        this bucket is let go for a new one), so the pool holds the largest buckets in
-        flight, not ``max_in_flight`` copies of the largest bucket of all.
-
-        On a GPU a receive buffer is free as soon as its average is queued (the side
-        stream reuses it in order) and a staging buffer once its average's event has
-        passed; only past the limit (more than 2 x max_in_flight buckets' gradients
-        queued behind the network) does the compute stream wait, which is what bounds
-        ZeRO-2's memory. On CPUs waiting blocks the host, so the limit is max_in_flight."""
-        kind = self._kind(bucket)
-        key = (role, kind)
-        limit = self._limit(kind[1])
-        need = self._need(bucket, role)
-        while True:
-            small = None  # a free buffer too small for this bucket
-            for i, (buf, done) in enumerate(pool):
-                if done is None or done.query():
-                    if buf.numel() >= need:
-                        del pool[i]
-                        return buf
-                    small = i if small is None else small
-            if self.in_flight and (self.in_flight[0].reduce is None or self.in_flight[0].reduce.landed()):
-                # CPU: an average that already arrived gives its buffers back (its sum in
-                # rank order runs now) before another buffer is made: a model whose
-                # buckets' averages do not overlap each other holds one of each kind.
-                self.in_flight.popleft().wait_reduce()
-                continue
-            if self.made.get(key, 0) < limit:
-                break
-            if small is not None:  # at the limit: a free one too small makes way
-                del pool[small]
-                self.made[key] -= 1
-                break
-            if pool:  # GPU: every staging buffer is still being sent: the oldest one
-                buf, done = pool.pop(0)
-                done.wait()
-                if buf.numel() >= need:
-                    return buf
-                self.made[key] -= 1
-                break
-            if self.in_flight:
-                self.in_flight.popleft().wait_reduce()
-                continue
-            if grow:
-                break
-            raise AssertionError("zero_triton: a gradient bucket buffer was lost")
-        self.made[key] = self.made.get(key, 0) + 1
-        return torch.empty(need, dtype=kind[0], device=kind[1])
 
     def _side(self, bucket: Bucket):
         return self._side_of(bucket.param_full.device)
@@ -352,22 +269,15 @@ class Reducer:
             self.sides[device] = streams.side_stream(device)
         return self.sides[device]
 
-    def _limit(self, device) -> int:
-        """Buffers of one kind made before waiting: on a GPU a wait stalls the compute
-        stream, not just the host, so twice as many (memory is cheap next to that)."""
-        return self.max_in_flight * (2 if self._side_of(device) is not None else 1)
-
-    @staticmethod
-    def _kind(b: Bucket):
-        return (b.grad_dtype, b.param_full.device)
+    @property
+    def made(self) -> dict:
+        """(role, (dtype, device)) -> receive and staging buffers made and kept."""
+        return self.pools.made
 
     @property
     def bytes(self) -> int:
         """The receive and staging buffers held now."""
-        pools = list(self.pools.values()) + list(self.staging_pools.values())
-        return sum(t.numel() * t.element_size() for pool in pools for t, _ in pool) + sum(
-            t.numel() * t.element_size() for b in self.buckets for t in (b.recv, b.staging, b.sending)
-            if t is not None)
+        return self.pools.nbytes(self.buckets)
 
     # -- backward -------------------------------------------------------------------
     def note_backward(self) -> None:
@@ -399,7 +309,7 @@ class Reducer:
                 self._restage(bucket)
                 self.counts["restaged"] += 1
             elif bucket.grad_in is None:
-                self._stage(bucket)
+                self._new_staging(bucket)
             bucket.grad_in[lo:hi].add_(grad.reshape(-1))
         self.arrived(bucket, j)
 
@@ -418,13 +328,13 @@ class Reducer:
         adopted = bucket.grad_in
         bucket.staging = bucket.grad_in = None
         bucket.adopted = False
-        self._stage(bucket)
+        self._new_staging(bucket)
         bucket.grad_in.copy_(adopted)
 
-    def _stage(self, bucket: Bucket) -> None:
+    def _new_staging(self, bucket: Bucket) -> None:
         """A zeroed staging buffer for ``bucket``: from the pool, after the oldest
         reduce-scatter in flight when it is empty, or a new one (handed back at step)."""
-        buf = self._take(bucket.staging_pool, bucket, "staging", grow=True)
+        buf = self.pools.take(bucket.staging_pool, bucket, "staging", True, self.in_flight)
         bucket.staging, bucket.grad_in = buf, buf[:bucket.geometry.numel]
         bucket.grad_in.zero_()
 
@@ -464,12 +374,12 @@ class Reducer:
             if bucket.reduce is not None:
                 bucket.wait_reduce()  # it holds buffers (ZeRO-2: the staging it sends)
         if bucket.sharded and bucket.grad_in is None:  # nothing arrived: this rank adds zeros
-            self._stage(bucket)
+            self._new_staging(bucket)
         accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
         out = bucket.out(accumulate)
         recv = None
         if bucket.pool is not None and self.comm.needs_recv(out, bucket.grad_in, accumulate):
-            recv = self._take(bucket.pool, bucket, "recv", grow=grow)
+            recv = self.pools.take(bucket.pool, bucket, "recv", grow, self.in_flight)
         bucket.ready = bucket.stale = False
         bucket.launched = True
         self.signature = (self.signature * 1009 + bucket.key[0] * 4099 + bucket.key[1] + 1) % SIGNATURE_MOD
@@ -485,7 +395,7 @@ class Reducer:
                 bucket.pool.append((recv, None))
             if bucket.sharded:  # reused once the compute stream may write it
                 if bucket.adopted:  # held until the side stream has sent it
-                    self._hold(bucket.staging, done)
+                    self.pools.hold(bucket.staging, done)
                 else:
                     bucket.staging_pool.append((bucket.staging, done))
                 bucket.staging = bucket.grad_in = None
@@ -500,15 +410,6 @@ class Reducer:
             self.in_flight.append(bucket)
         else:
             bucket.wait_reduce()  # world size 1: a copy, done
-
-    def _hold(self, grad: torch.Tensor, done) -> None:
-        """GPU: keep an adopted gradient until the side stream has sent it, at most the
-        staging buffers' limit of them: past it the compute stream waits for the oldest,
-        as it would for a staging buffer."""
-        self._held = [(t, d) for t, d in self._held if not d.query()]
-        while len(self._held) >= self._limit(grad.device):
-            self._held.pop(0)[1].wait()
-        self._held.append((grad, done))
 
     # -- step -----------------------------------------------------------------------
     def changed_since_launch(self, grad_buffers) -> bool:
@@ -545,13 +446,7 @@ class Reducer:
             for b in order:
                 self.launch(b)
         self.wait_reduces()
-        for role, pools in (("staging", self.staging_pools), ("recv", self.pools)):
-            for kind, pool in pools.items():
-                keep = self._limit(kind[1])
-                extra = len(pool) - keep
-                if extra > 0:  # buffers made beyond the limit go back
-                    del pool[keep:]
-                    self.made[(role, kind)] -= extra
+        self.pools.trim()  # buffers made beyond the limit go back
         if self.seen is not None and self.comm.world_size > 1:
             self._learn()
         for b in self.buckets:
@@ -598,7 +493,7 @@ class Reducer:
             self.in_flight.popleft().wait_reduce()
         for b in self.buckets:
             b.wait_reduce()
-        self._held.clear()  # the compute stream has waited for every average
+        self.pools.held.clear()  # the compute stream has waited for every average
 
     @property
     def guarded(self) -> bool:
