@@ -186,7 +186,8 @@ def validate_hyperparameters(groups, source: str) -> None:
 
 
 def validate(m: dict, source: str) -> None:
-    """Check the whole manifest on its own (see the module's docstring)."""
+    """Check the whole manifest on its own (see the module's docstring): its header, the
+    flat buffers, the parameters, the files and that the files cover every state."""
     v = _Fields(source)
     save_id = v.get(m, "save_id", "save_id", str)
     if len(save_id) != 16 or any(c not in "0123456789abcdef" for c in save_id):
@@ -197,73 +198,87 @@ def validate(m: dict, source: str) -> None:
     groups = v.list(m, "param_groups", "param_groups")
     validate_hyperparameters(groups, source)
     flats = v.list(m, "flats", "flats")
-
     for k, flat in enumerate(flats):
-        field = f"flats[{k}]"
-        v.int(flat, "group", f"{field}.group", 0, len(groups) - 1)
-        if v.get(flat, "dtype", f"{field}.dtype", str) not in FLAT_DTYPES:
-            v.fail(f"{field}.dtype", f"is {flat['dtype']!r}, not one of {sorted(FLAT_DTYPES)}")
-        v.int(flat, "numel", f"{field}.numel", 0, _MAX_NUMEL)
-        v.get(flat, "has_master", f"{field}.has_master", bool)
-        step = v.number(flat, "step", f"{field}.step")
-        states = v.list(flat, "states", f"{field}.states", max_len=len(STATES))
-        if any(s not in STATES for s in states) or len(set(states)) != len(states) or \
-                any(s not in states for s in REQUIRED_STATES):
-            v.fail(f"{field}.states", f"is {states}: it must name each of {list(REQUIRED_STATES)} "
-                   f"once, and {STATES[3]} at most once")
-        if "param_steps" in flat:
-            for i, _ in enumerate(v.list(flat, "param_steps", f"{field}.param_steps")):
-                v.number(flat["param_steps"], i, f"{field}.param_steps[{i}]", 0.0, step)
-
+        _validate_flat(v, f"flats[{k}]", flat, len(groups))
     step = v.number(m, "step", "step")
     if flats and step != max(f["step"] for f in flats):
         v.fail("step", f"is {step}, the flat buffers' latest step is {max(f['step'] for f in flats)}")
-
     params = v.list(m, "params", "params")
-    in_flat = [[] for _ in flats]
+    ends = [[] for _ in flats]  # per flat buffer, where each of its parameters ends
     for i, p in enumerate(params):
-        field = f"params[{i}]"
-        v.get(p, "name", f"{field}.name", str)
-        v.get(p, "named", f"{field}.named", bool)
-        if v.int(p, "index", f"{field}.index") != i:
-            v.fail(f"{field}.index", f"is {p['index']}, not {i}")
-        group = v.int(p, "group", f"{field}.group", 0, len(groups) - 1)
-        shape = v.list(p, "shape", f"{field}.shape", max_len=64)
-        for d in range(len(shape)):
-            v.int(shape, d, f"{field}.shape[{d}]", 0, _MAX_NUMEL)
-        numel = math.prod(shape)
-        if numel > _MAX_NUMEL:
-            v.fail(f"{field}.shape", f"is {shape}: {numel} elements")
-        if "stride" in p:  # a dense layout other than the contiguous one (channels_last)
-            stride = v.list(p, "stride", f"{field}.stride", max_len=64)
-            for d in range(len(stride)):
-                v.int(stride, d, f"{field}.stride[{d}]", 0, _MAX_NUMEL)
-            if len(stride) != len(shape) or not is_dense(shape, stride):
-                v.fail(f"{field}.stride", f"is {stride}: not a dense layout of shape {shape}")
-        dtype = v.get(p, "dtype", f"{field}.dtype", str)
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            v.fail(f"{field}.dtype", f"is {dtype!r}, not a torch dtype")
-        if p.get("flat", "missing") is None:
-            if p.get("offset", "missing") is not None:
-                v.fail(f"{field}.offset", "must be null for a frozen parameter (flat null)")
-            continue
-        k = v.int(p, "flat", f"{field}.flat", 0, len(flats) - 1)
-        offset = v.int(p, "offset", f"{field}.offset", 0, _MAX_NUMEL)
-        if offset + numel > flats[k]["numel"]:
-            v.fail(f"{field}.offset", f"is {offset}: {shape} ends past flat buffer {k}'s "
-                   f"{flats[k]['numel']} elements")
-        if dtype != flats[k]["dtype"] or group != flats[k]["group"]:
-            v.fail(field, f"has dtype {dtype} and group {group}, its flat buffer {k} "
-                   f"{flats[k]['dtype']} and {flats[k]['group']}")
-        if in_flat[k] and offset < in_flat[k][-1]:
-            v.fail(f"{field}.offset", f"is {offset}: it overlaps the previous parameter of flat "
-                   f"buffer {k} (which ends at {in_flat[k][-1]})")
-        in_flat[k].append(offset + numel)
+        _validate_param(v, i, p, flats, len(groups), ends)
     for k, flat in enumerate(flats):
-        if "param_steps" in flat and len(flat["param_steps"]) != len(in_flat[k]):
+        if "param_steps" in flat and len(flat["param_steps"]) != len(ends[k]):
             v.fail(f"flats[{k}].param_steps", f"has {len(flat['param_steps'])} entries for "
-                   f"{len(in_flat[k])} parameters")
+                   f"{len(ends[k])} parameters")
+    files = _validate_file_names(v, m, world)
+    covered = {}  # (flat, state) -> [(start, end, field)]
+    for name in sorted(files):
+        _validate_file(v, name, files[name], world, flats, len(params), covered)
+    _validate_coverage(v, flats, covered)
 
+
+def _validate_flat(v, field: str, flat: dict, ngroups: int) -> None:
+    v.int(flat, "group", f"{field}.group", 0, ngroups - 1)
+    if v.get(flat, "dtype", f"{field}.dtype", str) not in FLAT_DTYPES:
+        v.fail(f"{field}.dtype", f"is {flat['dtype']!r}, not one of {sorted(FLAT_DTYPES)}")
+    v.int(flat, "numel", f"{field}.numel", 0, _MAX_NUMEL)
+    v.get(flat, "has_master", f"{field}.has_master", bool)
+    step = v.number(flat, "step", f"{field}.step")
+    states = v.list(flat, "states", f"{field}.states", max_len=len(STATES))
+    if any(s not in STATES for s in states) or len(set(states)) != len(states) or \
+            any(s not in states for s in REQUIRED_STATES):
+        v.fail(f"{field}.states", f"is {states}: it must name each of {list(REQUIRED_STATES)} "
+               f"once, and {STATES[3]} at most once")
+    if "param_steps" in flat:
+        for i, _ in enumerate(v.list(flat, "param_steps", f"{field}.param_steps")):
+            v.number(flat["param_steps"], i, f"{field}.param_steps[{i}]", 0.0, step)
+
+
+def _validate_param(v, i: int, p: dict, flats: list, ngroups: int, ends: list) -> None:
+    """Parameter ``i``: its fields, its shape and layout, and its place in its flat
+    buffer after the one before it (``ends``)."""
+    field = f"params[{i}]"
+    v.get(p, "name", f"{field}.name", str)
+    v.get(p, "named", f"{field}.named", bool)
+    if v.int(p, "index", f"{field}.index") != i:
+        v.fail(f"{field}.index", f"is {p['index']}, not {i}")
+    group = v.int(p, "group", f"{field}.group", 0, ngroups - 1)
+    shape = v.list(p, "shape", f"{field}.shape", max_len=64)
+    for d in range(len(shape)):
+        v.int(shape, d, f"{field}.shape[{d}]", 0, _MAX_NUMEL)
+    numel = math.prod(shape)
+    if numel > _MAX_NUMEL:
+        v.fail(f"{field}.shape", f"is {shape}: {numel} elements")
+    if "stride" in p:  # a dense layout other than the contiguous one (channels_last)
+        stride = v.list(p, "stride", f"{field}.stride", max_len=64)
+        for d in range(len(stride)):
+            v.int(stride, d, f"{field}.stride[{d}]", 0, _MAX_NUMEL)
+        if len(stride) != len(shape) or not is_dense(shape, stride):
+            v.fail(f"{field}.stride", f"is {stride}: not a dense layout of shape {shape}")
+    dtype = v.get(p, "dtype", f"{field}.dtype", str)
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        v.fail(f"{field}.dtype", f"is {dtype!r}, not a torch dtype")
+    if p.get("flat", "missing") is None:
+        if p.get("offset", "missing") is not None:
+            v.fail(f"{field}.offset", "must be null for a frozen parameter (flat null)")
+        return
+    k = v.int(p, "flat", f"{field}.flat", 0, len(flats) - 1)
+    offset = v.int(p, "offset", f"{field}.offset", 0, _MAX_NUMEL)
+    if offset + numel > flats[k]["numel"]:
+        v.fail(f"{field}.offset", f"is {offset}: {shape} ends past flat buffer {k}'s "
+               f"{flats[k]['numel']} elements")
+    if dtype != flats[k]["dtype"] or group != flats[k]["group"]:
+        v.fail(field, f"has dtype {dtype} and group {group}, its flat buffer {k} "
+               f"{flats[k]['dtype']} and {flats[k]['group']}")
+    if ends[k] and offset < ends[k][-1]:
+        v.fail(f"{field}.offset", f"is {offset}: it overlaps the previous parameter of flat "
+               f"buffer {k} (which ends at {ends[k][-1]})")
+    ends[k].append(offset + numel)
+
+
+def _validate_file_names(v, m: dict, world: int) -> dict:
+    """The files a ``world``-rank save writes, and no other."""
     has_model_extra = v.get(m, "model_extra", "model_extra", bool)
     has_extra = v.get(m, "extra", "extra", bool)
     files = v.get(m, "files", "files", dict)
@@ -274,57 +289,69 @@ def validate(m: dict, source: str) -> None:
         odd = sorted(set(files) ^ expected)[:5]
         v.fail("files", f"names {sorted(files)[:8]}{' ...' if len(files) > 8 else ''}, not the "
                f"files a {world}-rank save writes (differs in {odd})")
+    return files
 
-    covered = {}  # (flat, state) -> [(start, end)]
-    for name in sorted(files):
-        record, field = files[name], f"files[{name!r}]"
-        owner = v.int(record, "rank", f"{field}.rank", 0, world - 1)
-        if name.startswith("rank") and owner != int(name[4:9]):
-            v.fail(f"{field}.rank", f"is {owner}, the file is rank {int(name[4:9])}'s")
-        size = v.int(record, "bytes", f"{field}.bytes", HEADER_BYTES, 1 << 62)
-        chunk = v.int(record, "chunk_bytes", f"{field}.chunk_bytes", 4096, 1 << 30)
-        crcs = v.list(record, "chunk_crc32", f"{field}.chunk_crc32")
-        if len(crcs) != -(-size // chunk):
-            v.fail(f"{field}.chunk_crc32", f"has {len(crcs)} entries; {size} bytes in chunks of "
-                   f"{chunk} need {-(-size // chunk)}")
-        for c in range(len(crcs)):
-            v.int(crcs, c, f"{field}.chunk_crc32[{c}]", 0, 0xFFFFFFFF)
-        if v.int(record, "crc32", f"{field}.crc32", 0, 0xFFFFFFFF) != file_crc(crcs):
-            v.fail(f"{field}.crc32", "does not match its chunk checksums")
-        if name in (MODEL_EXTRA_FILE, EXTRA_FILE):
-            continue
-        # A rank holds one piece of every bucket of every state; a bucket holds at least
-        # one parameter.
-        segments = v.list(record, "segments", f"{field}.segments",
-                          max_len=max(len(flats), len(params)) * len(STATES))
-        at = HEADER_BYTES
-        for s, seg in enumerate(segments):
-            sf = f"{field}.segments[{s}]"
-            k = v.int(seg, "flat", f"{sf}.flat", 0, len(flats) - 1)
-            if v.int(seg, "offset", f"{sf}.offset", 0, 1 << 62) != at:
-                v.fail(f"{sf}.offset", f"is {seg['offset']}; segments follow each other from byte "
-                       f"{HEADER_BYTES}, so it must be {at}")
-            if name == MODEL_FILE:
-                if k != s:
-                    v.fail(f"{sf}.flat", f"is {k}; model.bin holds the flat buffers in order")
-                numel = v.int(seg, "numel", f"{sf}.numel", 0, _MAX_NUMEL)
-                if numel != flats[k]["numel"] or seg.get("dtype") != flats[k]["dtype"]:
-                    v.fail(sf, f"is {numel} {seg.get('dtype')}, flat buffer {k} is "
-                           f"{flats[k]['numel']} {flats[k]['dtype']}")
-                at += numel * FLAT_DTYPES[flats[k]["dtype"]]
-                continue
-            state = v.get(seg, "state", f"{sf}.state", str)
-            if state not in flats[k]["states"]:
-                v.fail(f"{sf}.state", f"is {state!r}, not one of flat buffer {k}'s states")
-            start = v.int(seg, "start", f"{sf}.start", 0, flats[k]["numel"])
-            end = v.int(seg, "end", f"{sf}.end", start + 1, flats[k]["numel"])
-            covered.setdefault((k, state), []).append((start, end, f"{sf}"))
-            at += (end - start) * 4
-        if name == MODEL_FILE and len(segments) != len(flats):
-            v.fail(f"{field}.segments", f"has {len(segments)} entries for {len(flats)} flat buffers")
-        if at != size:
-            v.fail(f"{field}.bytes", f"is {size}; its header and segments take {at}")
 
+def _validate_file(v, name: str, record: dict, world: int, flats: list, nparams: int,
+                   covered: dict) -> None:
+    """One file's record: its owner, size and checksums, then its segments (the state
+    ranges they hold go into ``covered``)."""
+    field = f"files[{name!r}]"
+    owner = v.int(record, "rank", f"{field}.rank", 0, world - 1)
+    if name.startswith("rank") and owner != int(name[4:9]):
+        v.fail(f"{field}.rank", f"is {owner}, the file is rank {int(name[4:9])}'s")
+    size = v.int(record, "bytes", f"{field}.bytes", HEADER_BYTES, 1 << 62)
+    chunk = v.int(record, "chunk_bytes", f"{field}.chunk_bytes", 4096, 1 << 30)
+    crcs = v.list(record, "chunk_crc32", f"{field}.chunk_crc32")
+    if len(crcs) != -(-size // chunk):
+        v.fail(f"{field}.chunk_crc32", f"has {len(crcs)} entries; {size} bytes in chunks of "
+               f"{chunk} need {-(-size // chunk)}")
+    for c in range(len(crcs)):
+        v.int(crcs, c, f"{field}.chunk_crc32[{c}]", 0, 0xFFFFFFFF)
+    if v.int(record, "crc32", f"{field}.crc32", 0, 0xFFFFFFFF) != file_crc(crcs):
+        v.fail(f"{field}.crc32", "does not match its chunk checksums")
+    if name in (MODEL_EXTRA_FILE, EXTRA_FILE):
+        return
+    # A rank holds one piece of every bucket of every state; a bucket holds at least
+    # one parameter.
+    segments = v.list(record, "segments", f"{field}.segments",
+                      max_len=max(len(flats), nparams) * len(STATES))
+    at = HEADER_BYTES
+    for s, seg in enumerate(segments):
+        at = _validate_segment(v, f"{field}.segments[{s}]", seg, s, name == MODEL_FILE, at,
+                               flats, covered)
+    if name == MODEL_FILE and len(segments) != len(flats):
+        v.fail(f"{field}.segments", f"has {len(segments)} entries for {len(flats)} flat buffers")
+    if at != size:
+        v.fail(f"{field}.bytes", f"is {size}; its header and segments take {at}")
+
+
+def _validate_segment(v, sf: str, seg: dict, s: int, model: bool, at: int, flats: list,
+                      covered: dict) -> int:
+    """Segment ``s`` of a file, starting at byte ``at``; returns where the next starts."""
+    k = v.int(seg, "flat", f"{sf}.flat", 0, len(flats) - 1)
+    if v.int(seg, "offset", f"{sf}.offset", 0, 1 << 62) != at:
+        v.fail(f"{sf}.offset", f"is {seg['offset']}; segments follow each other from byte "
+               f"{HEADER_BYTES}, so it must be {at}")
+    if model:
+        if k != s:
+            v.fail(f"{sf}.flat", f"is {k}; model.bin holds the flat buffers in order")
+        numel = v.int(seg, "numel", f"{sf}.numel", 0, _MAX_NUMEL)
+        if numel != flats[k]["numel"] or seg.get("dtype") != flats[k]["dtype"]:
+            v.fail(sf, f"is {numel} {seg.get('dtype')}, flat buffer {k} is "
+                   f"{flats[k]['numel']} {flats[k]['dtype']}")
+        return at + numel * FLAT_DTYPES[flats[k]["dtype"]]
+    state = v.get(seg, "state", f"{sf}.state", str)
+    if state not in flats[k]["states"]:
+        v.fail(f"{sf}.state", f"is {state!r}, not one of flat buffer {k}'s states")
+    start = v.int(seg, "start", f"{sf}.start", 0, flats[k]["numel"])
+    end = v.int(seg, "end", f"{sf}.end", start + 1, flats[k]["numel"])
+    covered.setdefault((k, state), []).append((start, end, f"{sf}"))
+    return at + (end - start) * 4
+
+
+def _validate_coverage(v, flats: list, covered: dict) -> None:
+    """The files' segments cover every state of every flat buffer exactly once."""
     for k, flat in enumerate(flats):
         for state in flat["states"]:
             pos = 0
