@@ -232,25 +232,7 @@ def run_case(case, device, args, cpu_limit, say):
             if pid in errors:
                 continue
             try:
-                if pid.startswith("zt-"):
-                    step, state = provide.make_zt(pid[3:], p0s, g0s, case)
-                elif pid in ("torch-loop", "torch-foreach", "torch-fused"):
-                    step, state = provide.make_torch(pid, p0s, g0s, case)
-                elif pid == "torch-composite":
-                    step, state = provide.make_composite(p0s, g0s, case)
-                elif pid == "ds-cpuadam":
-                    step, state = provide.make_deepspeed(p0s, g0s, case)
-                elif pid == "apex-fused":
-                    step, state = provide.make_apex(p0s, g0s, case)
-                elif pid == "limit":
-                    step, pr.note = provide.make_limit(flat_p0, flat_g0, case, device, cpu_limit)
-                    state = None
-                elif pid == "copy":
-                    nbytes = min(BYTES_PER_PARAM // 2 * n, 2 << 30)
-                    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-                    dst = torch.empty_like(src)
-                    step, state = (lambda d=dst, s=src: d.copy_(s)), None
-                    pr.bytes_per_call = 2 * nbytes
+                step, state = _make(pr, (p0s, g0s), (flat_p0, flat_g0), case, device, cpu_limit)
                 pr.fns.append(step)
                 if state is not None:
                     pr.states.append(state)
@@ -272,66 +254,112 @@ def run_case(case, device, args, cpu_limit, say):
     timed = [pr for pr in live if pr.id not in errors]
 
     timer = Timer(device)
+    calls = _calls_per_sample(timed, timer, args.min_time, errors)
+    timed = [pr for pr in timed if pr.id not in errors]
+    samples = _samples(timed, timer, calls, args.repeats)
+
+    medians = {pid: statistics.median(v) for pid, v in samples.items() if v}
+    run = {"sets": sets, "calls": calls, "guard": guard, "errors": errors, "samples": samples,
+           "medians": medians, "base": medians.get(case.baseline), "limit": medians.get("limit"),
+           "copy_gbps": None}
+    if "copy" in medians:
+        run["copy_gbps"] = providers["copy"].bytes_per_call / medians["copy"] / 1e9
+    rows = [_row(case, pr, run) for pr in providers.values()]
+    del providers, live, timed
+    return rows
+
+
+def _make(pr, tensors, flats, case, device, cpu_limit):
+    """Provider ``pr``'s step over one buffer set (``tensors``: the parameters' and
+    gradients' starting values, ``flats``: the same as two flat tensors): (step, the
+    state the guard reads, or None)."""
+    pid, (p0s, g0s) = pr.id, tensors
+    if pid.startswith("zt-"):
+        return provide.make_zt(pid[3:], p0s, g0s, case)
+    if pid in ("torch-loop", "torch-foreach", "torch-fused"):
+        return provide.make_torch(pid, p0s, g0s, case)
+    if pid == "torch-composite":
+        return provide.make_composite(p0s, g0s, case)
+    if pid == "ds-cpuadam":
+        return provide.make_deepspeed(p0s, g0s, case)
+    if pid == "apex-fused":
+        return provide.make_apex(p0s, g0s, case)
+    if pid == "limit":
+        step, pr.note = provide.make_limit(flats[0], flats[1], case, device, cpu_limit)
+        return step, None
+    if pid == "copy":
+        nbytes = min(BYTES_PER_PARAM // 2 * case.numel, 2 << 30)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty_like(src)
+        pr.bytes_per_call = 2 * nbytes
+        return (lambda d=dst, s=src: d.copy_(s)), None
+    raise ValueError(f"unknown provider {pid!r}")
+
+
+def _calls_per_sample(timed, timer, target: float, errors: dict) -> dict:
+    """Warm every buffer set of each provider (torch allocates state on step 1) and
+    size a sample to about ``target`` seconds (a whole number of rotations)."""
     calls = {}
-    target = args.min_time
     for pr in timed:
         try:
-            for fn in pr.fns:          # warm every set (torch allocates state on step 1)
+            for fn in pr.fns:
                 fn()
             timer.sync()
             t = timer.measure(pr.fns, len(pr.fns))
             calls[pr.id] = max(len(pr.fns), math.ceil(target / max(t, 1e-9) / len(pr.fns)) * len(pr.fns))
         except Exception as exc:
             errors[pr.id] = f"warm-up failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    timed = [pr for pr in timed if pr.id not in errors]
+    return calls
 
+
+def _samples(timed, timer, calls: dict, repeats: int) -> dict:
+    """``repeats`` rounds, each provider once per round in an order rotated round by
+    round, the garbage collector off."""
     samples = {pr.id: [] for pr in timed}
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for r in range(args.repeats):
+        for r in range(repeats):
             order = timed[r % len(timed):] + timed[:r % len(timed)] if timed else []
             for pr in order:
                 samples[pr.id].append(timer.measure(pr.fns, calls[pr.id], start_index=r))
     finally:
         if gc_was_enabled:
             gc.enable()
+    return samples
 
-    rows = []
-    medians = {pid: statistics.median(v) for pid, v in samples.items() if v}
-    base_ms = medians.get(case.baseline)
-    limit_ms = medians.get("limit")
-    copy_gbps = None
-    if "copy" in medians:
-        copy_gbps = providers["copy"].bytes_per_call / medians["copy"] / 1e9
-    for pid, pr in providers.items():
-        row = {"case": case.name, "provider": pid, "dtype": str(case.dtype).replace("torch.", ""),
-               "numel": n, "n_tensors": len(case.shapes), "sets": sets,
-               "bytes_per_step": pr.bytes_per_call or BYTES_PER_PARAM * n,
-               "median_ms": None, "p20_ms": None, "p80_ms": None, "gbps": None,
-               "x_baseline": None, "baseline": case.baseline, "pct_limit": None, "pct_copy": None,
-               "guard": None, "guard_max_rel": None, "calls_per_sample": calls.get(pid),
-               "status": "ok", "note": pr.note}
-        if pid in guard:
-            row["guard"] = "pass" if guard[pid][0] else "FAIL"
-            row["guard_max_rel"] = guard[pid][1]
-        if pid in errors:
-            row["status"] = "error"
-            row["note"] = errors[pid]
-        elif pid in medians:
-            med = medians[pid]
-            row["median_ms"] = med * 1e3
-            row["p20_ms"] = _percentile(samples[pid], 0.2) * 1e3
-            row["p80_ms"] = _percentile(samples[pid], 0.8) * 1e3
-            row["gbps"] = row["bytes_per_step"] / med / 1e9
-            if pid != "copy":
-                if base_ms is not None:
-                    row["x_baseline"] = base_ms / med
-                if limit_ms is not None:
-                    row["pct_limit"] = 100 * limit_ms / med
-                if copy_gbps:
-                    row["pct_copy"] = 100 * row["gbps"] / copy_gbps
-        rows.append(row)
-    del providers, live, timed
-    return rows
+
+def _row(case, pr, run: dict) -> dict:
+    """Provider ``pr``'s row of the table, from what ``run_case`` measured (``run``: the
+    buffer sets, calls per sample, guard results, errors, samples and their medians, and
+    the baseline's and the limit's median seconds and the copy's GB/s)."""
+    n, pid = case.numel, pr.id
+    guard, errors, samples, medians = run["guard"], run["errors"], run["samples"], run["medians"]
+    row = {"case": case.name, "provider": pid, "dtype": str(case.dtype).replace("torch.", ""),
+           "numel": n, "n_tensors": len(case.shapes), "sets": run["sets"],
+           "bytes_per_step": pr.bytes_per_call or BYTES_PER_PARAM * n,
+           "median_ms": None, "p20_ms": None, "p80_ms": None, "gbps": None,
+           "x_baseline": None, "baseline": case.baseline, "pct_limit": None, "pct_copy": None,
+           "guard": None, "guard_max_rel": None, "calls_per_sample": run["calls"].get(pid),
+           "status": "ok", "note": pr.note}
+    if pid in guard:
+        row["guard"] = "pass" if guard[pid][0] else "FAIL"
+        row["guard_max_rel"] = guard[pid][1]
+    if pid in errors:
+        row["status"] = "error"
+        row["note"] = errors[pid]
+    elif pid in medians:
+        med = medians[pid]
+        row["median_ms"] = med * 1e3
+        row["p20_ms"] = _percentile(samples[pid], 0.2) * 1e3
+        row["p80_ms"] = _percentile(samples[pid], 0.8) * 1e3
+        row["gbps"] = row["bytes_per_step"] / med / 1e9
+        if pid != "copy":
+            if run["base"] is not None:
+                row["x_baseline"] = run["base"] / med
+            if run["limit"] is not None:
+                row["pct_limit"] = 100 * run["limit"] / med
+            if run["copy_gbps"]:
+                row["pct_copy"] = 100 * row["gbps"] / run["copy_gbps"]
+    return row
