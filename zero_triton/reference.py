@@ -206,6 +206,27 @@ def _as_float(x: Scalar, name: str) -> float:
     return float(x)
 
 
+def _check_operands(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad: bool) -> None:
+    """``torch_adam_step_``'s tensors: dtypes it steps, one shape."""
+    if param.dtype not in (torch.float32, torch.float64):
+        raise TypeError(
+            f"param must be float32 or float64, got {param.dtype}; for bf16/fp16 "
+            f"parameters pass the fp32 master copy and round with rne_cast"
+        )
+    if not grad.is_floating_point():
+        raise TypeError(f"grad must be a floating-point tensor, got {grad.dtype}")
+    named = [("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("amsgrad=True needs max_exp_avg_sq (a tensor shaped like "
+                             "param, zeros before the first step)")
+        named.append(("max_exp_avg_sq", max_exp_avg_sq))
+    for name, x in named:
+        if x.shape != param.shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)} but param has shape "
+                             f"{tuple(param.shape)}")
+
+
 def torch_adam_step_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -240,24 +261,7 @@ def torch_adam_step_(
     L2 added to the gradient), moments, bias correction, amsgrad max, update.
     """
     step = _check_step(step)
-    if param.dtype not in (torch.float32, torch.float64):
-        raise TypeError(
-            f"param must be float32 or float64, got {param.dtype}; for bf16/fp16 "
-            f"parameters pass the fp32 master copy and round with rne_cast"
-        )
-    if not grad.is_floating_point():
-        raise TypeError(f"grad must be a floating-point tensor, got {grad.dtype}")
-    named = [("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
-    if amsgrad:
-        if max_exp_avg_sq is None:
-            raise ValueError("amsgrad=True needs max_exp_avg_sq (a tensor shaped like "
-                             "param, zeros before the first step)")
-        named.append(("max_exp_avg_sq", max_exp_avg_sq))
-    for name, x in named:
-        if x.shape != param.shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but param has shape "
-                             f"{tuple(param.shape)}")
-
+    _check_operands(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None, amsgrad)
     if found_inf is not None and _as_float(found_inf, "found_inf") != 0:
         return  # checked before any arithmetic so nothing changes, not even moments
     lr = _as_float(lr, "lr")
