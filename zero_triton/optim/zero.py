@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,13 +27,13 @@ from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import join, owners, sharded_state
+from zero_triton.optim.ddp_check import AlreadyAveraged
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import adam_hyperparameters, check_no_dtensors, check_params_argument
 from zero_triton.optim.fused import FusedAdam
 from zero_triton.optim.spec import Spec
 from zero_triton.state import watch
 
-_FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
 # The calls of an iteration that start collectives: the first of them tells Join.
 _PER_ITERATION = ("backward", "step", "clip_grad_norm_", "GradScaler")
 
@@ -168,10 +167,10 @@ class ZeroAdam(FusedAdam, Joinable):
         self._shadowing = False
         self._notified = False
         self._clip_args = None  # (max_norm, norm_type) of a clip_grad_norm_ call, for its row
-        self._ddp_averaged = False  # the first step found a DDP that averages before us
         # One rank: its gradients are trivially 'identical'. Stage 2 refuses a DDP wrapper
         # at step (a .grad written after backward handed it over), no fingerprint needed.
-        self._ddp_checked = comm.world_size == 1 or spec.grads.sharded
+        self._averaged_before = AlreadyAveraged(
+            comm, needed=comm.world_size > 1 and not spec.grads.sharded)
         self._build(groups, hyper, spec, comm)
         self._constructed = True
         if self._agreement is not None:
@@ -312,23 +311,8 @@ class ZeroAdam(FusedAdam, Joinable):
                 "ZeroAdam under Join averages over the initial world size (a joined rank's "
                 "gradients count as zeros, DDP's default): divide_by_initial_world_size=False "
                 "is not supported; leave it out")
-        self._refuse_ddp_average_under_join()
+        self._averaged_before.refuse_under_join(self._join_config.enable)
         return join.ZeroJoinHook(self)
-
-    def _refuse_ddp_average_under_join(self) -> None:
-        """Under Join, a DDP wrapper that averages the gradients too (no
-        ``ddp_local_grads_hook``) is refused: a joined rank has zeros where the others
-        hold DDP's average, so ours would halve it (and a joined rank shadows DDP's
-        all-reduces before ours, where backward interleaves them). Raised at the same call
-        on every rank: Join's construction, or the first step, which finds DDP."""
-        if self._ddp_averaged and self._join_config.enable:
-            raise RuntimeError(
-                "ZeroAdam under Join with a DistributedDataParallel wrapper that averages the "
-                "gradients too: a rank that ran out of inputs would count zeros where the "
-                "others hold DDP's average. Turn DDP's all-reduce off, "
-                "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook) (ZeroAdam "
-                "averages the gradients itself), or do not wrap the model in DDP and use "
-                "Join([optimizer]). Nothing was stepped")
 
     @property
     def join_device(self) -> torch.device:
@@ -397,68 +381,13 @@ class ZeroAdam(FusedAdam, Joinable):
                         routes_clipping=self._comm.world_size > 1 or self._spec.grads.sharded)
 
     def _before_reduce(self, flats) -> None:
-        # The local gradients, every .grad copied in (HF Trainer's model.zero_grad() makes
-        # DDP hand over tensors of their own), before the reduce-scatter changes them.
-        if not getattr(self, "_ddp_checked", True):
-            self._ddp_checked = True
-            self._fingerprint = self._grad_fingerprint(flats)
+        self._averaged_before.before_reduce(flats)
 
     def _reduce_grads(self, flats=None, entry: str = "step"):
         super()._reduce_grads(flats, entry)
-        fingerprint, self._fingerprint = getattr(self, "_fingerprint", None), None
-        if fingerprint is not None:  # exchanged after the reduce-scatter: it fails first
-            self._warn_if_already_averaged(fingerprint)
-
-    @staticmethod
-    @torch.no_grad()
-    def _grad_fingerprint(flats):
-        """(sum, sum of squares) of this rank's local gradients, before any reduction,
-        in float64 a chunk at a time (a float64 copy of the whole buffer, and its square,
-        were four times the gradients' size at the first step's peak)."""
-        if not flats:
-            return None
-        device = flats[0].device
-        mine = torch.zeros(2, dtype=torch.float64, device=device)
-        for f in flats:
-            for chunk in f.flat_grad.split(_FINGERPRINT_CHUNK):
-                g = chunk.double()  # the gradients themselves when they are float64: read only
-                mine[0] += g.sum().to(device)
-                mine[1] += torch.dot(g, g).to(device)
-        return mine
-
-    @torch.no_grad()
-    def _warn_if_already_averaged(self, mine) -> None:
-        """Once, at the first step: gradients that are already identical on every rank
-        (and not all zero) were averaged before us, by a DistributedDataParallel wrapper
-        (accelerate and HF Trainer add one: correct, but every step then pays DDP's
-        all-reduce on top of our reduce-scatter), or every rank drew the same batches
-        (no DDP found: the ranks repeat each other's work)."""
-        every = torch.empty(self._comm.world_size * 2, dtype=torch.float64, device=mine.device)
-        self._comm.all_gather(every, mine)
-        rows = every.view(-1, 2).tolist()
-        if rows[0][1] > 0 and all(r == rows[0] for r in rows):
-            self._ddp_averaged = join.averaging_ddp(
-                [p for g in self.param_groups for p in g["params"]])
-            self._refuse_ddp_average_under_join()
-            if self._ddp_averaged:
-                warnings.warn(
-                    "zero_triton: the gradients were identical on every rank before ZeroAdam "
-                    "reduced them: the model is wrapped in DistributedDataParallel, which "
-                    "already all-reduced them. Training is correct, but each step pays DDP's "
-                    "all-reduce on top of ZeroAdam's reduce-scatter. Do not wrap the model in "
-                    "DDP (ZeroAdam averages the gradients itself), or, where a library wraps it "
-                    "(accelerate, HF Trainer), turn DDP's all-reduce off with "
-                    "ddp_model.register_comm_hook(None, zero_triton.ddp_local_grads_hook).",
-                    stacklevel=4)
-            else:
-                warnings.warn(
-                    "zero_triton: the gradients were identical on every rank at the first "
-                    "step, and no DistributedDataParallel averages them: every rank probably "
-                    "drew the same batches (a DataLoader without a DistributedSampler, or one "
-                    "random seed for every rank's sampler), so the ranks repeat one rank's "
-                    "work. Give each rank its own part of the data (DistributedSampler, or "
-                    "split the dataset by rank); if another wrapper averaged the gradients "
-                    "before ZeroAdam, each step pays that all-reduce too.", stacklevel=4)
+        # exchanged after the reduce-scatter: it fails first
+        self._averaged_before.after_reduce([p for g in self.param_groups for p in g["params"]],
+                                           self._join_config.enable)
 
     def _agree(self, flats, found_inf):
         """found_inf, which parameters step, and whether every rank launched the same
