@@ -222,11 +222,11 @@ def test_a_dropped_optimizer_stops_its_server_and_side_group():
 def _provider_fails(rank, world):
     import torch.distributed as dist
 
-    from zero_triton import ZeroAdamW
+    from zero_triton.optim.served import ServedState
     if rank == 1:
         def failing(self, words):
             raise OSError("the disk under rank 1 is full")
-        ZeroAdamW._serve_shards = failing
+        ServedState.answer = failing
     model, opt = _trained(1)
     message = _refused_in(opt) if rank == 0 else None
     dist.barrier()
@@ -300,15 +300,15 @@ def _versions(rank, world):
     model, opt = _trained(1)
     steps = opt._agreement.steps
     digest = adam_state.layout_digest([f for _, f in opt._all_flats()])
-    first = opt._serve_shards([steps, digest, 0])
-    again = opt._serve_shards([steps, digest, 0])
+    first = opt._served.answer([steps, digest, 0])
+    again = opt._served.answer([steps, digest, 0])
     model(torch.randn(4, 16)).pow(2).mean().backward()
     opt.step()
-    stepped = opt._serve_shards([steps + 1, digest, 0])
+    stepped = opt._served.answer([steps + 1, digest, 0])
     opt.load_state_dict(opt.consolidated_state_dict(None))
-    loaded = opt._serve_shards([steps + 1, digest, 1])
-    stale = opt._serve_shards([steps, digest, 1])
-    unloaded = opt._serve_shards([steps + 1, digest, 0])
+    loaded = opt._served.answer([steps + 1, digest, 1])
+    stale = opt._served.answer([steps, digest, 1])
+    unloaded = opt._served.answer([steps + 1, digest, 0])
     return ([a.header[0] for a in (first, again, stepped, loaded, stale, unloaded)],
             [a.version for a in (first, again, stepped, loaded)],
             (serve.OK, serve.STEPS, serve.LOADS))

@@ -26,7 +26,7 @@ again (``zero_triton.comm.agreement.CatchUp``). What it cannot make is refused o
 rank at that call, with the fix, never a hang: GradScaler (its scale is a device value
 the joined rank does not have), torch's two-call clipping (no agreement carries the
 second call's max_norm), state dicts and checkpoints, and a DDP wrapper that averages
-the gradients too (``ZeroAdam._refuse_ddp_average_under_join``).
+the gradients too (``optim.ddp_check.AlreadyAveraged.refuse_under_join``).
 """
 from __future__ import annotations
 

@@ -16,18 +16,18 @@ divided by the world size.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 
-from zero_triton.comm import agreement, serve, side
+from zero_triton.comm import agreement, side
 from zero_triton.comm.group import GroupComm
 from zero_triton.comm.step_flags import StepFlags
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import join, owners, sharded_state
 from zero_triton.optim.ddp_check import AlreadyAveraged
+from zero_triton.optim.served import ServedState
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import adam_hyperparameters, check_no_dtensors, check_params_argument
 from zero_triton.optim.fused import FusedAdam
@@ -151,12 +151,7 @@ class ZeroAdam(FusedAdam, Joinable):
                                               channel) if channel is not None else None
         self._step_flags = StepFlags(comm) if comm.world_size > 1 else None
         self._server = channel.server if channel is not None else None
-        self._state_version = 0  # bumped, with an event per GPU, whenever the state is written
-        self._state_events = {}
-        # Loads (load_state_dict, checkpoint.load, agreed resets) completed, counted alike on
-        # every rank as steps are, at their ends: the shard server waits for a peer's count.
-        self._loads = 0
-        self._settled = threading.Condition()
+        self._served = None  # ServedState, once constructed (below)
         if channel is not None:
             channel.attach(self)
         self._told = None  # the step's entry agreement's flags, until _agree reads them
@@ -175,7 +170,8 @@ class ZeroAdam(FusedAdam, Joinable):
         self._constructed = True
         if self._agreement is not None:
             self._reducer.enter = self._enter_backward
-            self._server.register(self._agreement.ordinal, self._serve_shards)
+            # What the shard server answers another rank's state_dict() from.
+            self._served = ServedState(self, self._agreement, self._server)
 
     # -- every rank at the same call (zero_triton.comm.agreement) -----------------------------
     def _enter_backward(self, detail: str) -> None:
@@ -254,41 +250,23 @@ class ZeroAdam(FusedAdam, Joinable):
         if agreed & agreement.RESET:
             self._loaded()  # every rank reset its shards: counted as a load
         elif reseeded:
-            self._state_written()  # masters seeded from written parameters
+            self._served.written()  # masters seeded from written parameters
         return bool(agreed & agreement.STALE)
 
     def _stepped(self) -> None:
         self._notified = False
         if self._agreement is not None:
-            self._state_written()
-            with self._settled:
-                self._agreement.stepped()
-                self._settled.notify_all()
+            self._served.stepped()
             self._reducer.backwards = 0
 
     def _loaded(self) -> None:
         """A load (or an agreed reset) wrote the state on every rank: count it."""
-        self._state_written()
-        with self._settled:
-            self._loads += 1
-            self._settled.notify_all()
+        self._served.loaded()
 
     def _shards_loaded(self, flats) -> None:
         super()._shards_loaded(flats)
         if self._agreement is not None:
             self._loaded()
-
-    def _state_written(self) -> None:
-        """Mark a write of the state (a step's kernels, a load, a reset) for the shard
-        server: a new version and, per GPU, an event on the current stream after it (a
-        host copy for another rank's state_dict() waits for that event, not for the
-        device)."""
-        self._state_version += 1
-        for device in {flat.device for _, flat in self._all_flats() if flat.device.type == "cuda"}:
-            event = self._state_events.get(device)
-            if event is None:
-                event = self._state_events[device] = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None,
                         _in_step: bool = False) -> torch.Tensor:
@@ -525,35 +503,8 @@ class ZeroAdam(FusedAdam, Joinable):
             return adam_state.gathered_state_dict(self, None, self._GATHER_CHUNK)
         self._check_groups()
         return adam_state.served_state_dict(self, self._server, self._agreement.ordinal,
-                                            [self._agreement.steps, self._loads],
+                                            self._served.counts(),
                                             self._GATHER_CHUNK)
-
-    def _serve_shards(self, words: list):
-        """Another rank's ``state_dict()`` asks for this rank's shards (on the shard
-        server's thread, wherever the main thread is): its step count, layout digest and
-        count of loads in ``words``. This rank's shards change only inside collective
-        calls the asking rank is not in, so none can start; the tail of a step or a load
-        both took (after its last collective: the kernels, the copies of a loaded state)
-        may still be running here, and is waited for: the counts go up at their ends."""
-        steps, digest, loads = words[0], words[1], words[2]
-        # (milliseconds; bounded well inside the group's timeout, which the asking rank's
-        # peers may be waiting out in a collective of their own)
-        timeout = min(30.0, self._server.timeout.total_seconds() / 4)
-        with self._settled:
-            self._settled.wait_for(lambda: self._agreement.steps >= steps and self._loads >= loads,
-                                   timeout)
-        flats = [flat for _, flat in self._all_flats()]
-        header = [serve.OK, self._agreement.steps, self._loads, 0]
-        if self._agreement.steps != steps:
-            header[0] = serve.STEPS
-        elif self._loads != loads:
-            header[0] = serve.LOADS
-        elif adam_state.layout_digest(flats) != digest:
-            header[0] = serve.LAYOUT
-        if header[0] != serve.OK:
-            return serve.Answer(header)
-        return serve.Answer(header, adam_state.shard_chunks(flats, self._GATHER_CHUNK),
-                            ready=list(self._state_events.values()), version=self._state_version)
 
     @disable_dynamo  # as torch.optim.Optimizer's
     def sharded_state_dict(self) -> dict:

@@ -1,0 +1,99 @@
+"""ZeroAdam's state as the shard server sees it (``zero_triton.comm.serve``): what a
+rank's thread answers when another rank's ``state_dict()`` asks for its shards, wherever
+this rank's main thread is.
+
+``ServedState`` owns the counts the answer is checked against: steps (the agreement's)
+and loads completed, both counted at their ends alike on every rank, a version bumped at
+every write of the state and, per GPU, an event recorded after it (a host copy for
+another rank waits for that event, not for the device).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from zero_triton.comm import serve
+from zero_triton.optim import state_dict as adam_state
+
+
+class ServedState:
+    """``optimizer``: the ZeroAdam (held weakly: the server's registry holds this);
+    ``agreement``: its ``comm.agreement.Agreement`` (the step count); ``server``: the
+    group's shard server. The chunks sent are the optimizer's ``_GATHER_CHUNK`` elements,
+    as the asking rank's."""
+
+    def __init__(self, optimizer, agreement, server):
+        self._optimizer = weakref.ref(optimizer)
+        self.agreement, self.server = agreement, server
+        self.version = 0   # bumped, with an event per GPU, whenever the state is written
+        self.events = {}
+        # Loads (load_state_dict, checkpoint.load, agreed resets) completed, counted alike on
+        # every rank as steps are, at their ends: the shard server waits for a peer's count.
+        self.loads = 0
+        self.settled = threading.Condition()
+        server.register(agreement.ordinal, self.answer)
+
+    def _flats(self) -> list:
+        opt = self._optimizer()
+        return [] if opt is None else [flat for _, flat in opt._all_flats()]
+
+    def _chunk(self) -> int:
+        opt = self._optimizer()
+        return adam_state.GATHER_CHUNK if opt is None else opt._GATHER_CHUNK
+
+    def written(self) -> None:
+        """Mark a write of the state (a step's kernels, a load, a reset): a new version
+        and, per GPU, an event on the current stream after it."""
+        self.version += 1
+        for device in {flat.device for flat in self._flats() if flat.device.type == "cuda"}:
+            event = self.events.get(device)
+            if event is None:
+                event = self.events[device] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+
+    def stepped(self) -> None:
+        """A step's collectives are done on every rank and its kernels queued: count it."""
+        self.written()
+        with self.settled:
+            self.agreement.stepped()
+            self.settled.notify_all()
+
+    def loaded(self) -> None:
+        """A load (or an agreed reset) wrote the state on every rank: count it."""
+        self.written()
+        with self.settled:
+            self.loads += 1
+            self.settled.notify_all()
+
+    def counts(self) -> list:
+        """[steps, loads]: what a request for another rank's shards carries."""
+        return [self.agreement.steps, self.loads]
+
+    def answer(self, words: list):
+        """Another rank's ``state_dict()`` asks for this rank's shards (on the shard
+        server's thread, wherever the main thread is): its step count, layout digest and
+        count of loads in ``words``. This rank's shards change only inside collective
+        calls the asking rank is not in, so none can start; the tail of a step or a load
+        both took (after its last collective: the kernels, the copies of a loaded state)
+        may still be running here, and is waited for: the counts go up at their ends."""
+        steps, digest, loads = words[0], words[1], words[2]
+        # (milliseconds; bounded well inside the group's timeout, which the asking rank's
+        # peers may be waiting out in a collective of their own)
+        timeout = min(30.0, self.server.timeout.total_seconds() / 4)
+        with self.settled:
+            self.settled.wait_for(lambda: self.agreement.steps >= steps and self.loads >= loads,
+                                  timeout)
+        flats = self._flats()
+        header = [serve.OK, self.agreement.steps, self.loads, 0]
+        if self.agreement.steps != steps:
+            header[0] = serve.STEPS
+        elif self.loads != loads:
+            header[0] = serve.LOADS
+        elif adam_state.layout_digest(flats) != digest:
+            header[0] = serve.LAYOUT
+        if header[0] != serve.OK:
+            return serve.Answer(header)
+        return serve.Answer(header, adam_state.shard_chunks(flats, self._chunk()),
+                            ready=list(self.events.values()), version=self.version)
