@@ -2,6 +2,8 @@
 exception types and messages (and the fix, where torch names none)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from zero_triton.optim.local_shard import is_dtensor
@@ -192,3 +194,44 @@ def adam_hyperparameters(lr, betas, eps, weight_decay, amsgrad, maximize, decoup
     check_flag("maximize", maximize)
     return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                 maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
+
+
+def group_params(param_group: dict, param_groups: list, defaults: dict) -> tuple:
+    """A param group as ``add_param_group`` takes it, checked as torch checks it: its
+    parameters a tensor or a list, all named ((name, tensor) pairs) or none, as the
+    groups before it; a parameter given twice kept once (torch warns the same); the
+    hyperparameters. Returns (the group to register, its tensors, the group with the
+    defaults filled in)."""
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    named = [isinstance(p, tuple) for p in params]
+    if any(named) and not all(named):
+        raise ValueError("all optimizer params should be with/without names. Some param names "
+                         "are missing: give every parameter of the group as a (name, tensor) "
+                         "pair, or none")
+    if params and all(named):  # (name, tensor) pairs
+        params = [p for _, p in params]
+    if param_groups and ("param_names" in param_groups[0]) != (params != [] and all(named)):
+        raise ValueError("all optimizer param groups should be with/without names. cannot add "
+                         f"param group {'with' if all(named) else 'without'} names to the "
+                         "optimizer: name every group's parameters, or none")
+    if len({id(p) for p in params}) != len(params):
+        warnings.warn("optimizer contains a parameter group with duplicate parameters; each "
+                      "one is kept once (FusedAdam steps a parameter once per step)", stacklevel=4)
+        first = {}
+        for i, p in enumerate(params):
+            first.setdefault(id(p), i)
+        keep = sorted(first.values())
+        raw = param_group["params"]
+        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        param_group = {**param_group, "params": [raw[i] for i in keep]}
+        params = [params[i] for i in keep]
+    group = {**defaults, **param_group}
+    betas = group["betas"]
+    check_hyperparameters(group["lr"], betas, group["eps"], group["weight_decay"],
+                          group.get("foreach"), group.get("capturable", False))
+    if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
+        param_group = {**param_group, "betas": tuple(to_float(b) for b in betas)}
+    return param_group, params, group

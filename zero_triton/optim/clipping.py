@@ -53,3 +53,57 @@ def factor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch's clipping factor for a gradient of norm ``total``: min(1, max_norm / (total
     + 1e-6)), shape (1,), where ``total`` is."""
     return torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
+
+
+class Clipping:
+    """One optimizer's clipping of this step: the coefficient its kernel will apply
+    (``coef``: None, or a 1-element float32 tensor, the product of every clip since the
+    last step) and the norms ``total_grad_norm`` handed out since (``given``), which
+    ``clip_grads_with_norm_`` checks a norm against where local gradients are not the
+    averaged ones. ``reset`` at each step and ``zero_grad``."""
+
+    def __init__(self):
+        self.coef = None
+        self.given: list = []
+
+    def reset(self) -> None:
+        self.coef = None
+        self.given.clear()
+
+    def clip(self, total: torch.Tensor, max_norm: float, grad_scale) -> torch.Tensor:
+        """Clip by ``total`` (the global norm of the possibly scaled gradients): the
+        coefficient composed with any earlier this step; returns the unscaled norm."""
+        total, self.coef = coefficient(total, max_norm, grad_scale, self.coef)
+        return total
+
+    def hand_out(self, total):
+        """``total_grad_norm``'s answer: the norm ``total`` (None: no gradients) of the
+        gradients as this step's clipping left them, remembered as handed out."""
+        if total is None:
+            total = torch.zeros(())
+        elif self.coef is not None:
+            total = total * self.coef.reshape(()).to(total.device)
+        self.given.append(total)
+        return total
+
+    def clip_with(self, max_norm: float, total_norm, local_is_averaged: bool) -> None:
+        """torch's ``clip_grads_with_norm_``: scale by min(1, max_norm / (total_norm +
+        1e-6)); where the local gradients are not the averaged ones, ``total_norm`` must
+        be a norm ``hand_out`` gave this step (refused with the fix, nothing changed)."""
+        if not local_is_averaged and not (
+                isinstance(total_norm, torch.Tensor) and any(t is total_norm for t in self.given)):
+            raise ValueError(
+                "zero_triton: clip_grads_with_norm_ over a ZeroAdam's parameters needs the norm "
+                "of the averaged gradients over every rank, and was given another (this rank's "
+                "local gradients' norm, or, at stage 2 where no .grad is left, the norm of "
+                "nothing). Take it over the optimizer's gradients this step with "
+                "torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]) "
+                "(every parameter of the optimizer, stage 1) or optimizer.total_grad_norm() "
+                "(any stage), or clip in one call: torch.nn.utils.clip_grad_norm_(params, "
+                "max_norm) returns the norm it clipped by")
+        if isinstance(total_norm, torch.Tensor):
+            total = total_norm.detach().to(torch.float32).reshape(())
+        else:
+            total = torch.tensor(float(total_norm), dtype=torch.float32)
+        coef = factor(total, float(max_norm))
+        self.coef = coef if self.coef is None else self.coef * coef.to(self.coef.device)

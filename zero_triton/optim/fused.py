@@ -9,7 +9,6 @@ and ``.grad`` becomes its view there, so further micro-batches accumulate straig
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 
@@ -21,7 +20,8 @@ from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.build import build_flats
 from zero_triton.optim.checks import (adam_hyperparameters, check_group_params,
-                                      check_hyperparameters, check_params_argument, to_float,
+                                      check_hyperparameters, check_params_argument, group_params,
+                                      to_float,
                                       with_grads)
 from zero_triton.optim.edits import FollowsUserEdits
 from zero_triton.optim.shard import FlatShard
@@ -91,8 +91,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._flats: list[list[FlatShard]] = []   # per param group
         self._grads_reduced = False
-        self._clip_coef = None
-        self._norms_given: list = []  # the norms total_grad_norm returned since the last step
+        self._clipping = clipping.Clipping()  # this step's coefficient and norms handed out
         defaults = {**hyper, **adam_state.TORCH_GROUP_KEYS, "differentiable": differentiable}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
@@ -117,38 +116,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         if "_tracked" not in self.__dict__:  # construction: torch.optim.Optimizer's empty state
             self.state = self._tracked = watch.TrackedState()
             self._group_sizes, self._group_params = [], []
-        params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        params = list(params)
-        named = [isinstance(p, tuple) for p in params]
-        if any(named) and not all(named):
-            raise ValueError("all optimizer params should be with/without names. Some param names "
-                             "are missing: give every parameter of the group as a (name, tensor) "
-                             "pair, or none")
-        if params and all(named):  # (name, tensor) pairs
-            params = [p for _, p in params]
-        if self.param_groups and ("param_names" in self.param_groups[0]) != (params != [] and all(named)):
-            raise ValueError("all optimizer param groups should be with/without names. cannot add "
-                             f"param group {'with' if all(named) else 'without'} names to the "
-                             "optimizer: name every group's parameters, or none")
-        if len({id(p) for p in params}) != len(params):
-            warnings.warn("optimizer contains a parameter group with duplicate parameters; each "
-                          "one is kept once (FusedAdam steps a parameter once per step)", stacklevel=3)
-            first = {}
-            for i, p in enumerate(params):
-                first.setdefault(id(p), i)
-            keep = sorted(first.values())
-            raw = param_group["params"]
-            raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-            param_group = {**param_group, "params": [raw[i] for i in keep]}
-            params = [params[i] for i in keep]
-        group = {**self.defaults, **param_group}
-        betas = group["betas"]
-        check_hyperparameters(group["lr"], betas, group["eps"], group["weight_decay"],
-                               group.get("foreach"), group.get("capturable", False))
-        if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
-            param_group = {**param_group, "betas": tuple(to_float(b) for b in betas)}
+        param_group, params, group = group_params(param_group, self.param_groups, self.defaults)
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
@@ -247,8 +215,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         for _, flat in self._current_flats(hint=True):
             flat.zero_grads(set_to_none)
         self._grads_reduced = False
-        self._clip_coef = None
-        self._norms_given.clear()
+        self._clipping.reset()
 
     def _check_frozen(self):
         for gi, p in self._frozen:
@@ -319,9 +286,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         total = self._global_norm(norm_type, averaged=_in_step)
         if total is None:
             return torch.zeros(())
-        total, self._clip_coef = clipping.coefficient(total, max_norm, _grad_scale, self._clip_coef)
-        self.grad_norm = total
-        return total
+        self.grad_norm = self._clipping.clip(total, max_norm, _grad_scale)
+        return self.grad_norm
 
     def _global_norm(self, norm_type: float, averaged: bool = False):
         """The ``norm_type`` norm of the averaged gradients over every rank's shard, None
@@ -339,13 +305,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         ``clip_grads_with_norm_`` it is ``clip_grad_norm_`` in two calls, as torch splits
         it. Under ZeroAdam, torch.nn.utils.get_total_norm over the optimizer's gradients
         calls this (``zero_triton.integrations.clip_grad``)."""
-        total = self._global_norm(norm_type)
-        if total is None:
-            total = torch.zeros(())
-        elif self._clip_coef is not None:  # the gradients as this step's clipping left them
-            total = total * self._clip_coef.reshape(()).to(total.device)
-        self._norms_given.append(total)
-        return total
+        return self._clipping.hand_out(self._global_norm(norm_type))
 
     @torch.no_grad()
     def clip_grads_with_norm_(self, max_norm: float, total_norm) -> None:
@@ -354,24 +314,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         Where the local gradients are not the averaged ones (ZeroAdam at several ranks, or
         stage 2), ``total_norm`` must be one ``total_grad_norm`` returned this step;
         another is refused with the fix, before anything changes."""
-        if (self._comm.world_size > 1 or self._spec.grads.sharded) and not (
-                isinstance(total_norm, torch.Tensor) and any(t is total_norm for t in self._norms_given)):
-            raise ValueError(
-                "zero_triton: clip_grads_with_norm_ over a ZeroAdam's parameters needs the norm "
-                "of the averaged gradients over every rank, and was given another (this rank's "
-                "local gradients' norm, or, at stage 2 where no .grad is left, the norm of "
-                "nothing). Take it over the optimizer's gradients this step with "
-                "torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]) "
-                "(every parameter of the optimizer, stage 1) or optimizer.total_grad_norm() "
-                "(any stage), or clip in one call: torch.nn.utils.clip_grad_norm_(params, "
-                "max_norm) returns the norm it clipped by")
-        if isinstance(total_norm, torch.Tensor):
-            total = total_norm.detach().to(torch.float32).reshape(())
-        else:
-            total = torch.tensor(float(total_norm), dtype=torch.float32)
-        coef = clipping.factor(total, float(max_norm))
-        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef.to(
-            self._clip_coef.device)
+        averaged = self._comm.world_size == 1 and not self._spec.grads.sharded
+        self._clipping.clip_with(max_norm, total_norm, local_is_averaged=averaged)
 
     def step(self, closure=None):
         """One optimizer step. With GradScaler (``scaler.step(opt)``), the scale and the
@@ -411,7 +355,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         with phase("zero_triton.adam_step", cuda):
             plans = {}
             for group, flat in flats:
-                clip = self._clip_coef.to(flat.device) if self._clip_coef is not None else None
+                coef = self._clipping.coef
+                clip = coef.to(flat.device) if coef is not None else None
                 plans[flat.key] = (flat, flat.prepare(group, grad_scale, found_inf, clip))
             if self._comm.world_size == 1:
                 for flat, plan in plans.values():
@@ -433,8 +378,7 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                 if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
                     self._expose_state(flat)
         self._grads_reduced = False
-        self._clip_coef = None
-        self._norms_given.clear()
+        self._clipping.reset()
         self._stepped()
         return loss
 

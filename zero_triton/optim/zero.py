@@ -396,7 +396,7 @@ class ZeroAdam(FusedAdam, Joinable):
 
     def _launches_differ(self) -> None:
         self._grads_reduced = False
-        self._clip_coef = None
+        self._clipping.coef = None
         raise RuntimeError(
             "ZeroAdam: the ranks averaged different buckets during backward (a parameter "
             "that backward reached on some ranks and not on others, e.g. a data-dependent "
