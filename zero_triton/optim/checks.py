@@ -235,3 +235,20 @@ def group_params(param_group: dict, param_groups: list, defaults: dict) -> tuple
     if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
         param_group = {**param_group, "betas": tuple(to_float(b) for b in betas)}
     return param_group, params, group
+
+
+def check_process_group(process_group) -> None:
+    """ZeroAdam's ``process_group``: None (the default group) or a group this rank is in."""
+    import torch.distributed as dist
+    if process_group is None:
+        return
+    if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", ()):
+        raise ValueError(
+            f"process_group: this rank ({dist.get_rank()}) is not one of the group's ranks "
+            "(torch.distributed.new_group(ranks) returns a placeholder on the other ranks): "
+            "build the ZeroAdam only on the ranks of its group, e.g. `if rank in ranks:`")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
+                        f"torch.distributed.new_group(ranks)) or None for the default group, "
+                        f"got {process_group!r}; the backend (nccl, gloo) is chosen by "
+                        "init_process_group")

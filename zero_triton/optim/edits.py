@@ -185,3 +185,25 @@ class FollowsUserEdits:
             wrote |= bool(written)
             flat.reseed(written)
         return wrote
+
+
+def sharded_state_edit(table, tracked, flats):
+    """What a user did to a sharded optimizer's ``opt.state`` (where its entries are not
+    views of the state, ZeroAdam at several ranks): "reset" (cleared, or replaced by a
+    new table), the error to raise on every rank (our keys put in a parameter's entry,
+    which are not read), or None. Anything else (a key that is not a parameter, a
+    parameter's extra keys) is kept beside the sharded state, as torch keeps it."""
+    params = {id(p) for _, f in flats for p in f.params}
+    assigned = not isinstance(table, dict) or any(
+        isinstance(k, torch.Tensor) and id(k) in params and isinstance(v, dict)
+        and not adam_state.OWN_KEYS.isdisjoint(v) for k, v in dict.items(table))
+    if assigned:
+        return RuntimeError(
+            "ZeroAdam keeps its optimizer state sharded over the ranks: entries "
+            "assigned to optimizer.state are not read. To reset the state, call "
+            "optimizer.state.clear() (or assign a new defaultdict(dict)) on every "
+            "rank; to set it, load a state dict (optimizer.load_state_dict, on every "
+            "rank) or a checkpoint. Nothing was changed")
+    if table is not tracked or tracked.removed:
+        return "reset"
+    return None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 
 from zero_triton.comm import agreement, side
@@ -27,9 +26,11 @@ from zero_triton.comm.step_flags import StepFlags
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import join, owners, sharded_state
 from zero_triton.optim.ddp_check import AlreadyAveraged
+from zero_triton.optim.edits import sharded_state_edit
 from zero_triton.optim.served import ServedState
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.checks import adam_hyperparameters, check_no_dtensors, check_params_argument
+from zero_triton.optim.checks import (adam_hyperparameters, check_no_dtensors, check_params_argument,
+                                      check_process_group)
 from zero_triton.optim.fused import FusedAdam
 from zero_triton.optim.spec import Spec
 from zero_triton.state import watch
@@ -118,16 +119,7 @@ class ZeroAdam(FusedAdam, Joinable):
         if isinstance(params, torch.Tensor):  # one tensor: iterating it would give its rows
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             f"Tensors or dicts, but got {torch.typename(params)}")
-        if process_group is not None and process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", ()):
-            raise ValueError(
-                f"process_group: this rank ({dist.get_rank()}) is not one of the group's ranks "
-                "(torch.distributed.new_group(ranks) returns a placeholder on the other ranks): "
-                "build the ZeroAdam only on the ranks of its group, e.g. `if rank in ranks:`")
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
-                            f"torch.distributed.new_group(ranks)) or None for the default group, "
-                            f"got {process_group!r}; the backend (nccl, gloo) is chosen by "
-                            "init_process_group")
+        check_process_group(process_group)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable)
@@ -199,26 +191,11 @@ class ZeroAdam(FusedAdam, Joinable):
         flags = agreement.STALE if stale else 0
         if self._shadowing:
             flags |= agreement.JOINED
-        if self._state_edited():
-            # Cleared or replaced: a reset. Our keys put in a parameter's entry: refused.
-            # Anything else (a key that is not a parameter, a parameter's extra keys) is
-            # kept beside the sharded state, as torch keeps it.
-            table = self.state
-            params = {id(p) for _, f in flats for p in f.params}
-            assigned = not isinstance(table, dict) or any(
-                isinstance(k, torch.Tensor) and id(k) in params and isinstance(v, dict)
-                and not adam_state.OWN_KEYS.isdisjoint(v) for k, v in dict.items(table))
-            reset = table is not self._tracked or self._tracked.removed
-            if assigned:
-                refuse = refuse or 3
-                error = error or RuntimeError(
-                    "ZeroAdam keeps its optimizer state sharded over the ranks: entries "
-                    "assigned to optimizer.state are not read. To reset the state, call "
-                    "optimizer.state.clear() (or assign a new defaultdict(dict)) on every "
-                    "rank; to set it, load a state dict (optimizer.load_state_dict, on every "
-                    "rank) or a checkpoint. Nothing was changed")
-            elif reset:
-                flags |= agreement.RESET
+        edit = sharded_state_edit(self.state, self._tracked, flats) if self._state_edited() else None
+        if isinstance(edit, RuntimeError):
+            refuse, error = refuse or 3, error or edit
+        elif edit == "reset":
+            flags |= agreement.RESET
         signature, missing = None, 0
         if entry == "step":  # the step's own questions, where the host can answer them
             reducer = self._reducer
