@@ -156,14 +156,16 @@ class Target:
             saved, got = manifest["flats"][k], plan["states"][k]
             flat.state.set_param_steps(saved.get("param_steps") or [saved["step"]] * len(flat.params))
             unflatten_into(flat.params, plan["params"][k], flat.layout.canonical)
-            # Zeros first where the checkpoint holds nothing (a running maximum it lacks);
-            # one it holds that this store lacks is stored from now on.
-            stored = flat.state.moments.export()
-            flat.state.reset(amsgrad=any(k != "master" and k not in stored for k in got) or None)
+            # A state the checkpoint holds and this store lacks (a running maximum) is
+            # stored from now on; one it lacks is zero.
+            if any(k != "master" and k not in flat.state.moments.export() for k in got):
+                flat.state.ensure_amsgrad()
             bufs = self.states(flat)
             for name, buf in bufs.items():
                 if name in got:
                     buf.copy_(got[name])
+                elif name != "master":
+                    buf.zero_()
             flat.state.commit({k: v for k, v in bufs.items() if k != "master"})
             if flat.state.master is None and "master" in got:  # fp32 over several buckets
                 for (lo, hi, s0), part in zip(flat.segments, flat.param_parts):

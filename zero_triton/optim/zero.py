@@ -340,9 +340,9 @@ class ZeroAdam(FusedAdam, Joinable):
 
     def _reduce_grads(self, flats=None, entry: str = "step"):
         super()._reduce_grads(flats, entry)
-        # exchanged after the reduce-scatter: it fails first
-        self._averaged_before.after_reduce([p for g in self.param_groups for p in g["params"]],
-                                           self._join_config.enable)
+        if self._averaged_before.mine is not None:  # once: exchanged after the reduce-scatter
+            self._averaged_before.after_reduce(  # (which fails first)
+                [p for g in self.param_groups for p in g["params"]], self._join_config.enable)
 
     def _agree(self, flats, found_inf):
         """found_inf, which parameters step, and whether every rank launched the same
