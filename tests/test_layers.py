@@ -101,7 +101,7 @@ def test_every_import_runs_downwards(graph):
 
 # The declared seams: pure declarations, which import nothing of the package, so that an
 # implementation in any layer at or above theirs can implement them.
-PROTOCOLS = ["zero_triton.comm.protocol", "zero_triton.state.protocol"]
+PROTOCOLS = ["zero_triton.comm.protocol", "zero_triton.state.protocol", "zero_triton.optim.protocol"]
 
 
 def test_protocol_modules_import_nothing_of_the_package(graph):

@@ -462,7 +462,7 @@ def _skipped_then_saved(rank, world):
     opt = ZeroAdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 1, torch.float32)
     if rank == 0:  # as if rank 0 had stepped once more (only the counts are compared)
-        opt._agreement.steps += 1
+        opt._ranks.agreement.steps += 1
     message = None
     if rank == 0:
         start = time.monotonic()

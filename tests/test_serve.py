@@ -298,17 +298,17 @@ def _versions(rank, world):
     from zero_triton.comm import serve
     from zero_triton.optim import state_dict as adam_state
     model, opt = _trained(1)
-    steps = opt._agreement.steps
+    steps = opt._ranks.agreement.steps
     digest = adam_state.layout_digest([f for _, f in opt._all_flats()])
-    first = opt._served.answer([steps, digest, 0])
-    again = opt._served.answer([steps, digest, 0])
+    first = opt._ranks.served.answer([steps, digest, 0])
+    again = opt._ranks.served.answer([steps, digest, 0])
     model(torch.randn(4, 16)).pow(2).mean().backward()
     opt.step()
-    stepped = opt._served.answer([steps + 1, digest, 0])
+    stepped = opt._ranks.served.answer([steps + 1, digest, 0])
     opt.load_state_dict(opt.consolidated_state_dict(None))
-    loaded = opt._served.answer([steps + 1, digest, 1])
-    stale = opt._served.answer([steps, digest, 1])
-    unloaded = opt._served.answer([steps + 1, digest, 0])
+    loaded = opt._ranks.served.answer([steps + 1, digest, 1])
+    stale = opt._ranks.served.answer([steps, digest, 1])
+    unloaded = opt._ranks.served.answer([steps + 1, digest, 0])
     return ([a.header[0] for a in (first, again, stepped, loaded, stale, unloaded)],
             [a.version for a in (first, again, stepped, loaded)],
             (serve.OK, serve.STEPS, serve.LOADS))

@@ -276,6 +276,21 @@ class ShardedGrads:  # implements comm.protocol.GradHolder
         return 0
 
 
+def unscale_averaged_(flats, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
+    """GradScaler's check and unscale of the averaged shards of ``flats`` (ZeRO-2's
+    gradients, which are no ``.grad`` it could see), recorded in its per-device flags."""
+    for flat in flats:
+        shards = flat.averaged_grads()
+        if not shards:
+            continue
+        if not allow_fp16 and shards[0].dtype == torch.float16:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        flag = per_device.get(flat.device)
+        if flag is None:
+            flag = per_device[flat.device] = torch.zeros_like(found_inf, device=flat.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, inv_scale.to(flat.device))
+
+
 def _first_moved(params, param_views, dtype, device) -> int:
     for i, (p, view) in enumerate(zip(params, param_views)):
         if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype or p.device != device:

@@ -252,3 +252,17 @@ def check_process_group(process_group) -> None:
                         f"torch.distributed.new_group(ranks)) or None for the default group, "
                         f"got {process_group!r}; the backend (nccl, gloo) is chosen by "
                         "init_process_group")
+
+
+def without_meta(flats) -> list:
+    """The flats to step when some are on the meta device: those have no data, so a
+    gradient on one is refused (torch's error); without one they are not stepped."""
+    for _, flat in flats:
+        if flat.device.type == "meta" and any(p.grad is not None for p in flat.params):
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of "
+                "supported devices (torch.optim.Adam's message): these parameters are on "
+                "the meta device and have no data. Materialise the model (model.to_empty("
+                "device=...) and initialise it), then build the optimizer over its "
+                "parameters (to_empty makes new Parameter objects). Nothing was changed")
+    return [(g, f) for g, f in flats if f.device.type != "meta"]

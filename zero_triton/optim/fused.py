@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_triton.comm import buckets
+from zero_triton.comm import buckets, grads
 from zero_triton.comm.group import LocalComm, phase
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import clipping, owners
@@ -21,15 +21,15 @@ from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.build import build_flats
 from zero_triton.optim.checks import (adam_hyperparameters, check_group_params,
                                       check_hyperparameters, check_params_argument, group_params,
-                                      to_float,
-                                      with_grads)
-from zero_triton.optim.edits import FollowsUserEdits
+                                      to_float, with_grads, without_meta)
+from zero_triton.optim.edits import UserEdits
+from zero_triton.optim.protocol import Ranks
+from zero_triton.optim.ranks import OneRank
 from zero_triton.optim.shard import FlatShard
 from zero_triton.optim.spec import Spec
-from zero_triton.state import watch
 
 
-class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
+class FusedAdam(torch.optim.Optimizer):
     """Adam with torch.optim.Adam's signature and semantics, one fused kernel per flat
     buffer.
 
@@ -62,12 +62,13 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         check_params_argument(params, type(self).__name__)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           max_grad_norm=max_grad_norm, differentiable=differentiable)
-        self._build(params, hyper, spec, LocalComm())
+        self._build(params, hyper, spec, LocalComm(), OneRank())
 
-    def _build(self, params, hyper: dict, spec: Spec, comm) -> None:
+    def _build(self, params, hyper: dict, spec: Spec, comm, ranks: Ranks) -> None:
         """The constructor proper: the param groups' defaults ``hyper`` (torch's
         hyperparameters, ``adam_hyperparameters``) and what the optimizer is built with,
-        ``spec``, over ``comm`` (``LocalComm`` here; ZeroAdam passes its process group's)."""
+        ``spec``, over ``comm`` (``LocalComm`` here; ZeroAdam passes its process group's),
+        meeting the other ranks through ``ranks`` (``zero_triton.optim.ranks``)."""
         differentiable = spec.differentiable
         if differentiable and not isinstance(comm, LocalComm):
             raise ValueError(f"{type(self).__name__}(differentiable=True) is not supported: autograd "
@@ -80,10 +81,11 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         if not differentiable:
             hyper = {**hyper, "betas": tuple(to_float(b) for b in hyper["betas"])}
         self.grad_norm = None
-        self._frozen = []  # (group index, parameter) left out at construction
         self._comm = comm
-        # One rank holds whole parameters' state: opt.state views it (``_expose_state``).
-        self._views_state = comm.world_size == 1
+        self._ranks = ranks
+        # opt.state and the user's edits; one rank holds whole parameters' state, which
+        # opt.state views.
+        self._edits = UserEdits(type(self).__name__, views_state=comm.world_size == 1)
         self._reducer = buckets.Reducer(comm)
         # bucket_cap_mb=None: one bucket per flat buffer, averaged in step() only (never
         # from backward's hooks: safe for models whose ranks reach different parameters).
@@ -113,22 +115,19 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
             check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             torch.optim.Optimizer.add_param_group(self, param_group)
             return
-        if "_tracked" not in self.__dict__:  # construction: torch.optim.Optimizer's empty state
-            self.state = self._tracked = watch.TrackedState()
-            self._group_sizes, self._group_params = [], []
+        if not self.param_groups:  # construction: torch.optim.Optimizer's empty state
+            self.state = self._edits.tracked
         param_group, params, group = group_params(param_group, self.param_groups, self.defaults)
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
         flats = self._group_shards(params, group["amsgrad"], key=sum(len(f) for f in self._flats))
         super().add_param_group(param_group)
-        self._group_sizes.append(len(params))
-        self._group_params.append(params)  # as given: followed if replaced (optim/edits.py)
-        self._frozen.extend((len(self._flats), p) for p in params if not p.requires_grad)
+        self._edits.add_group(params)  # as given: followed if replaced
         self._flats.append(flats)
         self._reducer.rebuild([f for _, f in self._all_flats()])
-        self._expose_state(*flats)
-        self._tracked.elsewhere = not self._views_state and any(self._flats)
+        self._edits.expose(*flats)
+        self._edits.tracked.elsewhere = not self._edits.views_state and any(self._flats)
 
     def _group_shards(self, params, amsgrad: bool, key: int) -> list:
         """The shards of a param group's trainable ``params``, numbered from ``key``
@@ -146,8 +145,10 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         """(group, flat) pairs after following parameters that moved since the last call
         (``model.to(device or dtype)`` after the optimizer was built): their flat buffers
         are rebuilt at the new dtype and device, state carried over. Parameters replaced
-        in ``param_groups`` by others are followed first (``_follow_replaced_params``)."""
-        self._follow_replaced_params()
+        in ``param_groups`` by others are followed first (``UserEdits.replaced_groups``)."""
+        for gi, params in self._edits.replaced_groups(self.param_groups, self._flats,
+                                                      self._rebuilds_replaced_groups):
+            self._rebuild_group(gi, params)
         moved = False
         for gi, flats in enumerate(self._flats):
             for k, flat in enumerate(flats):
@@ -156,10 +157,31 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                 flats[k] = flat.rehomed()
                 moved = True
                 self._grads_reduced = False
-                self._expose_state(flats[k])
+                self._edits.expose(flats[k])
         if moved:
             self._reducer.rebuild([f for _, f in self._all_flats()])
         return list(self._all_flats())
+
+    def _rebuild_group(self, gi: int, params: list) -> None:
+        """Param group ``gi`` anew over ``params`` (no state yet): the checks, new shards,
+        the old shards' hooks and ``opt.state`` entries removed."""
+        others = [g for k, g in enumerate(self.param_groups) if k != gi]
+        check_group_params(params, others, materialised=False)
+        key = 1 + max((f.key for flats in self._flats for f in flats), default=-1)
+        flats = self._group_shards(params, self.param_groups[gi]["amsgrad"], key)
+        for flat in self._flats[gi]:
+            flat.remove_hooks()
+        self._edits.regroup(gi, params, self._flats[gi])
+        self._flats[gi] = flats
+        self._grads_reduced = False
+        self._reducer.rebuild([f for fs in self._flats for f in fs])
+        self._edits.expose(*flats)
+
+    def _enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        """Start a call that reads the state (``step``, the state dicts, clipping,
+        checkpoints): follow what the user changed since the last one, agreed by every
+        rank (``Ranks.enter``). Returns whether the gradients must be averaged again."""
+        return self._ranks.enter(self, entry, flats, stale, detail)
 
     # -- what users read; the layers above read the rest through optim.interface ----------
     @property
@@ -183,7 +205,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         views the new state (one rank)."""
         for flat in flats:
             flat.versions.accept()
-        self._expose_state(*flats)
+        self._edits.expose(*flats)
+        self._ranks.loaded()
 
     def _overlap_removed(self, prefetch) -> None:
         """``prefetch.remove()`` (``zero_triton.overlap``'s handle): ``step`` waits for its
@@ -217,21 +240,13 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._grads_reduced = False
         self._clipping.reset()
 
-    def _check_frozen(self):
-        for gi, p in self._frozen:
-            if p.requires_grad and p.grad is not None:
-                raise RuntimeError(
-                    f"a parameter of param group {gi} ({tuple(p.shape)}) had requires_grad=False "
-                    "when the optimizer was built and now has a gradient: the optimizer keeps no "
-                    "state for it and would not train it. Unfreeze it before building the "
-                    "optimizer, or add it with optimizer.add_param_group({'params': [p]})")
-
     def _reduce_grads(self, flats=None, entry: str = "step"):
         """Average the gradients (once per step), after ``_enter(entry)``; a step whose
         gradients are averaged already only enters."""
         pairs = flats or self._current_flats()
         if self._grads_reduced:
             self._enter(entry, pairs)
+            self._ranks.after_reduce(self)
             return
         flats = [flat for _, flat in pairs]
         for flat in flats:
@@ -241,11 +256,12 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         if self._reducer.round_agreed:  # finish what every rank started in backward first
             self._reducer.complete_round()
         again = self._enter(entry, pairs, stale=stale)
-        self._before_reduce(flats)
+        self._ranks.before_reduce(flats)
         if self._comm.world_size > 1 or any(f.separate_shard for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
                 self._reducer.finish(buffers, again)
         self._grads_reduced = True
+        self._ranks.after_reduce(self)
 
     def _grads_rescaled(self) -> None:
         """GradScaler.unscale_ has rescaled the local gradients in place, without bumping
@@ -258,22 +274,20 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         if local:
             self._grads_reduced = False
 
+    @torch.no_grad()
     def _unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
-        """GradScaler's unscale of gradients it cannot see: none here (every gradient is a
-        ``.grad``); ZeroAdam's stage 2 unscales its averaged shards."""
+        """GradScaler's unscale of gradients it cannot see, called by its ``unscale_`` /
+        ``step``: ZeRO-2's averaged shards (no ``.grad``), checked for inf/nan and
+        unscaled by ``inv_scale`` (1 inside ``scaler.step``) into its per-device flags.
+        Every other gradient is a ``.grad`` GradScaler sees itself."""
+        if self._spec.grads.sharded:
+            self._reduce_grads(entry="GradScaler")
+            grads.unscale_averaged_([f for _, f in self._all_flats()], inv_scale, found_inf,
+                                    per_device, allow_fp16)
 
     def _agree_found_inf_(self, per_device: dict) -> None:
-        """GradScaler's per-device inf flags agreed by every rank: one rank agrees."""
-
-    def _before_reduce(self, flats) -> None:
-        """Called once the local gradients are all in the flat buffers, before any
-        reduction (ZeroAdam looks at them there)."""
-
-    def _agree(self, flats, found_inf):
-        """Every rank's found_inf and gradients agreed before the kernel: nothing to agree
-        on one rank (ZeroAdam's: its step's entry agreement, and an all-reduce when that
-        cannot answer)."""
-        return found_inf
+        """GradScaler's per-device inf flags agreed by every rank (``Ranks.agree_found_inf``)."""
+        self._ranks.agree_found_inf(self, per_device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None,
@@ -283,7 +297,13 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         coefficient is applied inside the next ``step``'s kernel; returns the total
         norm as a tensor (no host sync). Under ZeroAdam, torch.nn.utils.clip_grad_norm_
         over the optimizer's parameters calls this (``zero_triton.integrations.clip_grad``)."""
-        total = self._global_norm(norm_type, averaged=_in_step)
+        # The call's arguments go in its agreement row: a rank shadowing under Join makes
+        # the same call (zero_triton.optim.join).
+        self._ranks.clip_args = None if _in_step else (max_norm, norm_type)
+        try:
+            total = self._global_norm(norm_type, averaged=_in_step)
+        finally:
+            self._ranks.clip_args = None
         if total is None:
             return torch.zeros(())
         self.grad_norm = self._clipping.clip(total, max_norm, _grad_scale)
@@ -340,17 +360,17 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         self._reducer.wait_gathers()  # the last step's, when the forward did not need them all
         flats = self._current_flats(hint=True)
         if any(flat.device.type == "meta" for _, flat in flats):
-            flats = self._without_meta(flats)
-        self._check_frozen()
+            flats = without_meta(flats)
+        self._edits.check_frozen()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         self._reduce_grads(flats)
         if self._spec.max_grad_norm is not None:  # on top of any clipping called since backward
             self.clip_grad_norm_(self._spec.max_grad_norm, _grad_scale=grad_scale, _in_step=True)
-        found_inf = self._agree([flat for _, flat in flats], found_inf)
+        found_inf = self._ranks.agree(self, [flat for _, flat in flats], found_inf)
         for group, flat in flats:
             if group["amsgrad"] and flat.state.ensure_amsgrad():
-                self._expose_state(flat)
+                self._edits.expose(flat)
         cuda = any(flat.fused for _, flat in flats)
         with phase("zero_triton.adam_step", cuda):
             plans = {}
@@ -373,31 +393,14 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
                     self._reducer.wait_gathers()
             else:
                 self._reducer.guard_reads()
-        if self._views_state:
+        if self._edits.views_state:
             for _, flat in flats:
                 if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
-                    self._expose_state(flat)
+                    self._edits.expose(flat)
         self._grads_reduced = False
         self._clipping.reset()
-        self._stepped()
+        self._ranks.stepped(self)
         return loss
-
-    @staticmethod
-    def _without_meta(flats) -> list:
-        """The flats to step when some are on the meta device: those have no data, so a
-        gradient on one is refused (torch's error); without one they are not stepped."""
-        for _, flat in flats:
-            if flat.device.type == "meta" and any(p.grad is not None for p in flat.params):
-                raise RuntimeError(
-                    "`fused=True` requires all the params to be floating point Tensors of "
-                    "supported devices (torch.optim.Adam's message): these parameters are on "
-                    "the meta device and have no data. Materialise the model (model.to_empty("
-                    "device=...) and initialise it), then build the optimizer over its "
-                    "parameters (to_empty makes new Parameter objects). Nothing was changed")
-        return [(g, f) for g, f in flats if f.device.type != "meta"]
-
-    def _stepped(self) -> None:
-        """A step() completed (ZeroAdam counts them in its agreement)."""
 
     # -- copy and pickle ------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -423,13 +426,8 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         if self.__dict__.get("_differentiable"):  # torch.optim.Optimizer.load_state_dict's call
             torch.optim.Optimizer.__setstate__(self, saved)
             return
-        d, options = saved["defaults"], saved["options"]
-        groups = [{k: v for k, v in g.items() if k != "param_names"} | (
-            {"params": list(zip(g["param_names"], g["params"]))} if "param_names" in g else {})
-            for g in saved["param_groups"]]
-        hyper = adam_hyperparameters(d["lr"], d["betas"], d["eps"], d["weight_decay"], d["amsgrad"],
-                                     d["maximize"], d["decoupled_weight_decay"])
-        self._build(groups, hyper, Spec.build(**options), LocalComm())
+        groups, hyper, options = adam_state.pickled(saved)
+        self._build(groups, hyper, Spec.build(**options), LocalComm(), OneRank())
         self.load_state_dict(saved["state_dict"])
 
     # -- reports --------------------------------------------------------------------
@@ -470,25 +468,10 @@ class FusedAdam(FollowsUserEdits, torch.optim.Optimizer):
         adam_state.load_with_hooks(self, state_dict, self._load_full_state_dict)
 
     def _full_state_dict(self) -> dict:
-        self._enter("state_dict")
-        return adam_state.local_state_dict(self)
+        return self._ranks.state_dict(self)
 
     def _load_full_state_dict(self, state_dict: dict) -> None:
-        self._enter("load_state_dict")
-        # What state_dict() handed out may come back (a self-load, DCP's in-place load):
-        # copy it before the load overwrites the buffers it views.
-        state_dict = watch.unaliased(state_dict, self._live_tensors())
-        plan = adam_state.plan_load(self, state_dict)
-        adam_state.apply_load(self, state_dict, plan)
-
-    def _live_tensors(self) -> list:
-        """The tensors a state dict's entries may alias: state buffers and parameters."""
-        out = []
-        for _, flat in self._all_flats():
-            out.extend(flat.state.buffers().values())
-            out.append(flat.flat_param)
-            out.extend(flat.param_parts)
-        return out
+        self._ranks.load_state_dict(self, state_dict)
 
 
 class FusedAdamW(FusedAdam):

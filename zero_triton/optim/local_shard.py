@@ -265,8 +265,8 @@ class LocalShard(FlatShard):
                     for v, p in zip(views, self.params)]
                 for k, views in self.state.views().items()}
 
-    def local_views(self) -> dict:
-        return self.state.views()
+    def local_views(self, bufs: dict | None = None) -> dict:
+        return self.state.views(bufs)
 
     def local_value(self, value: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s local part of ``value``: a DTensor (redistributed to the

@@ -151,18 +151,18 @@ class FlatShard:
     def remove_hooks(self):
         _remove_all(self.hooks)
 
-    def state_views(self) -> dict:
-        """Per-parameter views of each state buffer, shaped as the parameters (complex
-        for a complex parameter, as torch.optim.Adam keeps its moments): what
-        ``opt.state`` and ``state_dict()`` hold."""
+    def state_views(self, bufs: dict | None = None) -> dict:
+        """Per-parameter views of each state buffer (of ``bufs``, one ``state.buffers()``,
+        if given), shaped as the parameters (complex for a complex parameter, as
+        torch.optim.Adam keeps its moments): what ``opt.state`` and ``state_dict()`` hold."""
         return {k: [as_param(v, p) for v, p in zip(views, self.params)]
-                for k, views in self.state.views().items()}
+                for k, views in self.state.views(bufs).items()}
 
-    def local_views(self) -> dict:
+    def local_views(self, bufs: dict | None = None) -> dict:
         """Per-parameter views of each state buffer as this process holds them (here the
         same as ``state_views``): what a value given for parameter ``i`` is copied into
         after ``local_value``."""
-        return self.state_views()
+        return self.state_views(bufs)
 
     def local_value(self, value: torch.Tensor, i: int) -> torch.Tensor:
         """A state value given for parameter ``i`` (a state dict's, ``opt.state``'s), as

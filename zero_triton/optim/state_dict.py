@@ -16,6 +16,7 @@ import math
 import torch
 
 from zero_triton.comm import serve
+from zero_triton.optim.checks import adam_hyperparameters
 from zero_triton.state.flat import contiguous_strides, memory_order, real_shape
 from zero_triton.state.moments import KEYS as MOMENT_KEYS
 from zero_triton.state.moments import MAXIMUM
@@ -167,6 +168,28 @@ def copyable(state_dict: dict) -> dict:
     return {**state_dict, "state": state}
 
 
+def pickled(saved: dict) -> tuple[list, dict, dict]:
+    """(param groups, hyperparameters, options) to rebuild an optimizer from what its
+    ``__getstate__`` kept (``copy.deepcopy``, ``pickle``)."""
+    d = saved["defaults"]
+    groups = [{k: v for k, v in g.items() if k != "param_names"} | (
+        {"params": list(zip(g["param_names"], g["params"]))} if "param_names" in g else {})
+        for g in saved["param_groups"]]
+    hyper = adam_hyperparameters(d["lr"], d["betas"], d["eps"], d["weight_decay"], d["amsgrad"],
+                                 d["maximize"], d["decoupled_weight_decay"])
+    return groups, hyper, saved["options"]
+
+
+def live_tensors(opt) -> list:
+    """The tensors a state dict's entries may alias: state buffers and parameters."""
+    out = []
+    for _, flat in opt._all_flats():
+        out.extend(flat.state.buffers().values())
+        out.append(flat.flat_param)
+        out.extend(flat.param_parts)
+    return out
+
+
 def _as_param_policy(p, key, value):
     """torch.optim.Optimizer.load_state_dict's cast of a loaded extra: floating tensors
     to the parameter's dtype and device, other tensors to its device."""
@@ -255,7 +278,7 @@ def apply_load(opt, state_dict, plan) -> None:
     for flat, entries, step in plan:
         load_shard(flat, entries, step)
         flat.versions.accept()  # the master is what was loaded (or the parameters now)
-    opt._set_extras(others, per_param)
+    opt.state = opt._edits.table([f for _, f in opt._all_flats()], others, per_param)
 
 
 @torch.no_grad()
@@ -447,9 +470,12 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
 
 
 def plan_user_state(flat, user):
-    """(copies, new step counts or None, parameters to re-seed) for one flat buffer
-    from the user's ``opt.state``; raises on entries it cannot take."""
-    views, counts = flat.local_views(), flat.state.param_steps()
+    """(the state buffers the copies write into, copies, new step counts or None,
+    parameters to re-seed) for one flat buffer from the user's ``opt.state``; raises on
+    entries it cannot take. The buffers go back to the store once written
+    (``ShardState.commit``)."""
+    bufs = flat.state.buffers()
+    views, counts = flat.local_views(bufs), flat.state.param_steps()
     copies, reseed, steps_changed = [], [], False
     for i, p in enumerate(flat.params):
         entry = dict.get(user, p) if isinstance(user, dict) else None
@@ -491,4 +517,4 @@ def plan_user_state(flat, user):
             raise ValueError(f"optimizer.state[p]['step'] of parameter {i} {tuple(p.shape)} "
                              f"must be a count >= 0 (a number or 1-element tensor), got {s!r}")
         counts[i], steps_changed = value, True
-    return copies, counts if steps_changed else None, reseed
+    return bufs, copies, counts if steps_changed else None, reseed

@@ -47,8 +47,10 @@ class Fp32Moments:
     def reset(self, amsgrad: bool | None = None) -> None:
         if amsgrad:
             self.ensure_amsgrad()
-        for t in self.export().values():
+        exported = self.export()
+        for t in exported.values():
             t.zero_()
+        self.commit(exported)
 
     def export(self) -> dict:
         out = {FIRST: self.exp_avg, SECOND: self.exp_avg_sq}
@@ -68,6 +70,7 @@ class Fp32Moments:
         mine = self.export()
         for key, value in old.export().items():
             mine[key].copy_(value)
+        self.commit(mine)
 
 
 FORMATS = {Fp32Moments.format: Fp32Moments}

@@ -82,9 +82,10 @@ class ShardState:
         """Take back what was written into ``buffers()``'s tensors."""
         self.moments.commit({k: v for k, v in bufs.items() if k != MASTER})
 
-    def views(self) -> dict:
-        """Per-parameter views of each buffer (world size 1: the shard is the whole buffer)."""
-        return {k: self.layout.views(b) for k, b in self.buffers().items()}
+    def views(self, bufs: dict | None = None) -> dict:
+        """Per-parameter views of each buffer (world size 1: the shard is the whole
+        buffer), of ``bufs`` if given (one ``buffers()``, to ``commit`` once written)."""
+        return {k: self.layout.views(b) for k, b in (bufs or self.buffers()).items()}
 
     def master_parts(self) -> list:
         """The master of each segment (views)."""

@@ -1,0 +1,284 @@
+"""The optimizers' ``Ranks`` parts (``zero_triton.optim.protocol``): what a step asks of
+the other ranks, with one rank (``OneRank``) and over a process group (``AgreedRanks``).
+
+FusedAdam is built with a ``OneRank``; ZeroAdam with an ``AgreedRanks`` when its group
+has more than one rank. The optimizer's step is the same code either way: it calls its
+part at the same points (``enter`` at every call that reads the state, ``agree`` before
+the kernels, ``stepped`` after), and the part decides what that takes.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms.join import Join
+
+from zero_triton.comm import agreement, side
+from zero_triton.comm.step_flags import StepFlags
+from zero_triton.optim import join, sharded_state
+from zero_triton.optim import state_dict as adam_state
+from zero_triton.optim.ddp_check import AlreadyAveraged
+from zero_triton.optim.edits import reseed_written, sharded_state_edit
+from zero_triton.optim.served import ServedState
+from zero_triton.state import watch
+
+# The calls of an iteration that start collectives: the first of them tells Join.
+PER_ITERATION = ("backward", "step", "clip_grad_norm_", "GradScaler")
+
+
+class OneRank:
+    """One rank: a call follows the user's edits; there is nothing to agree on."""
+
+    shadowing = False
+    clip_args = None
+
+    def enter(self, opt, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        pairs = flats if flats is not None else opt._current_flats()
+        edits, shards = opt._edits, [flat for _, flat in pairs]
+        edits.check_groups(opt.param_groups)
+        if edits.edited(opt.state):
+            edits.follow_state(opt.state, shards)
+            opt.state = edits.restored(opt.state, [f for _, f in opt._all_flats()])
+        reseed_written(shards)
+        return stale
+
+    def before_reduce(self, flats) -> None:
+        pass
+
+    def after_reduce(self, opt) -> None:
+        pass
+
+    def agree(self, opt, flats, found_inf):
+        return found_inf
+
+    def agree_found_inf(self, opt, per_device: dict) -> None:
+        pass
+
+    def stepped(self, opt) -> None:
+        pass
+
+    def loaded(self) -> None:
+        pass
+
+    def state_dict(self, opt) -> dict:
+        self.enter(opt, "state_dict")
+        return adam_state.local_state_dict(opt)
+
+    def load_state_dict(self, opt, state_dict: dict) -> None:
+        self.enter(opt, "load_state_dict")
+        # What state_dict() handed out may come back (a self-load, DCP's in-place load):
+        # copy it before the load overwrites the buffers it views.
+        state_dict = watch.unaliased(state_dict, adam_state.live_tensors(opt))
+        plan = adam_state.plan_load(opt, state_dict)
+        adam_state.apply_load(opt, state_dict, plan)
+
+
+class AgreedRanks:
+    """ZeroAdam over a group of several ranks. Each call is agreed host-side first
+    (``zero_triton.comm.agreement``): every rank finds locally what changed (param
+    groups edited, ``opt.state`` reset or edited, parameters written, gradients changed
+    after their bucket was averaged), one exchange tells every rank what all found, and
+    every rank then does the same: follows it, or raises. A rank at another call, or a
+    step behind, fails every rank there.
+
+    It owns the agreement and its side channel (the gloo group and the shard server that
+    answers another rank's ``state_dict()``), the step's flags, what the server answers
+    from (``served``, once the optimizer is built), the first step's check that the
+    gradients were not averaged before (``averaged_before``) and torch's Join's flags:
+    ``shadowing`` while this rank, out of inputs, runs the others' iteration
+    (``zero_triton.optim.join``), ``notified`` once this iteration told the Join block
+    it still has inputs."""
+
+    def __init__(self, opt, comm, spec):
+        # Made after the model check, which every rank passes together: the ordinal (how
+        # many ZeroAdams this process built on this group before) is the same on all. The
+        # channel lives while an optimizer on this group does, and until the group is
+        # destroyed.
+        channel = side.channel(comm.process_group)
+        self.agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.process_group),
+                                             channel)
+        self.server = channel.server
+        channel.attach(opt)
+        self.step_flags = StepFlags(comm)
+        self.served = None   # ServedState, once the optimizer is built (``built``)
+        self.told = None     # the step's entry agreement's flags, until ``agree`` reads them
+        self.shadowing = False
+        self.notified = False
+        self.clip_args = None
+        # Stage 2 refuses a DDP wrapper at step (a .grad written after backward handed
+        # it over): no fingerprint needed there.
+        self.averaged_before = AlreadyAveraged(comm, needed=not spec.grads.sharded)
+
+    def built(self, opt) -> None:
+        """The optimizer is built: backward's launches enter too, and the shard server
+        answers from its state."""
+        opt._reducer.enter = lambda detail: opt._enter("backward", detail=detail)
+        self.served = ServedState(opt, self.agreement, self.server)
+
+    def enter(self, opt, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        if not self.notified and not self.shadowing and entry in PER_ITERATION:
+            # Under Join: this rank still has inputs, said before the iteration's first
+            # collective, as the joined ranks count before shadowing it (a no-op outside).
+            self.notified = True
+            Join.notify_join_context(opt)
+        flats = flats if flats is not None else opt._current_flats()
+        edits = opt._edits
+        refuse, error = 0, None
+        try:
+            edits.check_groups(opt.param_groups)
+        except RuntimeError as exc:
+            refuse, error = 1, exc
+        flags = agreement.STALE if stale else 0
+        if self.shadowing:
+            flags |= agreement.JOINED
+        edit = sharded_state_edit(opt.state, edits.tracked, flats) if edits.edited(opt.state) else None
+        if isinstance(edit, RuntimeError):
+            refuse, error = refuse or 3, error or edit
+        elif edit == "reset":
+            flags |= agreement.RESET
+        signature, missing = None, 0
+        if entry == "step":  # the step's own questions, where the host can answer them
+            reducer = opt._reducer
+            signature = reducer.last_signature if opt._grads_reduced else reducer.signature
+            missing = agreement.missing_digest([f.stepped for _, f in flats])
+        written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
+        args = None  # clip_grad_norm_'s, for a rank shadowing under Join: read only there
+        if entry == "clip_grad_norm_" and self.clip_args and opt._join_config.enable:
+            args = tuple(float(a) for a in self.clip_args)
+        hyper = join.digest(opt.param_groups) if entry == "step" else 0
+        agreed = self.agreement.check(entry, agreement.Row(
+            backwards=opt._reducer.backwards, flags=flags, written=tuple(written), refuse=refuse,
+            detail=detail, signature=signature, missing=missing, args=args or (None, None),
+            hyper=hyper))
+        if entry == "step":
+            self.told = agreed
+        if error is not None:
+            raise error
+        if entry == "step" and agreed & (agreement.JOINED | agreement.HYPER_DIFFER):
+            self._share_hyperparameters(opt)
+        if agreed & agreement.RESET:
+            for _, flat in flats:
+                flat.state.reset()
+                flat.state.set_param_steps([0.0] * len(flat.params))
+                flat.reseed(range(len(flat.params)))
+        if edits.edited(opt.state):
+            # opt.state anew, keeping whatever is not ours
+            opt.state = edits.restored(opt.state, [f for _, f in opt._all_flats()])
+        reseeded = reseed_written([flat for _, flat in flats])
+        if agreed & agreement.RESET:
+            self.loaded()  # every rank reset its shards: counted as a load
+        elif reseeded:
+            self.served.written()  # masters seeded from written parameters
+        return bool(agreed & agreement.STALE)
+
+    def _share_hyperparameters(self, opt) -> None:
+        """At a step where the ranks with inputs hold different hyperparameters, or one
+        shadows under Join: every rank sends its own. Different ones among the ranks with
+        inputs are refused on every rank (each would step its shard at its own: a
+        scheduler stepped on some ranks only, ReduceLROnPlateau fed a rank's own
+        metric); a joined rank takes theirs (its own loop, scheduler included, ended)."""
+        every = self.agreement.exchange([float(self.shadowing)] + join.hyperparameters(opt.param_groups))
+        active = [(rank, row[1:]) for rank, row in enumerate(every) if not row[0]]
+        differ = join.first_difference(active)
+        if differ is not None:
+            raise RuntimeError(
+                f"ZeroAdam: the ranks hold different hyperparameters at step {self.agreement.steps} "
+                f"({differ}); each rank would step its shard of the parameters at its own. "
+                "Change hyperparameters on every rank alike: step schedulers on every rank, "
+                "feed ReduceLROnPlateau a metric reduced over the ranks (all_reduce it first), "
+                "and set param_groups on every rank. Nothing was stepped")
+        if self.shadowing and active:
+            join.adopt(opt.param_groups, active[0][1])
+
+    def before_reduce(self, flats) -> None:
+        self.averaged_before.before_reduce(flats)
+
+    def after_reduce(self, opt) -> None:
+        if self.averaged_before.mine is not None:  # once: exchanged after the reduce-scatter
+            self.averaged_before.after_reduce(  # (which fails first)
+                [p for g in opt.param_groups for p in g["params"]], opt._join_config.enable)
+
+    def agree(self, opt, flats, found_inf):
+        """found_inf, which parameters step, and whether every rank launched the same
+        buckets, agreed over the ranks; raises if an earlier (GPU) or this step's
+        agreement found that they did not. The step's entry agreement (``enter``)
+        answers the last two on the host (when every rank lacks the same gradients, if
+        any, each rank's own list is the answer); an all-reduce
+        (``zero_triton.comm.step_flags``) is needed only for a found_inf (GradScaler: a
+        device value) or when the ranks lack different gradients (a parameter steps if
+        any rank has its gradient)."""
+        if not flats:
+            return found_inf
+        self._check_launches(opt)
+        told, self.told = self.told, None
+        if told is not None and found_inf is None and not told & agreement.GRADS_DIFFER:
+            if told & agreement.DIFFER:
+                self._launches_differ(opt)
+            return None
+        found_inf, partial = self.step_flags.exchange(flats, found_inf, opt._reducer.last_signature)
+        if flats[0].device.type == "cpu":  # read at once: raise before anything is agreed
+            self._check_launches(opt)
+        return self.step_flags.finish(flats, found_inf, partial)
+
+    def _check_launches(self, opt) -> None:
+        if self.step_flags.launches_differed():
+            self._launches_differ(opt)
+
+    @staticmethod
+    def _launches_differ(opt) -> None:
+        opt._grads_reduced = False
+        opt._clipping.coef = None
+        raise RuntimeError(
+            "ZeroAdam: the ranks averaged different buckets during backward (a parameter "
+            "that backward reached on some ranks and not on others, e.g. a data-dependent "
+            "branch or an expert that got no tokens), so gradients of different buckets "
+            "were added together; that step was skipped on every rank. Pass "
+            "bucket_cap_mb=None (gradients averaged in step() only, whatever backward "
+            "reaches), or make every rank's forward use every parameter")
+
+    def agree_found_inf(self, opt, per_device: dict) -> None:
+        """GradScaler's per-device inf flags, max-reduced over the group in place."""
+        self.agreement.check("GradScaler", agreement.Row(backwards=opt._reducer.backwards))
+        for flag in per_device.values():
+            opt._comm.all_reduce(flag, "max")
+
+    def stepped(self, opt) -> None:
+        self.notified = False
+        self.served.stepped()
+        opt._reducer.backwards = 0
+
+    def loaded(self) -> None:
+        self.served.loaded()
+
+    def state_dict(self, opt) -> dict:
+        """The full state on this rank: the other ranks' shards from their shard servers
+        (``adam_state.served_state_dict``), wherever those ranks are."""
+        if opt._edits.edited(opt.state):
+            # opt.state edited on this rank: what the state holds is decided by every rank
+            # together at an agreed entry, so this call is collective.
+            self.enter(opt, "state_dict")
+            return adam_state.gathered_state_dict(opt, None, opt._GATHER_CHUNK)
+        opt._edits.check_groups(opt.param_groups)
+        return adam_state.served_state_dict(opt, self.server, self.agreement.ordinal,
+                                            self.served.counts(), opt._GATHER_CHUNK)
+
+    @torch.no_grad()
+    def load_state_dict(self, opt, state_dict: dict) -> None:
+        """Every rank checks the state dict first; if any rejects it, all raise and
+        nothing changes. Each rank keeps its shard."""
+        self.enter(opt, "load_state_dict")
+        # A DCP load's ShardedTensors (``sharded_state_dict``'s): this rank's shards, copied.
+        state_dict = sharded_state.localized(state_dict)
+        state_dict = watch.unaliased(state_dict, adam_state.live_tensors(opt))
+        plan, error = None, None
+        try:
+            plan = adam_state.plan_load(opt, state_dict)
+        except (ValueError, KeyError, TypeError) as exc:
+            error = exc
+        every = opt._comm.all_gather_object(
+            None if error is None else f"{type(error).__name__}: {error}", "load_state_dict")
+        if error is not None:
+            raise error
+        for r, msg in enumerate(every):
+            if msg is not None:
+                raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
+        adam_state.apply_load(opt, state_dict, plan)
+        self.loaded()
