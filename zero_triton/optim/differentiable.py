@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from zero_triton.state.moments import FIRST, MAXIMUM, SECOND
+
 
 def _scalar_dtype():
     """torch's step-count dtype: float64 only when that is the default dtype."""
@@ -44,14 +46,14 @@ def init_group(opt, group):
         state = opt.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state[FIRST] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state[SECOND] = torch.zeros_like(p, memory_format=torch.preserve_format)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        exp_avgs.append(state["exp_avg"])
-        exp_avg_sqs.append(state["exp_avg_sq"])
+                state[MAXIMUM] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avgs.append(state[FIRST])
+        exp_avg_sqs.append(state[SECOND])
         if group["amsgrad"]:
-            max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            max_exp_avg_sqs.append(state[MAXIMUM])
         if state["step"].requires_grad:
             raise RuntimeError("`requires_grad` is not supported for `step` in differentiable mode")
         steps.append(state["step"])

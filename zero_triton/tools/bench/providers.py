@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zero_triton.state.moments import FIRST, SECOND
+from zero_triton.state.shards import MASTER
 from zero_triton.tools.bench.cases import BETAS, EPS, LR
 
 # -- the limit kernels ----------------------------------------------------------------
@@ -138,8 +140,8 @@ class Provider:
 
 
 def _torch_state(opt, params):
-    return {"p": list(params), "m": [opt.state[p]["exp_avg"] for p in params],
-            "v": [opt.state[p]["exp_avg_sq"] for p in params]}
+    return {"p": list(params), "m": [opt.state[p][FIRST] for p in params],
+            "v": [opt.state[p][SECOND] for p in params]}
 
 
 def _params_with_grads(p0s, g0s):
@@ -158,9 +160,9 @@ def make_zt(backend, p0s, g0s, case):
 
     def state():
         if case.mixed:
-            return {"p": [opt.state[p]["master_param"] for p in params],
-                    "m": [opt.state[p]["exp_avg"] for p in params],
-                    "v": [opt.state[p]["exp_avg_sq"] for p in params], "lp": params}
+            return {"p": [opt.state[p][MASTER] for p in params],
+                    "m": [opt.state[p][FIRST] for p in params],
+                    "v": [opt.state[p][SECOND] for p in params], "lp": params}
         return _torch_state(opt, params)
     return opt.step, state
 
