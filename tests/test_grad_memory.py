@@ -129,7 +129,7 @@ def _job_restage(rank, world_size):
                 x = torch.randn(4, 24, generator=g)
                 model(x).square().mean().backward()
                 if stage == 2 and k == 0:
-                    taken = [(b.grad_in, b.grad_in.clone()) for b in opt._reducer.buckets if b.adopted]
+                    taken = [(b.grad_in, b.grad_in.clone()) for b in opt._reducer.buckets if b.staged and b.staged.adopted]
             unchanged.extend(torch.equal(t, before) for t, before in taken)
             opt.step()
             opt.zero_grad()

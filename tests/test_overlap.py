@@ -508,7 +508,7 @@ def _job_reads_between_step_and_forward(rank, world_size, stage):
             sched.step()
             opt.zero_grad()
             x, y = batch(rank, step + 1)
-            guard = opt._reducer.read_guard
+            guard = opt._reducer.reads.latest
             out["hidden"].append(guard is not None and guard.active)  # nothing above waited
             out["stacks"].append([type(m).__name__ for m in modes()])
             if step == 1:  # a write by assignment, kept (the gather landed before it)
@@ -571,7 +571,7 @@ def _job_fork_after_step(rank, world_size):
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
-        out[f"guarded {epoch}"] = opt._reducer.read_guard is not None
+        out[f"guarded {epoch}"] = opt._reducer.reads.latest is not None
         # An epoch's iter(loader) forks its workers right after the last step().
         loader = torch.utils.data.DataLoader(_ModesSeen(), batch_size=2, num_workers=1,
                                              multiprocessing_context="fork")

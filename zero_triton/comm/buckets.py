@@ -31,12 +31,12 @@ and an optimizer that is dropped must be collectable (its finalizer removes them
 from __future__ import annotations
 
 import collections
-import weakref
 
 import torch
 
 from . import pending_reads, streams
 from .pools import BufferPools
+from .staging import Staged, Staging
 from .protocol import Comm
 
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
@@ -85,13 +85,9 @@ class Bucket:
         self.sharded = grads is None  # ZeRO-2: grad_in is a staging buffer while it exists
         self.grad_in = None if self.sharded else grads.flat[g.start:g.start + g.numel]
         self.grad_dtype = flat_param.dtype
-        self.staging = None     # ZeRO-2: the pool buffer grad_in lives in
-        # ZeRO-2: grad_in is the gradient autograd made for the bucket's one parameter,
-        # taken as it is (no staging copy); never written, never pooled.
-        self.adopted = False
-        self.sending = None     # ZeRO-2 on CPUs: the staging buffer the reduce in flight reads
-        self.sending_adopted = False
-        self.staging_pool = None
+        # ZeRO-2: the buffer grad_in lives in, and the one the average in flight reads
+        # (zero_triton.comm.staging).
+        self.staged = Staged() if self.sharded else None
         self.accumulated = False  # ZeRO-2: the shard already holds an average this step
         # This rank's averaged shard of the bucket (``averaged``). ``out``: where it lives
         # for good (world size 1: the local gradients themselves, nothing to average);
@@ -159,10 +155,8 @@ class Bucket:
             if self.recv is not None:
                 self.pool.append((self.recv, None))
                 self.recv = None
-            if self.sending is not None:
-                if not self.sending_adopted:
-                    self.staging_pool.append((self.sending, None))
-                self.sending = None
+            if self.staged is not None:
+                self.staged.sent()
 
     def wait_gather(self) -> None:
         pending, self.gather = self.gather, None
@@ -209,12 +203,9 @@ class Reducer:
         self.param_ranges: list = []      # per bucket: its parameters' byte addresses
         self.gathering = False            # all-gathers may be in flight
         self.overlapped = False           # zero_triton.overlap: they outlive step()
-        # pending_reads.PendingReads of step() under overlap() not yet off the mode stack,
-        # the newest last (one, unless a drop failed); those left there (no forward came)
-        # go with the optimizer.
-        self._guards: list = []
-        weakref.finalize(self, pending_reads.drop_all, self._guards)
-        self.counts = {"adopted": 0, "restaged": 0}  # ZeRO-2 gradients taken as they were
+        self.reads = pending_reads.ReadGuards()  # of step() under overlap(), until the forward
+        self.staging = Staging(self.pools, self.in_flight)  # ZeRO-2's (zero_triton.comm.staging)
+        self.counts = self.staging.counts  # ZeRO-2 gradients taken as they were
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).
@@ -294,49 +285,11 @@ class Reducer:
 
     def accept(self, bucket: Bucket, j: int, lo: int, hi: int, grad: torch.Tensor,
                adopt: bool = False) -> None:
-        """ZeRO-2: add a parameter's gradient into its bucket's staging buffer (a new one
-        when the last is still being sent: the next micro-batch). ``adopt``: the gradient
-        is autograd's own, handed over (nobody else holds it), so a bucket of that one
-        parameter may take it as its staging buffer (``_adoptable``)."""
-        if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
-            grad = torch.view_as_real(grad)
-        if bucket.grad_in is None and adopt and lo == 0 and self._adoptable(bucket, grad):
-            bucket.staging = bucket.grad_in = grad.view(-1)
-            bucket.adopted = True
-            self.counts["adopted"] += 1
-        else:
-            if bucket.adopted:  # another micro-batch's gradient: the adopted one is read only
-                self._restage(bucket)
-                self.counts["restaged"] += 1
-            elif bucket.grad_in is None:
-                self._new_staging(bucket)
-            bucket.grad_in[lo:hi].add_(grad.reshape(-1))
+        """ZeRO-2: parameter ``j``'s gradient, added into elements [lo, hi) of its
+        bucket's staging buffer (``Staging.add``; ``adopt``: autograd's own, which a
+        bucket of that one parameter may take as it is), has arrived."""
+        self.staging.add(bucket, lo, hi, grad, adopt)
         self.arrived(bucket, j)
-
-    @staticmethod
-    def _adoptable(bucket: Bucket, grad: torch.Tensor) -> bool:
-        """A bucket of one parameter whose gradient fills it exactly (no padding), of its
-        dtype and contiguous: the gradient is the staging buffer (autograd made it for
-        us; the hook lets go of ``.grad``), which saves a copy and a buffer the size of
-        the largest parameters (embeddings, output layers)."""
-        return (bucket.nparams == 1 and grad.numel() == bucket.geometry.numel
-                and grad.dtype == bucket.grad_dtype and grad.device == bucket.param_full.device
-                and grad.is_contiguous() and not grad.requires_grad)
-
-    def _restage(self, bucket: Bucket) -> None:
-        """Move an adopted gradient into a staging buffer, to add another to it."""
-        adopted = bucket.grad_in
-        bucket.staging = bucket.grad_in = None
-        bucket.adopted = False
-        self._new_staging(bucket)
-        bucket.grad_in.copy_(adopted)
-
-    def _new_staging(self, bucket: Bucket) -> None:
-        """A zeroed staging buffer for ``bucket``: from the pool, after the oldest
-        reduce-scatter in flight when it is empty, or a new one (handed back at step)."""
-        buf = self.pools.take(bucket.staging_pool, bucket, "staging", True, self.in_flight)
-        bucket.staging, bucket.grad_in = buf, buf[:bucket.geometry.numel]
-        bucket.grad_in.zero_()
 
     def arrived(self, bucket: Bucket, j: int) -> None:
         bucket.stale = bucket.launched
@@ -373,8 +326,8 @@ class Reducer:
         if side is None:
             if bucket.reduce is not None:
                 bucket.wait_reduce()  # it holds buffers (ZeRO-2: the staging it sends)
-        if bucket.sharded and bucket.grad_in is None:  # nothing arrived: this rank adds zeros
-            self._new_staging(bucket)
+        if bucket.sharded:  # nothing arrived: this rank adds zeros
+            self.staging.ensure(bucket)
         accumulate, bucket.accumulated = bucket.accumulated, bucket.sharded
         out = bucket.out(accumulate)
         recv = None
@@ -394,18 +347,12 @@ class Reducer:
             if recv is not None:  # reused in the side stream's order
                 bucket.pool.append((recv, None))
             if bucket.sharded:  # reused once the compute stream may write it
-                if bucket.adopted:  # held until the side stream has sent it
-                    self.pools.hold(bucket.staging, done)
-                else:
-                    bucket.staging_pool.append((bucket.staging, done))
-                bucket.staging = bucket.grad_in = None
-                bucket.adopted = False
+                self.staging.launched(bucket, done)
             return
         bucket.recv = recv
         bucket.reduce = start()
-        if bucket.sharded:  # the next micro-batch stages into another buffer
-            bucket.sending, bucket.staging, bucket.grad_in = bucket.staging, None, None
-            bucket.sending_adopted, bucket.adopted = bucket.adopted, False
+        if bucket.sharded:  # held until the wait; the next micro-batch stages into another
+            self.staging.launched(bucket)
         if self.comm.world_size > 1:
             self.in_flight.append(bucket)
         else:
@@ -475,11 +422,8 @@ class Reducer:
         stay launched and become stale: ``step`` averages them again, on every rank."""
         self.wait_reduces()
         for b in self.buckets:
-            if b.staging is not None:  # ZeRO-2 gradients not averaged yet: dropped
-                if not b.adopted:
-                    b.staging_pool.append((b.staging, None))
-                b.staging = b.grad_in = None
-                b.adopted = False
+            if b.sharded:  # ZeRO-2 gradients not averaged yet: dropped
+                self.staging.drop(b)
             launched = b.launched
             b.reset()
             if launched:
@@ -495,37 +439,16 @@ class Reducer:
             b.wait_reduce()
         self.pools.held.clear()  # the compute stream has waited for every average
 
-    @property
-    def guarded(self) -> bool:
-        """A guard of an overlapped ``step()`` is still on a mode stack."""
-        return bool(self._guards)
-
-    @property
-    def read_guard(self):
-        """The guard of the latest overlapped ``step()`` until the next forward, or None."""
-        return self._guards[-1] if self._guards else None
-
     def guard_reads(self) -> None:
         """``step()`` under ``overlap()`` returns with the gathers in flight: until the
         next forward, a torch operation on a parameter waits for them (``pending_reads``)."""
-        self.release_reads()
+        self.reads.release()
         if self.gathering:
-            guard = pending_reads.PendingReads(self, self.param_ranges)
-            pending_reads.push(guard)
-            self._guards.append(guard)
-
-    def release_reads(self) -> None:
-        """The forward has begun (its hooks wait from here on), or the gathers are waited.
-        A guard that is not on this thread's stack now (running its own check) stays
-        listed, inactive, until a later release or the optimizer's end drops it."""
-        for guard in list(self._guards):
-            guard.active = False
-            if pending_reads.drop(guard):
-                self._guards.remove(guard)
+            self.reads.push(self, self.param_ranges)
 
     def wait_gathers(self) -> None:
-        if self._guards:
-            self.release_reads()
+        if self.reads.active:
+            self.reads.release()
         if not self.gathering:
             return
         for b in self.buckets:

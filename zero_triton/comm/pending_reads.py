@@ -157,6 +157,42 @@ def drop_all(modes: list) -> None:
 _LIVE: "weakref.WeakSet[PendingReads]" = weakref.WeakSet()
 
 
+class ReadGuards:
+    """The guards of one optimizer's overlapped ``step()`` calls: from the step until
+    the next forward, a torch operation on a parameter waits for the gathers (a
+    ``PendingReads`` on the mode stack). Those not off the stack yet, the newest last
+    (one, unless a drop failed); those left there (no forward came) go with the owner."""
+
+    def __init__(self):
+        self.guards: list = []
+        weakref.finalize(self, drop_all, self.guards)
+
+    @property
+    def active(self) -> bool:
+        """A guard is still on a mode stack."""
+        return bool(self.guards)
+
+    @property
+    def latest(self):
+        """The guard of the latest overlapped ``step()`` until the next forward, or None."""
+        return self.guards[-1] if self.guards else None
+
+    def push(self, waiter, ranges) -> None:
+        """Guard the parameters at byte ``ranges``; a read waits through ``waiter``."""
+        guard = PendingReads(waiter, ranges)
+        push(guard)
+        self.guards.append(guard)
+
+    def release(self) -> None:
+        """The forward has begun (its hooks wait from here on), or the gathers are waited.
+        A guard that is not on this thread's stack now (running its own check) stays
+        listed, inactive, until a later release or the owner's end drops it."""
+        for guard in list(self.guards):
+            guard.active = False
+            if drop(guard):
+                self.guards.remove(guard)
+
+
 def _forget_in_child() -> None:
     """A forked child has none of the parent's gathers to wait for."""
     for mode in list(_LIVE):

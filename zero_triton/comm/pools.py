@@ -8,7 +8,8 @@ Done or None)``: on a GPU a staging buffer is free once the event of the average
 read it has passed. Buffers are made when first needed, at the size the bucket needs,
 up to ``limit`` of each kind; past it a free one too small makes way, or the oldest
 average in flight is waited for. On a GPU, ZeRO-2's gradients taken as they were (a
-bucket of one parameter: ``Reducer.accept``) are held here with their event until sent.
+bucket of one parameter: ``zero_triton.comm.staging``) are held here with their event
+until sent.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class BufferPools:
                 self.staging.setdefault(k, [])
         for b in buckets:
             b.pool = self.recv.get(kind(b))
-            b.staging_pool = self.staging.get(kind(b))
+            if b.staged is not None:
+                b.staged.pool = self.staging.get(kind(b))
 
     def limit(self, device) -> int:
         """Buffers of one kind made before waiting: on a GPU a wait stalls the compute
@@ -149,5 +151,5 @@ class BufferPools:
         ``buckets``."""
         free = list(self.recv.values()) + list(self.staging.values())
         return sum(t.numel() * t.element_size() for pool in free for t, _ in pool) + sum(
-            t.numel() * t.element_size() for b in buckets for t in (b.recv, b.staging, b.sending)
-            if t is not None)
+            t.numel() * t.element_size() for b in buckets
+            for t in ((b.recv,) if b.recv is not None else ()) + (b.staged.tensors() if b.staged else ()))

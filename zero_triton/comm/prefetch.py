@@ -35,8 +35,8 @@ def _wait_for_own(reducer_ref, reads, module, _args):
     reducer = reducer_ref()
     if reducer is None:
         return
-    if reducer.guarded:  # the forward has begun: its hooks wait from here
-        reducer.release_reads()
+    if reducer.reads.active:  # the forward has begun: its hooks wait from here
+        reducer.reads.release()
     if not reducer.gathering:
         return
     where = reducer.bucket_of_param

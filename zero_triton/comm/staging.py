@@ -1,0 +1,125 @@
+"""ZeRO-2's staging: where a bucket's gradients wait from backward's hooks to its launch.
+
+At stage 2 a rank keeps no full gradient buffer: each parameter's ``.grad`` is added
+into its bucket's staging buffer and let go (``comm.hooks``), and the bucket's launch
+averages that buffer into this rank's shard (``comm.buckets.Reducer.launch``). A staging
+buffer comes from the pools (``comm.pools``, per dtype and device, shared by every flat
+buffer of the optimizer) and goes back once the average that reads it is done: at the
+wait on CPUs (the buffer is ``sending`` until then), at its event on a GPU.
+
+A bucket of one parameter whose gradient fills it exactly takes autograd's gradient as
+its staging buffer (``adopted``): no copy, and no pool buffer the size of the largest
+parameter (embeddings, output layers). It is never written: a second micro-batch's
+gradient before the launch moves it into a pool buffer first (``restaged``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Staged:
+    """One ZeRO-2 bucket's staging: the buffer its gradients are added into until the
+    launch (``buffer``; the bucket's ``grad_in`` views it), and on CPUs the one the
+    average in flight reads (``sending``), each possibly autograd's own gradient."""
+
+    __slots__ = ("pool", "buffer", "adopted", "sending", "sending_adopted")
+
+    def __init__(self):
+        self.pool = None          # the free staging buffers of the bucket's (dtype, device)
+        self.buffer = None
+        self.adopted = False
+        self.sending = None
+        self.sending_adopted = False
+
+    def sent(self) -> None:
+        """The CPU average that read ``sending`` is done: back to the pool (a gradient
+        taken as it was just goes)."""
+        if self.sending is not None:
+            if not self.sending_adopted:
+                self.pool.append((self.sending, None))
+            self.sending = None
+
+    def tensors(self) -> tuple:
+        """What it holds now (for the bytes held)."""
+        return tuple(t for t in (self.buffer, self.sending) if t is not None)
+
+
+class Staging:
+    """The staging of every ZeRO-2 bucket of one Reducer. ``pools``: its
+    ``BufferPools``; ``in_flight``: its CPU averages in launch order (a full pool waits
+    for the oldest). ``counts``: gradients taken as they were, and moved out again."""
+
+    def __init__(self, pools, in_flight):
+        self.pools = pools
+        self.in_flight = in_flight
+        self.counts = {"adopted": 0, "restaged": 0}
+
+    def add(self, bucket, lo: int, hi: int, grad: torch.Tensor, adopt: bool = False) -> None:
+        """Add a parameter's gradient into elements [lo, hi) of ``bucket``'s staging
+        buffer (a new one when the last is still being sent: the next micro-batch).
+        ``adopt``: the gradient is autograd's own, handed over (nobody else holds it), so
+        a bucket of that one parameter may take it as its buffer (``adoptable``)."""
+        if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
+            grad = torch.view_as_real(grad)
+        staged = bucket.staged
+        if bucket.grad_in is None and adopt and lo == 0 and adoptable(bucket, grad):
+            staged.buffer = bucket.grad_in = grad.view(-1)
+            staged.adopted = True
+            self.counts["adopted"] += 1
+            return
+        if staged.adopted:  # another micro-batch's gradient: the adopted one is read only
+            adopted = bucket.grad_in
+            self._new(bucket)
+            bucket.grad_in.copy_(adopted)
+            self.counts["restaged"] += 1
+        elif bucket.grad_in is None:
+            self._new(bucket)
+            bucket.grad_in.zero_()
+        bucket.grad_in[lo:hi].add_(grad.reshape(-1))
+
+    def ensure(self, bucket) -> None:
+        """A launch of a bucket none of whose gradients arrived: this rank sends zeros."""
+        if bucket.grad_in is None:
+            self._new(bucket)
+            bucket.grad_in.zero_()
+
+    def launched(self, bucket, done=None) -> None:
+        """The launch took the bucket's buffer: on a GPU (``done``: the average's
+        event) it is free once that has passed (an adopted gradient is held until
+        then); on CPUs it is ``sending`` until the wait. The next micro-batch stages into
+        another buffer."""
+        staged = bucket.staged
+        if done is not None:
+            if staged.adopted:
+                self.pools.hold(staged.buffer, done)
+            else:
+                staged.pool.append((staged.buffer, done))
+        else:
+            staged.sending, staged.sending_adopted = staged.buffer, staged.adopted
+        staged.buffer = bucket.grad_in = None
+        staged.adopted = False
+
+    def drop(self, bucket) -> None:
+        """``zero_grad`` before the launch: the gradients staged are dropped."""
+        staged = bucket.staged
+        if staged.buffer is not None:
+            if not staged.adopted:
+                staged.pool.append((staged.buffer, None))
+            staged.buffer = bucket.grad_in = None
+            staged.adopted = False
+
+    def _new(self, bucket) -> None:
+        """A staging buffer for ``bucket`` (not zeroed): from the pool, after the oldest
+        average in flight when it is empty, or a new one (handed back at step)."""
+        buf = self.pools.take(bucket.staged.pool, bucket, "staging", True, self.in_flight)
+        bucket.staged.buffer, bucket.staged.adopted = buf, False
+        bucket.grad_in = buf[:bucket.geometry.numel]
+
+
+def adoptable(bucket, grad: torch.Tensor) -> bool:
+    """A bucket of one parameter whose gradient fills it exactly (no padding), of its
+    dtype and contiguous: the gradient is the staging buffer (autograd made it for us;
+    the hook lets go of ``.grad``)."""
+    return (bucket.nparams == 1 and grad.numel() == bucket.geometry.numel
+            and grad.dtype == bucket.grad_dtype and grad.device == bucket.param_full.device
+            and grad.is_contiguous() and not grad.requires_grad)
