@@ -69,7 +69,7 @@ def _train(rank, world_size, stage, cap, accumulate=1, steps=3):
         opt.step()
         opt.zero_grad()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "counts": dict(opt._reducer.counts), "buckets_after_backward": after_backward,
+            "counts": dict(opt._reducer.staging.counts), "buckets_after_backward": after_backward,
             "largest": max(b.geometry.numel for b in opt._reducer.buckets),
             "nbuckets": len(opt._reducer.buckets)}
 
@@ -133,7 +133,7 @@ def _job_restage(rank, world_size):
             unchanged.extend(torch.equal(t, before) for t, before in taken)
             opt.step()
             opt.zero_grad()
-        out[stage] = {"w": model.w.detach().clone(), "counts": dict(opt._reducer.counts),
+        out[stage] = {"w": model.w.detach().clone(), "counts": dict(opt._reducer.staging.counts),
                       "unchanged": unchanged}
     return out
 

@@ -205,7 +205,6 @@ class Reducer:
         self.overlapped = False           # zero_triton.overlap: they outlive step()
         self.reads = pending_reads.ReadGuards()  # of step() under overlap(), until the forward
         self.staging = Staging(self.pools, self.in_flight)  # ZeRO-2's (zero_triton.comm.staging)
-        self.counts = self.staging.counts  # ZeRO-2 gradients taken as they were
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).

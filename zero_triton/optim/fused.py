@@ -174,7 +174,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._edits.regroup(gi, params, self._flats[gi])
         self._flats[gi] = flats
         self._grads_reduced = False
-        self._reducer.rebuild([f for fs in self._flats for f in fs])
+        self._reducer.rebuild([f for _, f in self._all_flats()])
         self._edits.expose(*flats)
 
     def _enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
