@@ -153,6 +153,69 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   adam_step_cpu(s);
 }
 
+// moments="int8": the same step over 8-bit codes and their blocks' scales (quant.h).
+void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
+                at::Tensor exp_avg_sq_codes, at::Tensor scales, std::optional<at::Tensor> param_lp,
+                at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
+                double weight_decay, bool adamw, bool maximize,
+                std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
+                std::optional<at::Tensor> clip_coef) {
+  TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
+                       param.is_contiguous() && param.dim() == 1,
+                   "`param` must be flat, float32 and contiguous, got ", describe(param));
+  TORCH_CHECK(param.device().type() == at::kCPU, "`param` is on ", param.device(),
+              "; adam8_step runs on CPU tensors (CUDA: the Triton kernel)");
+  check_flat(grad, "grad", {at::kFloat, at::kHalf, at::kBFloat16}, param);
+  check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
+  check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
+  const int64_t blocks = (param.numel() + 255) / 256;
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                       scales.dim() == 2 && scales.size(0) == blocks && scales.size(1) == 2,
+                   "`scales` must be a contiguous float32 [", blocks, ", 2] tensor (first, "
+                   "second moment per block of 256), got ", describe(scales));
+  TORCH_CHECK(scales.device() == param.device(), "`scales` is on ", scales.device(),
+              " but `param` is on ", param.device());
+  if (param_lp) check_flat(*param_lp, "param_lp", {at::kHalf, at::kBFloat16}, param);
+  check_scalar(step, "step", param);
+  check_scalar(lr, "lr", param);
+  if (grad_scale) check_scalar(*grad_scale, "grad_scale", param);
+  if (found_inf) check_scalar(*found_inf, "found_inf", param);
+  if (clip_coef) check_scalar(*clip_coef, "clip_coef", param);
+  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "`beta1` must be in [0, 1), got ", beta1);
+  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "`beta2` must be in [0, 1), got ", beta2);
+  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "`eps` must be >= 0 and finite, got ",
+                    eps);
+  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
+                    "`weight_decay` must be >= 0 and finite, got ", weight_decay);
+  std::vector<std::pair<const char*, const at::Tensor*>> written = {
+      {"param", &param}, {"exp_avg_codes", &exp_avg_codes},
+      {"exp_avg_sq_codes", &exp_avg_sq_codes}, {"scales", &scales}};
+  if (param_lp) written.push_back({"param_lp", &*param_lp});
+  auto all = written;
+  all.push_back({"grad", &grad});
+  check_no_overlap(written, all);
+
+  AdamStep s;
+  s.param = param;
+  s.grad = grad;
+  s.exp_avg_codes = exp_avg_codes;
+  s.exp_avg_sq_codes = exp_avg_sq_codes;
+  s.scales = scales;
+  s.param_lp = param_lp;
+  s.step = step;
+  s.lr = lr;
+  s.grad_scale = grad_scale;
+  s.found_inf = found_inf;
+  s.clip_coef = clip_coef;
+  s.beta1 = beta1;
+  s.beta2 = beta2;
+  s.eps = eps;
+  s.weight_decay = weight_decay;
+  s.adamw = adamw;
+  s.maximize = maximize;
+  adam_step_cpu(s);
+}
+
 // Index of the first parameter whose .grad is not its view of the flat grad buffer, or
 // -1. The per-step check of FlatShard.sync_grads in one C loop: Python's `p.grad is
 // view` costs ~100 ns a tensor, which dominates a step over thousands of small tensors.
@@ -254,8 +317,11 @@ AdamArgs args_of(const AdamStep& s) {
   AdamArgs a{};
   a.param = s.param.data_ptr<float>();
   a.grad = s.grad.const_data_ptr();
-  a.exp_avg = s.exp_avg.data_ptr<float>();
-  a.exp_avg_sq = s.exp_avg_sq.data_ptr<float>();
+  a.exp_avg = s.exp_avg.defined() ? s.exp_avg.data_ptr<float>() : nullptr;
+  a.exp_avg_sq = s.exp_avg_sq.defined() ? s.exp_avg_sq.data_ptr<float>() : nullptr;
+  a.exp_avg_codes = s.exp_avg_codes ? s.exp_avg_codes->data_ptr<int8_t>() : nullptr;
+  a.exp_avg_sq_codes = s.exp_avg_sq_codes ? s.exp_avg_sq_codes->data_ptr<uint8_t>() : nullptr;
+  a.scales = s.scales ? s.scales->data_ptr<float>() : nullptr;
   a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
   a.param_lp = s.param_lp ? s.param_lp->data_ptr() : nullptr;
   a.numel = s.param.numel();
@@ -300,6 +366,18 @@ step: float32 [1], the step number t already incremented; lr: float32 [1].
 grad_scale, found_inf, clip_coef: float32 [1] or None. g = g / grad_scale * clip_coef;
 a nonzero found_inf skips the step without writing anything.
 All tensors on param's device; scalars are read there (no host sync on CUDA).)doc");
+  m.def("adam8_step", &zero_triton::adam8_step, py::arg("param"), py::arg("grad"),
+        py::arg("exp_avg_codes"), py::arg("exp_avg_sq_codes"), py::arg("scales"),
+        py::arg("param_lp"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+        py::arg("maximize"), py::arg("grad_scale") = py::none(),
+        py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
+        R"doc(adam_step over int8 moments (moments="int8"), CPU tensors, in place.
+
+exp_avg_codes: int8 [n]; exp_avg_sq_codes: uint8 [n]; scales: float32 [ceil(n/256), 2],
+each block's (first, second) scale (zero_triton/kernels/quant.py defines the codes).
+The range starts on a block boundary. Everything else as adam_step (no amsgrad).)doc");
   m.def("first_foreign_grad", &zero_triton::first_foreign_grad, py::arg("params"),
         py::arg("views"),
         "Index of the first parameter whose .grad is not views[i] (same tensor), or -1.");

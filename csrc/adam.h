@@ -24,6 +24,9 @@ struct AdamStep {
   std::optional<at::Tensor> grad_scale;  // float32 [1]: g = g / grad_scale
   std::optional<at::Tensor> found_inf;   // float32 [1]: nonzero -> skip the step
   std::optional<at::Tensor> clip_coef;   // float32 [1]: g = g * clip_coef
+  // moments="int8" (quant.h): exp_avg / exp_avg_sq undefined, these defined instead:
+  // int8 [n], uint8 [n], float32 [ceil(n / 256), 2].
+  std::optional<at::Tensor> exp_avg_codes, exp_avg_sq_codes, scales;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool adamw = false, amsgrad = false, maximize = false;
 };

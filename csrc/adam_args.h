@@ -41,6 +41,11 @@ struct AdamArgs {
   const float* grad_scale;  // g = g / grad_scale (GradScaler)
   const float* found_inf;   // nonzero: skip the step
   const float* clip_coef;   // g = g * clip_coef
+  // moments="int8" (quant.h): exp_avg and exp_avg_sq above are nullptr, the codes and
+  // the blocks' scales (float32 [blocks][2]: first, second) are here. nullptr otherwise.
+  int8_t* exp_avg_codes;
+  uint8_t* exp_avg_sq_codes;
+  float* scales;
 };
 
 // The scalars of one step, computed once from the arguments. The bias corrections are

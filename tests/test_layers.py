@@ -355,7 +355,9 @@ MANY_PARAMETERS = {
     "optim/fused.py": {"__init__"}, "optim/zero.py": {"__init__"},
     "kernels/adam.py": {"_adam_kernel", "_adam_list_kernel", "_step_block", "_adam_update",
                         "adam_step", "adam_step_list"},
-    "native/ops.py": {"adam_step_", "_"}, "native/backends.py": {"torch_step", "native_step"},
+    "native/ops.py": {"adam_step_", "_"}, "native/backends.py": {"torch_step", "native_step", "torch_step_int8",
+                                                          "native_step_int8"},
+    "kernels/adam8.py": {"_adam8_kernel", "adam8_step"},
     "reference.py": {"torch_adam_step_"},
 }
 

@@ -13,11 +13,16 @@ namespace cpu {
 using AdamRangeFn = void (*)(const AdamArgs&, const StepScalars&, int64_t begin, int64_t end);
 
 // One instantiation of adam_cpu_kernel.h per instruction set.
-namespace isa_default { void adam_range(const AdamArgs&, const StepScalars&, int64_t, int64_t); }
+// adam8_range (moments="int8") takes a range of blocks of kQuantBlock elements.
+#define ZT_CPU_RANGES                                                          \
+  void adam_range(const AdamArgs&, const StepScalars&, int64_t, int64_t);     \
+  void adam8_range(const AdamArgs&, const StepScalars&, int64_t, int64_t);
+namespace isa_default { ZT_CPU_RANGES }
 #if defined(__x86_64__) && defined(__GNUC__)
-namespace isa_avx2 { void adam_range(const AdamArgs&, const StepScalars&, int64_t, int64_t); }
-namespace isa_avx512 { void adam_range(const AdamArgs&, const StepScalars&, int64_t, int64_t); }
+namespace isa_avx2 { ZT_CPU_RANGES }
+namespace isa_avx512 { ZT_CPU_RANGES }
 #endif
+#undef ZT_CPU_RANGES
 
 }  // namespace cpu
 }  // namespace zero_triton

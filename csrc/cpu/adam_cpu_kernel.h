@@ -22,6 +22,7 @@ namespace ZT_CPU_ISA {
 namespace {
 
 #include "../adam_element.h"
+#include "../quant.h"
 
 inline uint32_t bits_of(float f) {
   uint32_t u;
@@ -134,10 +135,75 @@ struct Loop {
   }
 };
 
+// moments="int8": blocks [block_begin, block_end) of kQuantBlock elements (the last may
+// be short: numel). Per block, one pass decodes the moments, steps every element as
+// adam_loop does (adam_element) and keeps the new moments and their largest
+// magnitudes; a second pass over the block (in L1) encodes them with the new scales.
+template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE>
+__attribute__((noinline)) void adam8_loop(const StepScalars& scalars, float* __restrict__ p,
+                                          const void* __restrict__ g,
+                                          int8_t* __restrict__ mq, uint8_t* __restrict__ vq,
+                                          float* __restrict__ scales, uint16_t* __restrict__ lp,
+                                          int64_t block_begin, int64_t block_end,
+                                          int64_t numel) {
+  const StepScalars s = scalars;
+  float mb[kQuantBlock], vb[kQuantBlock];
+  for (int64_t blk = block_begin; blk < block_end; ++blk) {
+    const int64_t lo = blk * kQuantBlock;
+    const int64_t len = numel - lo < kQuantBlock ? numel - lo : kQuantBlock;
+    const float m_scale = scales[2 * blk], v_scale = scales[2 * blk + 1];
+    uint32_t m_max = 0, v_max = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t i = lo + j;
+      float pi = p[i];
+      float mi = decode_first(mq[i], m_scale);
+      float vi = decode_second(vq[i], v_scale);
+      float unused = 0.0f;
+      adam_element<L2, false, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, unused);
+      p[i] = pi;
+      if constexpr (LP_DT == kFloat16) lp[i] = float_to_half(pi);
+      if constexpr (LP_DT == kBFloat16) lp[i] = float_to_bf16(pi);
+      mb[j] = mi;
+      vb[j] = vi;
+      const uint32_t am = magnitude_bits(mi), av = magnitude_bits(vi);
+      m_max = am > m_max ? am : m_max;
+      v_max = av > v_max ? av : v_max;
+    }
+    const float m_new = float_of(m_max), v_new = float_of(v_max);
+    const float m_inv = inverse_scale(m_new), v_inv = inverse_scale(v_new);
+    for (int64_t j = 0; j < len; ++j) {
+      mq[lo + j] = encode_first(mb[j], m_inv);
+      vq[lo + j] = encode_second(vb[j], v_inv);
+    }
+    scales[2 * blk] = m_new;
+    scales[2 * blk + 1] = v_new;
+  }
+}
+
+struct Loop8 {
+  const AdamArgs& a;
+  const StepScalars& s;
+  int64_t block_begin, block_end;
+
+  template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
+  void run() {  // AMSGRAD: refused for int8 before any launch
+    adam8_loop<GRAD_DT, LP_DT, L2, UNSCALE>(s, a.param, a.grad, a.exp_avg_codes,
+                                            a.exp_avg_sq_codes, a.scales,
+                                            static_cast<uint16_t*>(a.param_lp), block_begin,
+                                            block_end, a.numel);
+  }
+};
+
 }  // namespace
 
 void adam_range(const AdamArgs& a, const StepScalars& s, int64_t begin, int64_t end) {
   Loop loop{a, s, begin, end};
+  dispatch</*kAlwaysUnscale=*/false>(a, loop);
+}
+
+void adam8_range(const AdamArgs& a, const StepScalars& s, int64_t block_begin,
+                 int64_t block_end) {
+  Loop8 loop{a, s, block_begin, block_end};
   dispatch</*kAlwaysUnscale=*/false>(a, loop);
 }
 

@@ -62,6 +62,24 @@ def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step,
         param_lp.copy_(param)
 
 
+def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
+                    beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+                    grad_scale=None, found_inf=None, clip_coef=None, scratch=None):
+    """The step over int8 moments (``zero_triton.state.int8``) in torch ops: decode the
+    blocks (``zero_triton.kernels.quant``), ``torch_step`` on them, encode them again
+    with their new scales. Allocates the decoded moments (the fallback, not the fast path)."""
+    from zero_triton.kernels import quant
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    m = quant.decode(exp_avg, scales[:, 0], quant.FIRST)
+    v = quant.decode(exp_avg_sq, scales[:, 1], quant.SECOND)
+    torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
+               weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
+               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch)
+    quant.quantize(m, quant.FIRST, exp_avg, scales[:, 0])
+    quant.quantize(v, quant.SECOND, exp_avg_sq, scales[:, 1])
+
+
 def _triton_why_not(device: torch.device) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install triton, Linux only)"
@@ -158,6 +176,19 @@ def _native_step():
     return native_step
 
 
+def _native_step_int8():
+    from zero_triton.native import ext as _ext
+    native = _ext.load().adam8_step
+
+    def native_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
+                         beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+                         grad_scale=None, found_inf=None, clip_coef=None):
+        native(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, float(beta1),
+               float(beta2), float(eps), float(weight_decay), bool(adamw), bool(maximize),
+               grad_scale, found_inf, clip_coef)
+    return native_step_int8
+
+
 def _triton_step():
     from zero_triton.kernels.adam import adam_step
     return adam_step
@@ -176,6 +207,8 @@ STEPS = {
     ("cpu", "fp32"): (_native_step, None),
     ("cuda", "fp32"): (_native_step, None),
     ("torch", "fp32"): (lambda: torch_step, None),
+    ("cpu", "int8"): (_native_step_int8, None),
+    ("torch", "int8"): (lambda: torch_step_int8, None),
 }
 
 

@@ -16,6 +16,7 @@ def build_flats(trainable: list, comm, spec, *, amsgrad: bool, key: int, reducer
     (``zero_triton.optim.spec``). The backend is resolved first (an error names the fix);
     if one shard fails, the hooks of those already built are removed and nothing is left
     behind."""
+    spec.check_params(trainable, amsgrad)  # what the moments' format cannot step
     if trainable and trainable[0].device.type != "meta":  # meta: resolved once materialised
         backends.resolve(spec.backend, trainable[0].device)  # raises with the fix
     plain = [p for p in trainable if not is_dtensor(p)]

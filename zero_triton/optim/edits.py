@@ -57,7 +57,10 @@ class UserEdits:
         if not self.views_state:
             return
         for flat in flats:
-            views, table = flat.state_views(), self.tracked
+            # A format whose export is a copy (int8) has no views to show: its entries
+            # hold the step only, and state_dict() its moments.
+            views = flat.state_views() if flat.state.moments.live else {}
+            table = self.tracked
             for i, p in enumerate(flat.params):
                 # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.
                 entry = {"step": flat.state.step_of(i).view(()),

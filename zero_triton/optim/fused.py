@@ -37,6 +37,8 @@ class FusedAdam(torch.optim.Optimizer):
         master_weights: None (default) keeps an fp32 master for fp16/bf16 parameters;
             fp32 parameters are their own master.
         backend: "auto" | "triton" | "cuda" | "cpu" | "torch" (see zero_triton.native.backends).
+        moments: "fp32" (default, torch's state) | "int8" (block-scaled 8-bit codes, 2.03
+            bytes per parameter for both moments: zero_triton.state.int8).
 
     The parameters' storage moves into flat buffers at construction (a later
     ``model.to(device, dtype)`` is followed at the next step). ``zero_grad`` is torch's:
@@ -54,14 +56,15 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
-                 master_weights=None, backend="auto", max_grad_norm=None, foreach=None,
-                 fused=None, capturable=False, differentiable=False):
+                 master_weights=None, backend="auto", max_grad_norm=None, moments="fp32",
+                 foreach=None, fused=None, capturable=False, differentiable=False):
         hyper = adam_hyperparameters(lr, betas, eps, weight_decay, amsgrad, maximize,
                                      decoupled_weight_decay, foreach=foreach, fused=fused,
                                      capturable=capturable, differentiable=differentiable)
         check_params_argument(params, type(self).__name__)
         spec = Spec.build(master_weights=master_weights, backend=backend,
-                          max_grad_norm=max_grad_norm, differentiable=differentiable)
+                          max_grad_norm=max_grad_norm, differentiable=differentiable,
+                          moments=moments)
         self._build(params, hyper, spec, LocalComm(), OneRank())
 
     def _build(self, params, hyper: dict, spec: Spec, comm, ranks: Ranks) -> None:

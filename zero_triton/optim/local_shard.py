@@ -187,7 +187,7 @@ class LocalShard(FlatShard):
         self.comm, self.key = comm, key
         self.bucket_numel, self.reducer = None, None
         # One aligned slot of state per local shard: segment i is parameter i's.
-        self.layout = FlatLayout.build([tuple(t.shape) for t in locals_])
+        self.layout = FlatLayout.build([tuple(t.shape) for t in locals_], align=spec.align)
         self.segments = [(o, o + t.numel(), o) for o, t in zip(self.layout.offsets, locals_)]
         self.locals = locals_
         self.param_parts = [t.view(-1) for t in locals_]  # updated in place if the engine swaps

@@ -100,7 +100,7 @@ class FlatShard:
         self.comm = comm
         self.bucket_numel, self.key, self.reducer = bucket_numel, key, reducer
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
-                                                      bucket_numel=bucket_numel)
+                                                      bucket_numel=bucket_numel, align=spec.align)
         self.param_views = [p.detach() for p in params]  # where each parameter lives now
         # Stage 1: the local gradients, .grad views of one buffer; stage 2: none, backward's
         # hooks hand each .grad to its bucket (zero_triton.comm.grads).

@@ -18,6 +18,7 @@ import torch
 from zero_triton.comm import buckets, grads
 from zero_triton.native import backends
 from zero_triton.optim.checks import check_flag
+from zero_triton.state import moments as moment_formats
 
 REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,7 +44,7 @@ class Spec:
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
-              stage=1, max_grad_norm=None, differentiable=False) -> "Spec":
+              stage=1, max_grad_norm=None, differentiable=False, moments="fp32") -> "Spec":
         """The constructor's keywords, checked in the order the optimizers have always
         checked them (each error names the fix; nothing has changed yet)."""
         if master_weights is not None:
@@ -66,10 +67,39 @@ class Spec:
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be None (the gradients' own dtype), "
                              f"torch.float32, torch.float16 or torch.bfloat16, got {reduce_dtype!r}")
+        if not isinstance(moments, str) or moments not in moment_formats.FORMATS:
+            raise ValueError(f"moments must be one of {tuple(moment_formats.FORMATS)} (the Adam "
+                             f"moments' storage format), got {moments!r}")
+        if moments != "fp32" and differentiable:
+            raise ValueError(f"moments={moments!r} cannot be used with differentiable=True: "
+                             "autograd through the step needs torch's own float state; use "
+                             "moments='fp32' (the default)")
         return cls(backend=backend, master_weights=True if master_weights is None else bool(master_weights),
                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                   differentiable=bool(differentiable))
+                   differentiable=bool(differentiable), moments=moments)
+
+    @property
+    def align(self) -> int:
+        """The flat layout's alignment (elements) the moments' format needs."""
+        return moment_formats.FORMATS[self.moments].align
+
+    def check_params(self, params, amsgrad: bool) -> None:
+        """Refuse, with the fix and before anything is built, what the moments' format
+        cannot step: amsgrad's maximum, float64 or complex parameters."""
+        if self.moments == "fp32":
+            return
+        if amsgrad:
+            raise ValueError(f"moments={self.moments!r} cannot be used with amsgrad=True: it "
+                             "stores no running maximum of exp_avg_sq; use moments='fp32' for "
+                             "amsgrad (another optimizer, or a param group of its own in one "
+                             "built with moments='fp32')")
+        for i, p in enumerate(params):
+            if p.dtype == torch.float64 or p.is_complex():
+                raise ValueError(f"moments={self.moments!r} cannot be used with {p.dtype} "
+                                 f"parameters (parameter {i}, {tuple(p.shape)}): its codes hold "
+                                 "float32 state of real parameters; step them with an "
+                                 "optimizer built with moments='fp32'")
 
     @property
     def grads(self) -> type:
@@ -88,4 +118,4 @@ class Spec:
     def options(self) -> dict:
         """What a copy (``copy.deepcopy``, ``pickle``) of a one-process optimizer keeps."""
         return {"master_weights": self.master_weights, "backend": self.backend,
-                "max_grad_norm": self.max_grad_norm}
+                "max_grad_norm": self.max_grad_norm, "moments": self.moments}

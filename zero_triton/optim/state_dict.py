@@ -184,7 +184,9 @@ def live_tensors(opt) -> list:
     """The tensors a state dict's entries may alias: state buffers and parameters."""
     out = []
     for _, flat in opt._all_flats():
-        out.extend(flat.state.buffers().values())
+        out.extend(flat.state.moments.storage())
+        if flat.state.has_master:
+            out.append(flat.state.master)
         out.append(flat.flat_param)
         out.extend(flat.param_parts)
     return out

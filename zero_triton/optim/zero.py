@@ -61,6 +61,9 @@ class ZeroAdam(FusedAdam, Joinable):
         process_group: the group to shard over (default: the world group).
         reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
             grads); default the gradient's own dtype.
+        moments: "fp32" (default) | "int8": the Adam moments' format, as FusedAdam's;
+            int8's blocks are the layout's, so the result does not depend on the world
+            size or the bucket size (bitwise).
         stage: 1 (default): the optimizer state is sharded, each rank keeps the full
             local gradients. 2: the gradients too: each bucket's gradients are handed
             to the optimizer as backward produces them (``.grad`` is None afterwards)
@@ -99,8 +102,8 @@ class ZeroAdam(FusedAdam, Joinable):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
-                 max_grad_norm=None, bucket_cap_mb=25, stage=1, foreach=None, fused=None,
-                 capturable=False, differentiable=False):
+                 max_grad_norm=None, bucket_cap_mb=25, stage=1, moments="fp32", foreach=None,
+                 fused=None, capturable=False, differentiable=False):
         # torch.optim.Adam's order and messages: the hyperparameters, then the parameters;
         # all before the first collective (the model check), so a bad argument fails on
         # each rank alone.
@@ -114,7 +117,8 @@ class ZeroAdam(FusedAdam, Joinable):
         check_process_group(process_group)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
-                          max_grad_norm=max_grad_norm, differentiable=differentiable)
+                          max_grad_norm=max_grad_norm, differentiable=differentiable,
+                          moments=moments)
         comm = GroupComm(process_group)
         params = list(params)
         if not params:
@@ -124,7 +128,7 @@ class ZeroAdam(FusedAdam, Joinable):
             if not isinstance(g["params"], torch.Tensor):
                 g["params"] = list(g["params"])
         check_no_dtensors(groups, type(self).__name__)  # before any collective
-        self._check_same_model(comm, groups)
+        self._check_same_model(comm, groups, spec.moments)
         # How calls meet the other ranks (zero_triton.optim.ranks): agreed over the group,
         # with the side channel's shard server answering another rank's state_dict();
         # made after the model check, which every rank passes together.
@@ -160,10 +164,15 @@ class ZeroAdam(FusedAdam, Joinable):
         return self._comm.process_group
 
     @staticmethod
-    def _check_same_model(comm, groups):
+    def _check_same_model(comm, groups, moments=None):
         mine = _signature(groups)
-        every = comm.all_gather_object(mine)
-        for rank, theirs in enumerate(every):
+        every = comm.all_gather_object((mine, moments))
+        formats = [m for _, m in every]
+        if moments is not None and any(m != moments for m in formats):
+            raise RuntimeError(
+                f"ZeroAdam: ranks disagree on moments= ({formats} by rank); the format decides "
+                "the layout every rank shards, so every rank must pass the same one")
+        for rank, (theirs, _) in enumerate(every):
             mismatch = _first_mismatch(mine, theirs)
             if mismatch is not None:
                 a, b = mismatch

@@ -6,6 +6,8 @@ compute dtype (float32; float64 for float64 parameters). Its export is the stora
 itself, so ``opt.state`` and ``state_dict()`` hand out views of the live state, as torch
 does.
 
+``int8``: block-scaled 8-bit codes (``zero_triton.state.int8``).
+
 A format is added by a class here (or a module of its own) registered in ``FORMATS``
 and its kernels in ``zero_triton.native.backends``; ``ShardState`` makes the one the
 optimizer was built with.
@@ -14,15 +16,17 @@ from __future__ import annotations
 
 import torch
 
-# torch.optim.Adam's names of the moments, in the kernels' argument order.
-FIRST, SECOND, MAXIMUM = "exp_avg", "exp_avg_sq", "max_exp_avg_sq"
-KEYS = (FIRST, SECOND, MAXIMUM)
+from .flat import ALIGN
+from .int8 import Int8Moments
+from .keys import FIRST, KEYS, MAXIMUM, SECOND  # noqa: F401 (the package's names of them)
 
 
 class Fp32Moments:
     """The moments in full precision, one tensor per moment over the shard."""
 
     format = "fp32"
+    align = ALIGN  # the flat layout's alignment this format needs
+    live = True    # export() is the storage itself
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
         self.numel, self.dtype, self.device = numel, dtype, device
@@ -64,6 +68,9 @@ class Fp32Moments:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.export().values())
 
+    def storage(self) -> list:
+        return list(self.export().values())
+
     def carry_over(self, old) -> None:
         if old.amsgrad:
             self.ensure_amsgrad()
@@ -73,7 +80,7 @@ class Fp32Moments:
         self.commit(mine)
 
 
-FORMATS = {Fp32Moments.format: Fp32Moments}
+FORMATS = {cls.format: cls for cls in (Fp32Moments, Int8Moments)}
 
 
 def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):

@@ -14,7 +14,12 @@ checkpoint layer reach the moments only through it:
   torch's names), over the whole shard in state order; ``commit(exported)`` takes back
   what was written into them (a format whose export is a copy re-encodes it; one whose
   export is the storage itself has nothing to do);
-- ``nbytes()`` and ``carry_over(old)`` (a re-home to another device or dtype).
+- ``nbytes()``, ``storage()`` (the tensors it holds) and ``carry_over(old)`` (a re-home
+  to another device or dtype);
+- ``align``: the flat layout's alignment the format needs (every parameter, bucket and
+  shard starts on a multiple of it: a block-quantized format's blocks are then the
+  layout's, never a shard's); ``live``: whether ``export()`` is the storage itself
+  (``opt.state`` then holds views of it, as torch.optim.Adam's state).
 
 This module imports nothing of the package (``tests/test_layers.py`` holds it to that).
 """
@@ -30,6 +35,8 @@ class MomentStore(Protocol):
     format: str         # the name the optimizers' ``moments=`` argument takes
     dtype: torch.dtype  # what the kernels compute the moments in
     numel: int          # state elements of the shard
+    align: int          # the flat layout's alignment (elements) the format needs
+    live: bool          # export() returns the storage itself, not a copy
 
     @property
     def amsgrad(self) -> bool:
@@ -55,6 +62,9 @@ class MomentStore(Protocol):
 
     def nbytes(self) -> int:
         """Bytes the moments take on the device."""
+
+    def storage(self) -> list:
+        """The tensors the store holds."""
 
     def carry_over(self, old: "MomentStore") -> None:
         """Take ``old``'s moments (the same shard, another device or dtype)."""

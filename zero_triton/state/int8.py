@@ -1,0 +1,109 @@
+"""``moments="int8"``: the Adam moments of a shard as 8-bit codes with one float32 scale
+per block of ``BLOCK`` state elements (the codes: ``zero_triton.kernels.quant``).
+
+Memory: one byte per moment per element plus 8 bytes per block of 256 (two scales):
+2.03 bytes per parameter where ``fp32`` takes 8.
+
+The blocks are the layout's, not a shard's: a flat buffer of this format is laid out
+with every parameter starting on a block boundary (``ALIGN``: the layout's alignment),
+so every bucket and every rank's shard of it starts on one too, and each block holds the
+same elements of the same parameter at any world size and any bucket size. The step of
+a block reads only that block; so the codes, and the parameters they step, are the same
+bit for bit at 1 rank or 64, and a checkpoint written at one world size loads at another
+exactly. A parameter's last block is completed by padding, whose moments stay zero.
+
+Kernel operands (``operands``): the first moment's codes (int8), the second's (uint8)
+and the run's scales, float32 [blocks, 2] (first, second): the step decodes each block,
+updates it in float32 as the ``fp32`` format's kernels do, and encodes it again with the
+block's new largest magnitudes as scales: one read and one write of each.
+
+``export`` dequantizes (a copy, float32 in torch's keys); ``commit`` encodes it back.
+What the format cannot store: the running maximum of amsgrad, float64 moments (the
+constructors refuse both with the fix, ``zero_triton.optim.spec``).
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_triton.kernels import quant
+
+from .keys import FIRST, SECOND
+
+BLOCK = quant.BLOCK
+ALIGN = BLOCK
+
+
+class Int8Moments:
+    """exp_avg and exp_avg_sq of a shard as block-scaled 8-bit codes."""
+
+    format = "int8"
+    align = ALIGN
+    live = False  # export() is a dequantized copy
+
+    def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
+        if amsgrad:
+            raise ValueError(refusal("amsgrad=True"))
+        if dtype != torch.float32:
+            raise ValueError(refusal(f"{dtype} parameters"))
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.exp_avg = torch.zeros(numel, dtype=quant.FIRST.dtype, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=quant.SECOND.dtype, device=device)
+        self.scales = torch.zeros(quant.blocks(numel), 2, dtype=torch.float32, device=device)
+
+    @property
+    def amsgrad(self) -> bool:
+        return False
+
+    def ensure_amsgrad(self) -> bool:
+        raise ValueError(refusal("amsgrad=True"))
+
+    def operands(self, a: int, b: int, amsgrad: bool) -> tuple:
+        if amsgrad:
+            raise ValueError(refusal("amsgrad=True"))
+        if a % BLOCK:
+            raise ValueError(f"int8 moments are stepped from a block boundary (a multiple of "
+                             f"{BLOCK}), got state element {a}")
+        return (self.exp_avg[a:b], self.exp_avg_sq[a:b],
+                self.scales[a // BLOCK:a // BLOCK + quant.blocks(b - a)])
+
+    def reset(self, amsgrad: bool | None = None) -> None:
+        if amsgrad:
+            raise ValueError(refusal("amsgrad=True"))
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self.scales.zero_()
+
+    def export(self) -> dict:
+        return {FIRST: quant.decode(self.exp_avg, self.scales[:, 0], quant.FIRST),
+                SECOND: quant.decode(self.exp_avg_sq, self.scales[:, 1], quant.SECOND)}
+
+    def commit(self, exported: dict) -> None:
+        quant.quantize(exported[FIRST], quant.FIRST, self.exp_avg, self.scales[:, 0])
+        quant.quantize(exported[SECOND], quant.SECOND, self.exp_avg_sq, self.scales[:, 1])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.exp_avg, self.exp_avg_sq, self.scales))
+
+    def storage(self) -> list:
+        """The tensors this store holds (what a loaded state dict might alias)."""
+        return [self.exp_avg, self.exp_avg_sq, self.scales]
+
+    def compact(self) -> dict:
+        """The codes and scales as they are (the compact state dict's entries)."""
+        return {"exp_avg_codes": self.exp_avg, "exp_avg_sq_codes": self.exp_avg_sq,
+                "scales": self.scales}
+
+    def carry_over(self, old) -> None:
+        if isinstance(old, Int8Moments) and old.numel == self.numel:
+            for mine, theirs in zip(self.storage(), old.storage()):
+                mine.copy_(theirs)
+            return
+        self.commit({k: v.to(self.device, torch.float32) for k, v in old.export().items()
+                     if k in (FIRST, SECOND)})
+
+
+def refusal(what: str) -> str:
+    """Why int8 moments cannot hold ``what``, with the fix."""
+    return (f"moments='int8' cannot be used with {what}: its 8-bit codes hold exp_avg and "
+            "exp_avg_sq of float32 state only (no amsgrad maximum, no float64); use "
+            "moments='fp32' for these parameters (another optimizer or param group)")
