@@ -494,6 +494,8 @@ def plan_user_state(flat, user):
                     reseed.append(i)
                 elif key == MAXIMUM:
                     copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
+                elif not flat.state.moments.live:
+                    pass  # never shown in opt.state (int8's codes): kept as they are
                 else:
                     raise ValueError(
                         f"optimizer.state[p] of parameter {i} {tuple(p.shape)} has no "
