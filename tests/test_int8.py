@@ -15,7 +15,8 @@ from zero_triton.state.int8 import BLOCK
 from dist_utils import run_ranks
 
 HAS_CPU = backends.why_not("cpu", torch.device("cpu")) is None
-BACKENDS = ["torch"] + (["cpu"] if HAS_CPU else [])
+BACKENDS = ["torch"] + (["cpu"] if HAS_CPU else []) + (
+    ["triton"] if backends.why_not("triton", torch.device("cpu")) is None else [])
 
 
 # -- the codes ------------------------------------------------------------------------
@@ -111,6 +112,40 @@ def test_cpu_kernel_is_decode_fp32_step_encode(isa, n, lp_dtype, extras):
             assert (a is None and b is None) or torch.equal(a, b), name
     finally:
         mod._set_cpu_isa("")
+
+
+@pytest.mark.parametrize("n,lp_dtype,extras", [
+    (BLOCK * 3, None, {}),
+    (BLOCK * 600 + 3, None, {"found_inf": 0.0}),
+    (BLOCK * 5 + 100, torch.bfloat16, {"grad_scale": 4.0, "clip_coef": 0.5}),
+    (700, torch.float16, {"maximize": True, "adamw": False, "weight_decay": 0.01}),
+])
+@pytest.mark.skipif(backends.why_not("triton", torch.device("cpu")) is not None,
+                    reason="Triton cannot run on CPU tensors here (not installed, or "
+                           "TRITON_INTERPRET is not 1)")
+def test_triton_kernel_is_decode_fp32_step_encode(n, lp_dtype, extras):
+    """Under the interpreter (CPU tensors): bitwise against the Triton fp32 kernel between
+    decode and encode."""
+    gen = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=gen)
+    g = (torch.randn(n, generator=gen) * 1e-2).to(lp_dtype or torch.float32)
+    codes_m, scale_m = _quantized(_moments(n)[0] * 1e-3, quant.FIRST)
+    codes_v, scale_v = _quantized(_moments(n)[1] * 1e-4, quant.SECOND)
+    scales = torch.stack([scale_m, scale_v], dim=1).contiguous()
+    lp = torch.zeros(n, dtype=lp_dtype) if lp_dtype else None
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, amsgrad=False,
+              maximize=False)
+    kw.update({k: v for k, v in extras.items() if k in kw})
+    kw.update({k: torch.tensor([v]) for k, v in extras.items() if k not in kw})
+    step, lr = torch.tensor([3.0]), torch.tensor([1e-3])
+    want = [t.clone() if t is not None else None for t in (p, codes_m, codes_v, scales, lp)]
+    _composed_step(backends.step_function("triton", "fp32"), want[0], g, want[1], want[2],
+                   want[3], want[4], step, lr, **kw)
+    got = (p, codes_m, codes_v, scales, lp)
+    backends.step_function("triton", "int8")(p, g, codes_m, codes_v, scales, lp, step, lr, **kw)
+    for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "scales", "param_lp"),
+                          got, want):
+        assert (a is None and b is None) or torch.equal(a, b), name
 
 
 def test_torch_fallback_matches_the_cpu_kernel_closely():

@@ -194,6 +194,11 @@ def _triton_step():
     return adam_step
 
 
+def _triton_step_int8():
+    from zero_triton.kernels.adam8 import adam8_step
+    return adam8_step
+
+
 def _triton_step_list():
     from zero_triton.kernels.adam import adam_step_list
     return adam_step_list
@@ -207,6 +212,7 @@ STEPS = {
     ("cpu", "fp32"): (_native_step, None),
     ("cuda", "fp32"): (_native_step, None),
     ("torch", "fp32"): (lambda: torch_step, None),
+    ("triton", "int8"): (_triton_step_int8, None),
     ("cpu", "int8"): (_native_step_int8, None),
     ("torch", "int8"): (lambda: torch_step_int8, None),
 }

@@ -18,7 +18,9 @@ import torch
 
 from .flat import ALIGN
 from .int8 import Int8Moments
-from .keys import FIRST, KEYS, MAXIMUM, SECOND  # noqa: F401 (the package's names of them)
+from .keys import FIRST, KEYS, MAXIMUM, SECOND
+
+__all__ = ["FIRST", "SECOND", "MAXIMUM", "KEYS", "FORMATS", "Fp32Moments", "Int8Moments", "make"]
 
 
 class Fp32Moments:
