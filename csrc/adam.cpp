@@ -163,8 +163,15 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
   TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
                        param.is_contiguous() && param.dim() == 1,
                    "`param` must be flat, float32 and contiguous, got ", describe(param));
-  TORCH_CHECK(param.device().type() == at::kCPU, "`param` is on ", param.device(),
-              "; adam8_step runs on CPU tensors (CUDA: the Triton kernel)");
+  const auto dev = param.device().type();
+#ifdef ZERO_TRITON_WITH_CUDA
+  TORCH_CHECK(dev == at::kCPU || dev == at::kCUDA, "`param` is on ", param.device(),
+              "; zero_triton._C runs on cpu and cuda tensors");
+#else
+  TORCH_CHECK(dev == at::kCPU, "`param` is on ", param.device(),
+              "; this build of zero_triton._C has CPU kernels only (rebuild with "
+              "ZERO_TRITON_BUILD_EXT=1 on a machine with nvcc for CUDA)");
+#endif
   check_flat(grad, "grad", {at::kFloat, at::kHalf, at::kBFloat16}, param);
   check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
   check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
@@ -213,6 +220,12 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
   s.weight_decay = weight_decay;
   s.adamw = adamw;
   s.maximize = maximize;
+#ifdef ZERO_TRITON_WITH_CUDA
+  if (dev == at::kCUDA) {
+    adam_step_cuda(s);
+    return;
+  }
+#endif
   adam_step_cpu(s);
 }
 
@@ -373,7 +386,7 @@ All tensors on param's device; scalars are read there (no host sync on CUDA).)do
         py::arg("maximize"), py::arg("grad_scale") = py::none(),
         py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
         py::call_guard<py::gil_scoped_release>(),
-        R"doc(adam_step over int8 moments (moments="int8"), CPU tensors, in place.
+        R"doc(adam_step over int8 moments (moments="int8"), in place (CPU or CUDA).
 
 exp_avg_codes: int8 [n]; exp_avg_sq_codes: uint8 [n]; scales: float32 [ceil(n/256), 2],
 each block's (first, second) scale (zero_triton/kernels/quant.py defines the codes).

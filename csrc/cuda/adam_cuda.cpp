@@ -26,8 +26,9 @@ void adam_step_cuda(const AdamStep& s) {
     (void)cudaGetLastError();
     num_sms = 0;
   }
-  const cudaError_t err =
-      cuda::launch_adam_step(a, num_sms, c10::cuda::getCurrentCUDAStream().stream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = a.scales != nullptr ? cuda::launch_adam8_step(a, num_sms, stream)
+                                              : cuda::launch_adam_step(a, num_sms, stream);
   TORCH_CHECK(err == cudaSuccess, "zero_triton adam_step CUDA launch failed: ",
               cudaGetErrorString(err));
 }

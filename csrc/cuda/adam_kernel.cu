@@ -13,8 +13,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 4;  // 4 fp32 = 16 bytes per load of param/m/v
 
-// The update of one element (../adam_element.h), the same as the CPU kernels'.
+// The update of one element (../adam_element.h), the same as the CPU kernels', and the
+// int8 moment codes (../quant.h).
 #include "../adam_element.h"
+#include "../quant.h"
 
 template <int DT>
 __device__ __forceinline__ float to_float(uint16_t h);
@@ -167,7 +169,81 @@ struct Launch {
   }
 };
 
+// moments="int8": one thread per element, one thread block per block of kQuantBlock
+// elements at a time (grid-stride over the blocks). Each thread decodes its element's
+// codes, steps it (adam_element), and the block takes its new largest magnitudes as the
+// scales (warp shuffles, then one shared word per warp) before every thread encodes.
+template <int GRAD_DT, int LP_DT, bool L2>
+__global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs a) {
+  if (a.found_inf && *a.found_inf != 0.f) return;
+  const StepScalars s = step_scalars(a);
+  constexpr int kWarps = kQuantBlock / 32;
+  __shared__ uint32_t warp_max[2][kWarps];
+  const int64_t n_blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t blk = blockIdx.x; blk < n_blocks; blk += gridDim.x) {
+    const int64_t i = blk * kQuantBlock + threadIdx.x;
+    const bool mine = i < a.numel;
+    float m = 0.f, v = 0.f;
+    if (mine) {
+      float p = a.param[i], unused = 0.f;
+      m = decode_first(a.exp_avg_codes[i], a.scales[2 * blk]);
+      v = decode_second(a.exp_avg_sq_codes[i], a.scales[2 * blk + 1]);
+      adam_element<L2, false, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, unused);
+      a.param[i] = p;
+      if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+    }
+    uint32_t m_max = magnitude_bits(m), v_max = magnitude_bits(v);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      m_max = max(m_max, __shfl_xor_sync(0xFFFFFFFFu, m_max, offset));
+      v_max = max(v_max, __shfl_xor_sync(0xFFFFFFFFu, v_max, offset));
+    }
+    if (lane == 0) {
+      warp_max[0][warp] = m_max;
+      warp_max[1][warp] = v_max;
+    }
+    __syncthreads();  // every thread read the old scales before thread 0 writes them
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      m_max = max(m_max, warp_max[0][w]);
+      v_max = max(v_max, warp_max[1][w]);
+    }
+    __syncthreads();  // before the next block's maxima overwrite warp_max
+    const float m_scale = __uint_as_float(m_max), v_scale = __uint_as_float(v_max);
+    if (mine) {
+      a.exp_avg_codes[i] = encode_first(m, inverse_scale(m_scale));
+      a.exp_avg_sq_codes[i] = encode_second(v, inverse_scale(v_scale));
+    }
+    if (threadIdx.x == 0) {
+      a.scales[2 * blk] = m_scale;
+      a.scales[2 * blk + 1] = v_scale;
+    }
+  }
+}
+
+struct Launch8 {
+  const AdamArgs& a;
+  int num_sms;
+  cudaStream_t stream;
+
+  template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
+  cudaError_t run() {  // AMSGRAD: refused for int8 before any launch
+    const int64_t n_blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
+    const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
+    const int64_t grid = n_blocks < max_blocks ? n_blocks : max_blocks;
+    adam8_step_kernel<GRAD_DT, LP_DT, L2><<<unsigned(grid), kQuantBlock, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+};
+
 }  // namespace
+
+cudaError_t launch_adam8_step(const AdamArgs& a, int num_sms, cudaStream_t stream) {
+  if (a.numel == 0) return cudaSuccess;
+  Launch8 launch{a, num_sms, stream};
+  return dispatch</*kAlwaysUnscale=*/true>(a, launch);
+}
 
 cudaError_t launch_adam_step(const AdamArgs& a, int num_sms, cudaStream_t stream) {
   if (a.numel == 0) return cudaSuccess;

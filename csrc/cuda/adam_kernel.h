@@ -15,6 +15,8 @@ namespace cuda {
 // Launches one kernel on `stream`. `num_sms` sizes the grid (grid-stride loop).
 // Returns the launch error, if any. The scalars of `args` are device pointers.
 cudaError_t launch_adam_step(const AdamArgs& args, int num_sms, cudaStream_t stream);
+// moments="int8" (../quant.h): the codes and scales of `args` instead of fp32 moments.
+cudaError_t launch_adam8_step(const AdamArgs& args, int num_sms, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace zero_triton

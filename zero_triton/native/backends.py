@@ -214,6 +214,7 @@ STEPS = {
     ("torch", "fp32"): (lambda: torch_step, None),
     ("triton", "int8"): (_triton_step_int8, None),
     ("cpu", "int8"): (_native_step_int8, None),
+    ("cuda", "int8"): (_native_step_int8, None),
     ("torch", "int8"): (lambda: torch_step_int8, None),
 }
 
