@@ -376,3 +376,98 @@ def test_int8_checkpoint_saved_at_two_resumes_at_one_and_four_bitwise(tmp_path):
     for world_size in (1, 4):
         resumed = _int8_result(world_size, 0.001 if world_size > 1 else None, steps=2, load_from=path)
         _assert_same(resumed, straight, f"resumed at {world_size}")
+
+
+# -- torch.distributed.checkpoint ----------------------------------------------------------
+def _job_dcp(rank, world_size, path, save):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    gen = torch.Generator().manual_seed(1234)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES])
+    opt = zt.ZeroAdamW(model.parameters(), lr=1e-2, moments="int8",
+                       bucket_cap_mb=0.002 if world_size == 2 else 0.001)
+    steps = range(0, 3) if save else range(3, 5)
+    if not save:
+        sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=path)
+        model.load_state_dict(sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+    for t in steps:
+        share = 4 // world_size
+        per = [_exact_grads(r, t) for r in range(rank * share, (rank + 1) * share)]
+        for i, p in enumerate(model):
+            p.grad = sum(g[i] for g in per) / share
+        opt.step()
+        opt.zero_grad()
+    if save:
+        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path)
+    sd = opt.state_dict()
+    state = {k: {n: v.numpy().copy() for n, v in e.items()} for k, e in sd["state"].items()}
+    return [p.detach().numpy().copy() for p in model], state
+
+
+def test_int8_zero_state_reshards_through_dcp_bitwise(tmp_path):
+    """ZeroAdamW's sharded int8 state (dequantized in torch's format) saved by DCP at 2
+    ranks loads at 4 (other buckets) and continues exactly as one run of 5 steps."""
+    path = os.fspath(tmp_path / "dcp")
+    run_ranks(_job_dcp, 2, path, True)
+    resumed = run_ranks(_job_dcp, 4, path, False)[0]
+    _assert_same(resumed, _int8_result(1, steps=5), "DCP 2 -> 4 ranks")
+
+
+def _job_fsdp2_dcp(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def build():
+        model = _model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, zt.FusedAdamW(model.parameters(), lr=1e-2, moments="int8")
+    model, opt = build()
+    _train(model, opt, 3, seed=rank)
+    saved = get_optimizer_state_dict(model, opt)
+    kinds = sorted({type(v).__name__ for e in saved["state"].values() for v in e.values()})
+    dcp.save({"model": get_model_state_dict(model), "optim": saved}, checkpoint_id=path)
+    new, new_opt = build()
+    _train(new, new_opt, 1, seed=99)  # state of its own first, then overwritten
+    sd = {"model": get_model_state_dict(new), "optim": get_optimizer_state_dict(new, new_opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(new, sd["model"])
+    set_optimizer_state_dict(new, new_opt, sd["optim"])
+    a, b = _train(model, opt, 3, seed=7 + rank), _train(new, new_opt, 3, seed=7 + rank)
+    same = all(torch.equal(p.full_tensor(), q.full_tensor())
+               for p, q in zip(model.parameters(), new.parameters()))
+    return kinds, same, a == b
+
+
+def test_int8_on_fsdp2_dtensors_resumes_through_dcp_bitwise(tmp_path):
+    """FSDP2's DTensor parameters: each local shard's state in its own blocks (the engine
+    picks the shards, so the blocks follow them); DCP saves it as DTensors and a new
+    optimizer resumes exactly at the same world size."""
+    pytest.importorskip("torch.distributed.fsdp")
+    for kinds, same, losses_same in run_ranks(_job_fsdp2_dcp, 2, os.fspath(tmp_path / "c"),
+                                              timeout=300):
+        assert "DTensor" in kinds, kinds
+        assert same and losses_same
+
+
+def test_memory_formula_takes_the_moments_format():
+    from zero_triton.memory.model import memory_table
+    fp32 = memory_table(10**9, 8, "none")
+    int8 = memory_table(10**9, 8, "none", moments="int8")
+    assert int8["K"] == 2 + 8 / 256 and fp32["K"] == 8
+    z1 = {r["stage"]: r for r in int8["stages"]}["zero1"]
+    assert z1["optimizer_bytes"] == 2.03125 * 10**9 / 8
+    with pytest.raises(ValueError, match="moments must be one of"):
+        memory_table(10, 1, moments="int4")

@@ -13,6 +13,10 @@ parameters 2P, fp16/bf16 gradients 2P, optimizer state K*P with K = 12 (fp32 mas
 Plain fp32 training (``master_dtype="none"``): parameters 4P, gradients 4P, no
 master, moments 8P, so K = 8 and DDP is 16P again.
 
+The moments' format (``moments``, the optimizers' argument): ``"fp32"`` 8P; ``"int8"``
+one byte per moment plus a float32 scale per moment per block of 256 elements,
+(2 + 8/256)P = 2.03P (``zero_triton.state.int8``).
+
 A shard holds ceil(P/N) elements: the flat layout pads buffers so that every rank's
 shard has the same size, and the rank that pays most is the one that runs out of
 memory. Activations, temporary buffers and fragmentation are not modelled. The
@@ -45,11 +49,13 @@ STAGES = {
     "zero3": ("optimizer state + grads + params", True, True, True),
 }
 
-# master_dtype -> bytes per parameter of (params, grads, master, m + v)
+# master_dtype -> bytes per parameter of (params, grads, master, m + v in fp32)
 PRECISIONS = {
     "fp32": (2, 2, 4, 8),  # fp16/bf16 params and grads, fp32 master and moments
     "none": (4, 4, 0, 8),  # plain fp32 training: the parameters are the master
 }
+# moments format -> bytes per parameter of m + v
+MOMENT_BYTES = {"fp32": 8, "int8": 2 + 8 / 256}
 
 
 def _check_count(value, name: str, minimum: int, fix: str) -> int:
@@ -85,8 +91,12 @@ def stage_bytes(
     world_size = _check_count(world_size, "world_size", 1,
                               "pass the number of data-parallel ranks, e.g. 8")
     for name, b in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes),
-                    ("master_bytes", master_bytes), ("moment_bytes", moment_bytes)):
+                    ("master_bytes", master_bytes)):
         _check_count(b, name, 0, "pass bytes per parameter, e.g. 2 for bf16")
+    if isinstance(moment_bytes, bool) or not isinstance(moment_bytes, (int, float)) or \
+            not 0 <= moment_bytes < float("inf"):
+        raise ValueError(f"moment_bytes must be a number >= 0, got {moment_bytes!r}; pass "
+                         "bytes per parameter of m and v together, e.g. 8 for fp32")
 
     full, shard = params, _shard_elems(params, world_size)
     k = master_bytes + moment_bytes
@@ -94,7 +104,7 @@ def stage_bytes(
     for stage, (sharded, sh_p, sh_g, sh_o) in STAGES.items():
         p_b = param_bytes * (shard if sh_p else full)
         g_b = grad_bytes * (shard if sh_g else full)
-        o_b = k * (shard if sh_o else full)
+        o_b = -int(-k * (shard if sh_o else full) // 1)  # whole bytes, rounded up
         rows.append({"stage": stage, "sharded": sharded, "bytes_per_rank": p_b + g_b + o_b,
                      "params_bytes": p_b, "grads_bytes": g_b, "optimizer_bytes": o_b})
     ddp = rows[0]["bytes_per_rank"]
@@ -104,23 +114,28 @@ def stage_bytes(
     return rows
 
 
-def memory_table(params: int, world_size: int, master_dtype: str = "fp32") -> Dict:
+def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
+                 moments: str = "fp32") -> Dict:
     """The memory model as one JSON-ready dict.
 
     ``master_dtype``: ``"fp32"`` (fp16/bf16 params and grads, fp32 master, K = 12) or
-    ``"none"`` (plain fp32 training, no separate master, K = 8).
-    Keys: ``params``, ``world_size``, ``master_dtype``, ``K`` (optimizer-state bytes
-    per parameter), ``stages`` (the list from ``stage_bytes``).
+    ``"none"`` (plain fp32 training, no separate master, K = 8). ``moments``: the
+    moments' format, ``"fp32"`` (8 bytes per parameter) or ``"int8"`` (2.03).
+    Keys: ``params``, ``world_size``, ``master_dtype``, ``moments``, ``K``
+    (optimizer-state bytes per parameter), ``stages`` (the list from ``stage_bytes``).
     """
     if master_dtype not in PRECISIONS:
         raise ValueError(f"master_dtype must be one of {sorted(PRECISIONS)}, got "
                          f"{master_dtype!r}; use 'fp32' for bf16/fp16 training with an "
                          f"fp32 master copy, 'none' for plain fp32 training")
-    pb, gb, mb, ob = PRECISIONS[master_dtype]
+    if moments not in MOMENT_BYTES:
+        raise ValueError(f"moments must be one of {sorted(MOMENT_BYTES)}, got {moments!r}")
+    pb, gb, mb, _ = PRECISIONS[master_dtype]
+    ob = MOMENT_BYTES[moments]
     stages = stage_bytes(params, world_size, param_bytes=pb, grad_bytes=gb,
                          master_bytes=mb, moment_bytes=ob)
     return {"params": int(params), "world_size": int(world_size),
-            "master_dtype": master_dtype, "K": mb + ob, "stages": stages}
+            "master_dtype": master_dtype, "moments": moments, "K": mb + ob, "stages": stages}
 
 
 def _human(n: int) -> str:
@@ -134,7 +149,8 @@ def format_table(table: Dict) -> str:
     """A fixed-width text table of ``memory_table(...)``: one line per stage."""
     head = (f"model states per rank: P = {table['params']:,} ({_human(table['params'])}) "
             f"parameters, N = {table['world_size']} ranks, master = "
-            f"{table['master_dtype']}, K = {table['K']}")
+            f"{table['master_dtype']}, moments = {table.get('moments', 'fp32')}, "
+            f"K = {table['K']:g}")
     cols = f"{'stage':<6}  {'sharded':<32}  {'bytes/rank':>20}  {'GB/rank':>10}  {'drop vs DDP':>11}"
     lines = [head, cols, "-" * len(cols)]
     for r in table["stages"]:

@@ -286,15 +286,15 @@ class LocalShard(FlatShard):
         return value
 
     # -- the step -----------------------------------------------------------------------
-    def _slots(self) -> list:
+    def _slots(self, amsgrad: bool) -> list:
         """Per segment, the views of its state slot: (master or None, then the moments'
-        kernel operands: first, second, running maximum or None), made again only when a
-        state buffer is replaced (amsgrad switched on, a re-home)."""
+        kernel operands for this step, ``MomentStore.operands``), made again only when a
+        state buffer is replaced (amsgrad switched on, a re-home) or amsgrad changes."""
         st = self.state
-        key = (st.master, st.moments, st.amsgrad)
+        key = (st.master, st.moments, st.amsgrad, amsgrad)
         if self._slot_key is None or any(a is not b for a, b in zip(key, self._slot_key)):
             self._slot_views = [(None if st.master is None else st.master[s0:s0 + hi - lo],
-                                 *st.moments.operands(s0, s0 + hi - lo, st.amsgrad))
+                                 *st.moments.operands(s0, s0 + hi - lo, amsgrad))
                                 for lo, hi, s0 in self.segments]
             self._slot_key = key
         return self._slot_views
@@ -302,20 +302,19 @@ class LocalShard(FlatShard):
     def update(self, plan: dict) -> None:
         """The kernel over every local shard stepped this step: one launch with a backend
         that takes lists (Triton), else one per shard."""
-        runs, grads, slots = plan["runs"], self.grad_buffer.grads, self._slots()
+        runs, grads, slots = plan["runs"], self.grad_buffer.grads, self._slots(plan["amsgrad"])
         members = [k for k, (lo, hi, _) in enumerate(self.segments)
                    if hi > lo and (runs is None or runs[k])]
         kwargs, amsgrad, st = plan["kwargs"], plan["amsgrad"], self.state
         if self.step_list is None or len({grads[k].dtype for k in members}) > 1:
             for k in members:
-                master, first, second, vmax = slots[k]
+                master, *moments = slots[k]
                 param = self.param_parts[k]
                 if self.scratch is not None:  # the torch backend's work space
                     lo, hi, s0 = self.segments[k]
                     kwargs = {**plan["kwargs"], "scratch": self.scratch[s0:s0 + hi - lo]}
-                self.step_fn(param if master is None else master, grads[k], first, second,
-                             vmax if amsgrad else None, param if self.has_master else None,
-                             st.step_of(k), self.lr, **kwargs)
+                self.step_fn(param if master is None else master, grads[k], *moments,
+                             param if self.has_master else None, st.step_of(k), self.lr, **kwargs)
             return
         params = [self.param_parts[k] if slots[k][0] is None else slots[k][0] for k in members]
         self.step_list(params, [grads[k] for k in members], [slots[k][1] for k in members],

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from zero_triton.memory.model import PRECISIONS, format_table, memory_table
+from zero_triton.memory.model import MOMENT_BYTES, PRECISIONS, format_table, memory_table
 from zero_triton.tools.units import parse_count, positive_number
 
 MAX_PARAMS = 400_000_000
@@ -51,7 +51,7 @@ def _rank(args, rank, world, device):
     before = MemoryProbe(device).snapshot()["current"]
     params = _params(args.params, dtype)
     opt = ZeroAdam(params, lr=1e-3, stage=args.stage, bucket_cap_mb=args.bucket_cap_mb,
-                   reduce_dtype=torch.float32)
+                   reduce_dtype=torch.float32, moments=args.moments)
     probe = MemoryProbe(device)
     held = None
     for it in range(2):
@@ -70,7 +70,7 @@ def _rank(args, rank, world, device):
 
 
 def measure(params: int, world_size: int, master_dtype: str = "fp32", bucket_cap_mb=25,
-            timeout_s: float = 600.0) -> dict:
+            timeout_s: float = 600.0, moments: str = "fp32") -> dict:
     """{stage: {"held": bytes, "rise": bytes, "report": memory_report}} of the largest rank."""
     from zero_triton.tools.profiling import launch
     out = {}
@@ -80,7 +80,7 @@ def measure(params: int, world_size: int, master_dtype: str = "fp32", bucket_cap
         every = {}
         for stage in (1, 2):
             args = argparse.Namespace(params=params, master_dtype=master_dtype, stage=stage,
-                                      bucket_cap_mb=bucket_cap_mb)
+                                      bucket_cap_mb=bucket_cap_mb, moments=moments)
             every[stage] = launch.spawn(_rank, args, world_size, "cpu", timeout_s,
                                         fresh=True)  # the resident set is measured
     finally:
@@ -178,6 +178,9 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
     parser.add_argument("--master-dtype", choices=sorted(PRECISIONS), default="fp32",
                         help="fp32: bf16/fp16 params + fp32 master (default); "
                              "none: plain fp32 training")
+    parser.add_argument("--moments", choices=sorted(MOMENT_BYTES), default="fp32",
+                        help="the Adam moments' format: fp32 (8 bytes per parameter, default) "
+                             "or int8 (2.03: block-scaled 8-bit codes)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with a 'stages' list")
     parser.add_argument("--measure", action="store_true",
@@ -205,10 +208,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "more than 16; pass e.g. 2 or 4")
         if not args.bucket_cap_mb > 0:
             parser.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
-    table = memory_table(args.params, args.world_size, args.master_dtype)
+    table = memory_table(args.params, args.world_size, args.master_dtype, args.moments)
     measured = None
     if args.measure:
-        measured = measure(args.params, args.world_size, args.master_dtype, args.bucket_cap_mb)
+        measured = measure(args.params, args.world_size, args.master_dtype, args.bucket_cap_mb,
+                           moments=args.moments)
     if args.json:
         print(json.dumps({**table, **({"measured": as_json(measured, table)} if measured else {})}))
     else:
