@@ -2,10 +2,10 @@
 // zero_triton/kernels/quant.py defines them (that file says why these maps). Torch-free,
 // compiled by the host compiler (csrc/cpu) and nvcc (csrc/cuda).
 //
-// A code's magnitude is an E<bits>M3 minifloat of r = |x| * (1 / block scale) in (0, 1]:
-// exponent field e (value 2^(e - BIAS)), 3 mantissa bits, code 0 = zero. exp_avg keeps a
-// sign (int8, E4M3, BIAS 15); exp_avg_sq is unsigned (uint8, E5M3, BIAS 31) and a
-// positive value never takes code 0. Round to nearest, ties away from zero: add half of
+// A code's magnitude is an E<e>M<MAN> minifloat of r = |x| * (1 / block scale) in (0, 1]:
+// exponent field e (value 2^(e - BIAS)), MAN mantissa bits, code 0 = zero. exp_avg keeps a
+// sign (int8, E4M3: BIAS 15, MAN 3); exp_avg_sq is unsigned (uint8, E4M4: BIAS 15, MAN 4)
+// and a positive value never takes code 0. Round to nearest, ties away from zero: add half of
 // the last kept bit to the float's bits, then drop the rest (a carry moves the exponent).
 //
 // No include guard, on purpose: included inside each instruction-set namespace of the CPU
@@ -18,28 +18,29 @@
 #endif
 
 constexpr int kQuantBlock = 256;  // state elements per scale
-constexpr int kManBits = 3;
 constexpr int kFirstBias = 15;    // exp_avg: E4M3
-constexpr int kSecondBias = 31;   // exp_avg_sq: E5M3
+constexpr int kFirstMan = 3;
+constexpr int kSecondBias = 15;   // exp_avg_sq: E4M4
+constexpr int kSecondMan = 4;
 
 // The code of r >= 0 (r a rounding above 1 and NaN take the code of 1.0).
-template <int BIAS>
+template <int BIAS, int MAN>
 ZT_QUANT uint32_t encode_magnitude(float r) {
   int32_t bits;
   __builtin_memcpy(&bits, &r, sizeof(bits));
-  bits += int32_t(1) << (22 - kManBits);
+  bits += int32_t(1) << (22 - MAN);
   const int32_t e = (bits >> 23) - 127 + BIAS;
-  int32_t code = (e << kManBits) | ((bits >> (23 - kManBits)) & ((1 << kManBits) - 1));
+  int32_t code = (e << MAN) | ((bits >> (23 - MAN)) & ((1 << MAN) - 1));
   code = e < 0 ? 0 : code;
-  code = code < (BIAS << kManBits) ? code : (BIAS << kManBits);
+  code = code < (BIAS << MAN) ? code : (BIAS << MAN);
   return uint32_t(code);
 }
 
 // r' of a code's magnitude (0 for code 0).
-template <int BIAS>
+template <int BIAS, int MAN>
 ZT_QUANT float decode_magnitude(uint32_t code) {
-  const uint32_t bits = (((code >> kManBits) - BIAS + 127) << 23) |
-                        ((code & ((1u << kManBits) - 1)) << (23 - kManBits));
+  const uint32_t bits = (((code >> MAN) - BIAS + 127) << 23) |
+                        ((code & ((1u << MAN) - 1)) << (23 - MAN));
   float r;
   __builtin_memcpy(&r, &bits, sizeof(r));
   return code == 0 ? 0.0f : r;
@@ -47,25 +48,25 @@ ZT_QUANT float decode_magnitude(uint32_t code) {
 
 ZT_QUANT float decode_first(int8_t code, float scale) {
   const int32_t c = code;
-  const float x = decode_magnitude<kFirstBias>(uint32_t(c < 0 ? -c : c)) * scale;
+  const float x = decode_magnitude<kFirstBias, kFirstMan>(uint32_t(c < 0 ? -c : c)) * scale;
   return c < 0 ? -x : x;
 }
 
 ZT_QUANT float decode_second(uint8_t code, float scale) {
-  return decode_magnitude<kSecondBias>(code) * scale;
+  return decode_magnitude<kSecondBias, kSecondMan>(code) * scale;
 }
 
 // 1 / scale, or 0 for a block whose largest magnitude is 0 (or NaN).
 ZT_QUANT float inverse_scale(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
 
 ZT_QUANT int8_t encode_first(float x, float inv_scale) {
-  const int32_t code = int32_t(encode_magnitude<kFirstBias>(__builtin_fabsf(x) * inv_scale));
+  const int32_t code = int32_t(encode_magnitude<kFirstBias, kFirstMan>(__builtin_fabsf(x) * inv_scale));
   return int8_t(x < 0.0f ? -code : code);
 }
 
 ZT_QUANT uint8_t encode_second(float x, float inv_scale) {
   const float r = __builtin_fabsf(x) * inv_scale;
-  const uint32_t code = encode_magnitude<kSecondBias>(r);
+  const uint32_t code = encode_magnitude<kSecondBias, kSecondMan>(r);
   const uint32_t smallest = r > 0.0f ? 1u : 0u;  // a positive value never takes code 0
   return uint8_t(code == 0 ? smallest : code);
 }

@@ -41,11 +41,11 @@ def test_codes_round_trip_and_error_bound(which):
     x = m if which == "first" else v
     codes, scale = _quantized(x, fmt)
     y = quant.decode(codes, scale, fmt)
-    # Within the map's range the relative error is at most half a mantissa step (1/16).
+    # Within the map's range the relative error is at most half a mantissa step.
     floor = scale.repeat_interleave(BLOCK)[:x.numel()] * 2.0 ** -(fmt.bias - 1)
     inside = x.abs() >= floor
-    assert inside.sum() > x.numel() // 2
-    assert ((y - x).abs()[inside] <= x.abs()[inside] / 16).all()
+    assert inside.sum() > x.numel() // 4  # the check below is not vacuous
+    assert ((y - x).abs()[inside] <= x.abs()[inside] * 2.0 ** -(fmt.man_bits + 1)).all()
     assert torch.equal(scale, quant.block_absmax(x))  # the block's largest decodes exactly
     # Decoding and encoding again is the identity (a torch-format export loads back exactly).
     again = _quantized(y, fmt)

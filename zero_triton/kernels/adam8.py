@@ -15,8 +15,6 @@ from zero_triton.kernels import quant
 from zero_triton.kernels.adam import (_GRAD_DTYPES, INTERPRET, _adam_update, _check,
                                       _check_scalars_and_device, _store_low_precision)
 
-MAN = quant.FIRST.man_bits
-assert quant.SECOND.man_bits == MAN
 
 
 @triton.jit
@@ -63,7 +61,8 @@ def _adam8_kernel(
     ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
-    FIRST_BIAS: tl.constexpr, SECOND_BIAS: tl.constexpr, MAN: tl.constexpr,
+    FIRST_BIAS: tl.constexpr, FIRST_MAN: tl.constexpr, SECOND_BIAS: tl.constexpr,
+    SECOND_MAN: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if HAS_FOUND_INF:
@@ -80,8 +79,8 @@ def _adam8_kernel(
     v_scale = tl.load(scales_ptr + 2 * rows + 1, mask=row_mask, other=0.0)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p = tl.load(param_ptr + offs, mask=mask, other=0.0)
-    m = _decode(tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32), m_scale, FIRST_BIAS, MAN)
-    v = _decode(tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32), v_scale, SECOND_BIAS, MAN)
+    m = _decode(tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32), m_scale, FIRST_BIAS, FIRST_MAN)
+    v = _decode(tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32), v_scale, SECOND_BIAS, SECOND_MAN)
     p, m, v, _ = _adam_update(p, g, m, v, v, lr, t, grad_scale_ptr, clip_coef_ptr,
                               beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
                               ADAMW, False, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
@@ -91,8 +90,8 @@ def _adam8_kernel(
     # Elements past the end were stepped from zeros: their moments are zero, no scale's.
     m_scale, m_inv = _scale_of(m)
     v_scale, v_inv = _scale_of(v)
-    tl.store(m_ptr + offs, _encode(m, m_inv, FIRST_BIAS, MAN, True).to(tl.int8), mask=mask)
-    tl.store(v_ptr + offs, _encode(v, v_inv, SECOND_BIAS, MAN, False).to(tl.uint8), mask=mask)
+    tl.store(m_ptr + offs, _encode(m, m_inv, FIRST_BIAS, FIRST_MAN, True).to(tl.int8), mask=mask)
+    tl.store(v_ptr + offs, _encode(v, v_inv, SECOND_BIAS, SECOND_MAN, False).to(tl.uint8), mask=mask)
     tl.store(scales_ptr + 2 * rows, m_scale, mask=row_mask)
     tl.store(scales_ptr + 2 * rows + 1, v_scale, mask=row_mask)
 
@@ -142,6 +141,7 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
         PARAM_LP_BF16=param_lp is not None and param_lp.dtype == torch.bfloat16,
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
         HAS_CLIP=clip_coef is not None,
-        FIRST_BIAS=quant.FIRST.bias, SECOND_BIAS=quant.SECOND.bias, MAN=MAN,
+        FIRST_BIAS=quant.FIRST.bias, FIRST_MAN=quant.FIRST.man_bits,
+        SECOND_BIAS=quant.SECOND.bias, SECOND_MAN=quant.SECOND.man_bits,
         ROWS=rows, BLOCK=quant.BLOCK, num_warps=warps,
     )

@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Low-bit optimizer state, by what it trains to: the project's GPT (``zero_triton.tools.gpt``)
+trained from the same weights on the same batches of real text with each optimizer, and
+the final loss against fp32 AdamW's.
+
+The text: the Python standard library's own source (the ``.py`` files at the top of the
+running interpreter's ``Lib/``, sorted by name), byte by byte (a vocabulary of 256): real,
+structured text every Python ships, on which a small model's loss falls from ln 256 = 5.5
+to about 1.5 within a few thousand steps. The last ``--val-frac`` of it is held out.
+
+Rows (each when it can run here):
+
+  torch fp32      torch.optim.AdamW (the reference the ratios are to)
+  zt fp32         zero_triton FusedAdamW, fp32 moments
+  zt int8         FusedAdamW(moments="int8")
+  bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
+                  elements keep 32-bit state)
+  torchao 8bit    torchao.optim.AdamW8bit
+
+Reported: the training loss averaged over the last ``--tail`` steps, the validation loss
+at the end (``--val-batches`` fixed batches), each over torch fp32's, and the state bytes
+per parameter. Curves go to a PNG (with matplotlib), the table to a CSV and JSON, in
+``--out`` (bench/results/lowbit).
+
+    python bench/lowbit_quality.py                  # 2,000 steps, about 10 minutes on 2 cores
+    python bench/lowbit_quality.py --steps 300 --rows torch_fp32,zt_int8
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from zero_triton import FusedAdamW  # noqa: E402
+from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
+
+ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "bnb_8bit", "torchao_8bit")
+LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
+          "bnb_8bit": "bnb 8bit", "torchao_8bit": "torchao 8bit"}
+
+
+def corpus(max_bytes: int) -> torch.Tensor:
+    """The standard library's top-level sources, concatenated, as bytes (uint8 tokens)."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    data, total = [], 0
+    for path in files:
+        with open(path, "rb") as f:
+            chunk = f.read()
+        data.append(chunk)
+        total += len(chunk)
+        if total >= max_bytes:
+            break
+    raw = b"".join(data)[:max_bytes]
+    if len(raw) < 100_000:
+        raise SystemExit(f"the standard library's sources here hold {len(raw):,} bytes; "
+                         "need at least 100,000")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+
+
+def batches(tokens: torch.Tensor, batch: int, seq: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=gen)
+        idx = torch.stack([tokens[s:s + seq] for s in starts])
+        tgt = torch.stack([tokens[s + 1:s + seq + 1] for s in starts])
+        yield idx, tgt
+
+
+def make_optimizer(row: str, params, lr: float, wd: float):
+    if row == "torch_fp32":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd)
+    if row == "zt_fp32":
+        return FusedAdamW(params, lr=lr, weight_decay=wd)
+    if row == "zt_int8":
+        return FusedAdamW(params, lr=lr, weight_decay=wd, moments="int8")
+    if row == "bnb_8bit":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=wd)
+    if row == "torchao_8bit":
+        from torchao.optim import AdamW8bit
+        return AdamW8bit(params, lr=lr, weight_decay=wd)
+    raise ValueError(f"unknown row {row!r}; choose from {ROWS}")
+
+
+def state_bytes(opt) -> int:
+    """The optimizer's own tensors (tensor subclasses by their inner tensors)."""
+    if hasattr(opt, "memory_report"):
+        report = opt.memory_report()
+        return report["master"] + report["moments"]
+    seen, total = set(), 0
+    for entry in opt.state.values():
+        for v in entry.values():
+            if not isinstance(v, torch.Tensor) or v.numel() <= 1:
+                continue
+            inner = [getattr(v, a) for a in v.__tensor_flatten__()[0]] \
+                if hasattr(v, "__tensor_flatten__") else [v]
+            for t in inner:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model, val, args) -> float:
+    model.eval()
+    it = batches(val, args.batch, args.seq, seed=12345)
+    total = 0.0
+    for _ in range(args.val_batches):
+        idx, tgt = next(it)
+        total += model(idx, tgt)[1].item()
+    model.train()
+    return total / args.val_batches
+
+
+def train(row: str, train_tokens, val, config, args) -> dict:
+    model = build_gpt(config, dtype=torch.float32, seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(row, params, args.lr, args.weight_decay)
+    it = batches(train_tokens, args.batch, args.seq, seed=1)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        idx, tgt = next(it)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup)  # linear warm-up, then constant
+        for g in opt.param_groups:
+            if isinstance(g["lr"], torch.Tensor):  # torchao keeps lr as a tensor
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
+        _, loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            break
+    seconds = time.perf_counter() - t0
+    n = sum(p.numel() for p in params)
+    tail = losses[-args.tail:]
+    return {"row": row, "label": LABELS[row], "losses": losses, "seconds": seconds,
+            "train_loss": sum(tail) / len(tail), "val_loss": evaluate(model, val, args),
+            "state_bytes_per_param": state_bytes(opt) / n, "params": n}
+
+
+def write_png(results, path, args) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'zero_triton[bench]')"
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(11, 4))
+    k = max(1, args.tail // 5)
+    for r in results:
+        raw = r["losses"]
+        smooth = [sum(raw[max(0, i - k + 1):i + 1]) / len(raw[max(0, i - k + 1):i + 1])
+                  for i in range(len(raw))]
+        ax.plot(smooth, label=r["label"], linewidth=1)
+        start = len(smooth) // 2
+        zoom.plot(range(start, len(smooth)), smooth[start:], label=r["label"], linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss ({k}-step mean)")
+    zoom.set_xlabel("step (second half)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"GPT {results[0]['params']:,} params on Python's stdlib source (bytes)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def format_table(results) -> str:
+    ref = next((r for r in results if r["row"] == "torch_fp32"), results[0])
+    lines = [f"{'':<14}{'train loss':>11}{'x ref':>8}{'val loss':>10}{'x ref':>8}"
+             f"{'state B/param':>15}{'s':>7}"]
+    for r in results:
+        lines.append(f"{r['label']:<14}{r['train_loss']:>11.4f}"
+                     f"{r['train_loss'] / ref['train_loss']:>8.4f}{r['val_loss']:>10.4f}"
+                     f"{r['val_loss'] / ref['val_loss']:>8.4f}"
+                     f"{r['state_bytes_per_param']:>15.3f}{r['seconds']:>7.0f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"comma-separated, from {', '.join(ROWS)}")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--tail", type=int, default=100, help="steps the final loss averages")
+    parser.add_argument("--val-batches", type=int, default=50)
+    parser.add_argument("--val-frac", type=float, default=0.1)
+    parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "results", "lowbit"))
+    args = parser.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        parser.error(f"unknown rows {bad}; choose from {', '.join(ROWS)}")
+    if args.steps < args.tail:
+        parser.error(f"--steps ({args.steps}) must be at least --tail ({args.tail})")
+    args.rows = rows
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    tokens = corpus(args.corpus_bytes)
+    cut = int(tokens.numel() * (1 - args.val_frac))
+    train_tokens, val = tokens[:cut], tokens[cut:]
+    config = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers,
+                       n_head=args.heads, n_embd=args.width)
+    results = []
+    for row in args.rows:
+        try:
+            results.append(train(row, train_tokens, val, config, args))
+        except ImportError as exc:
+            print(f"{LABELS[row]}: skipped ({exc})", file=sys.stderr)
+            continue
+        r = results[-1]
+        print(f"{r['label']}: train {r['train_loss']:.4f}, val {r['val_loss']:.4f} "
+              f"({r['seconds']:.0f} s)", flush=True)
+    print(f"\n{args.steps} steps, batch {args.batch} x {args.seq} bytes, "
+          f"{tokens.numel():,} bytes of text ({cut:,} train)")
+    print(format_table(results))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "quality.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["row", "train_loss", "val_loss", "state_bytes_per_param", "seconds"])
+        for r in results:
+            w.writerow([r["row"], r["train_loss"], r["val_loss"], r["state_bytes_per_param"],
+                        r["seconds"]])
+    with open(os.path.join(args.out, "quality.json"), "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f)
+    why = write_png(results, os.path.join(args.out, "quality.png"), args)
+    print(f"wrote {args.out}/quality.csv, .json" + (f"; no PNG: {why}" if why else ", .png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
