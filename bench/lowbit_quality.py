@@ -13,6 +13,7 @@ Rows (each when it can run here):
   torch fp32      torch.optim.AdamW (the reference the ratios are to)
   zt fp32         zero_triton FusedAdamW, fp32 moments
   zt int8         FusedAdamW(moments="int8")
+  zt bf16         FusedAdamW(moments="bf16"): bfloat16 moments, stochastic rounding
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
                   elements keep 32-bit state)
   torchao 8bit    torchao.optim.AdamW8bit
@@ -44,9 +45,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from zero_triton import FusedAdamW  # noqa: E402
 from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 
-ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "bnb_8bit", "torchao_8bit")
+ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "bnb_8bit", "torchao_8bit")
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
-          "bnb_8bit": "bnb 8bit", "torchao_8bit": "torchao 8bit"}
+          "zt_bf16": "zt bf16", "bnb_8bit": "bnb 8bit", "torchao_8bit": "torchao 8bit"}
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -83,6 +84,8 @@ def make_optimizer(row: str, params, lr: float, wd: float):
         return FusedAdamW(params, lr=lr, weight_decay=wd)
     if row == "zt_int8":
         return FusedAdamW(params, lr=lr, weight_decay=wd, moments="int8")
+    if row == "zt_bf16":
+        return FusedAdamW(params, lr=lr, weight_decay=wd, moments="bf16")
     if row == "bnb_8bit":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=wd)

@@ -153,13 +153,13 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   adam_step_cpu(s);
 }
 
-// moments="int8": the same step over 8-bit codes and their blocks' scales (quant.h).
-void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
-                at::Tensor exp_avg_sq_codes, at::Tensor scales, std::optional<at::Tensor> param_lp,
-                at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
-                double weight_decay, bool adamw, bool maximize,
-                std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
-                std::optional<at::Tensor> clip_coef) {
+// The checks every step over low-bit moments shares (adam_step's, less the moments).
+at::DeviceType check_low_bit(const at::Tensor& param, const at::Tensor& grad,
+                             const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
+                             const at::Tensor& lr, const std::optional<at::Tensor>& grad_scale,
+                             const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::Tensor>& clip_coef, double beta1,
+                             double beta2, double eps, double weight_decay) {
   TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
                        param.is_contiguous() && param.dim() == 1,
                    "`param` must be flat, float32 and contiguous, got ", describe(param));
@@ -173,15 +173,6 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
               "ZERO_TRITON_BUILD_EXT=1 on a machine with nvcc for CUDA)");
 #endif
   check_flat(grad, "grad", {at::kFloat, at::kHalf, at::kBFloat16}, param);
-  check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
-  check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
-  const int64_t blocks = (param.numel() + 255) / 256;
-  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                       scales.dim() == 2 && scales.size(0) == blocks && scales.size(1) == 2,
-                   "`scales` must be a contiguous float32 [", blocks, ", 2] tensor (first, "
-                   "second moment per block of 256), got ", describe(scales));
-  TORCH_CHECK(scales.device() == param.device(), "`scales` is on ", scales.device(),
-              " but `param` is on ", param.device());
   if (param_lp) check_flat(*param_lp, "param_lp", {at::kHalf, at::kBFloat16}, param);
   check_scalar(step, "step", param);
   check_scalar(lr, "lr", param);
@@ -194,20 +185,19 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                     eps);
   TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
                     "`weight_decay` must be >= 0 and finite, got ", weight_decay);
-  std::vector<std::pair<const char*, const at::Tensor*>> written = {
-      {"param", &param}, {"exp_avg_codes", &exp_avg_codes},
-      {"exp_avg_sq_codes", &exp_avg_sq_codes}, {"scales", &scales}};
-  if (param_lp) written.push_back({"param_lp", &*param_lp});
-  auto all = written;
-  all.push_back({"grad", &grad});
-  check_no_overlap(written, all);
+  return dev;
+}
 
+AdamStep low_bit_step(const at::Tensor& param, const at::Tensor& grad,
+                      const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
+                      const at::Tensor& lr, double beta1, double beta2, double eps,
+                      double weight_decay, bool adamw, bool maximize,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& clip_coef) {
   AdamStep s;
   s.param = param;
   s.grad = grad;
-  s.exp_avg_codes = exp_avg_codes;
-  s.exp_avg_sq_codes = exp_avg_sq_codes;
-  s.scales = scales;
   s.param_lp = param_lp;
   s.step = step;
   s.lr = lr;
@@ -220,13 +210,80 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
   s.weight_decay = weight_decay;
   s.adamw = adamw;
   s.maximize = maximize;
+  return s;
+}
+
+void launch(const AdamStep& s, at::DeviceType dev) {
 #ifdef ZERO_TRITON_WITH_CUDA
   if (dev == at::kCUDA) {
     adam_step_cuda(s);
     return;
   }
 #endif
+  (void)dev;
   adam_step_cpu(s);
+}
+
+// moments="int8": the same step over 8-bit codes and their blocks' scales (quant.h).
+void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
+                at::Tensor exp_avg_sq_codes, at::Tensor scales, std::optional<at::Tensor> param_lp,
+                at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
+                double weight_decay, bool adamw, bool maximize,
+                std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
+                std::optional<at::Tensor> clip_coef) {
+  const auto dev = check_low_bit(param, grad, param_lp, step, lr, grad_scale, found_inf,
+                                 clip_coef, beta1, beta2, eps, weight_decay);
+  check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
+  check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
+  const int64_t blocks = (param.numel() + 255) / 256;
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                       scales.dim() == 2 && scales.size(0) == blocks && scales.size(1) == 2,
+                   "`scales` must be a contiguous float32 [", blocks, ", 2] tensor (first, "
+                   "second moment per block of 256), got ", describe(scales));
+  TORCH_CHECK(scales.device() == param.device(), "`scales` is on ", scales.device(),
+              " but `param` is on ", param.device());
+  std::vector<std::pair<const char*, const at::Tensor*>> written = {
+      {"param", &param}, {"exp_avg_codes", &exp_avg_codes},
+      {"exp_avg_sq_codes", &exp_avg_sq_codes}, {"scales", &scales}};
+  if (param_lp) written.push_back({"param_lp", &*param_lp});
+  auto all = written;
+  all.push_back({"grad", &grad});
+  check_no_overlap(written, all);
+  AdamStep s = low_bit_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+                            adamw, maximize, grad_scale, found_inf, clip_coef);
+  s.exp_avg_codes = exp_avg_codes;
+  s.exp_avg_sq_codes = exp_avg_sq_codes;
+  s.scales = scales;
+  launch(s, dev);
+}
+
+// moments="bf16": the same step over bfloat16 moments, rounded stochastically by a
+// generator keyed by (seed, step, moment, index + element) (rounding.h).
+void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                    std::optional<at::Tensor> param_lp, at::Tensor step, at::Tensor lr,
+                    double beta1, double beta2, double eps, double weight_decay, bool adamw,
+                    bool maximize, std::optional<at::Tensor> grad_scale,
+                    std::optional<at::Tensor> found_inf, std::optional<at::Tensor> clip_coef,
+                    int64_t seed, int64_t index) {
+  const auto dev = check_low_bit(param, grad, param_lp, step, lr, grad_scale, found_inf,
+                                 clip_coef, beta1, beta2, eps, weight_decay);
+  check_flat(exp_avg, "exp_avg", {at::kBFloat16}, param);
+  check_flat(exp_avg_sq, "exp_avg_sq", {at::kBFloat16}, param);
+  TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), got ",
+                    index);
+  std::vector<std::pair<const char*, const at::Tensor*>> written = {
+      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  if (param_lp) written.push_back({"param_lp", &*param_lp});
+  auto all = written;
+  all.push_back({"grad", &grad});
+  check_no_overlap(written, all);
+  AdamStep s = low_bit_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+                            adamw, maximize, grad_scale, found_inf, clip_coef);
+  s.exp_avg_bf16 = exp_avg;
+  s.exp_avg_sq_bf16 = exp_avg_sq;
+  s.seed = seed;
+  s.index = index;
+  launch(s, dev);
 }
 
 // Index of the first parameter whose .grad is not its view of the flat grad buffer, or
@@ -335,6 +392,12 @@ AdamArgs args_of(const AdamStep& s) {
   a.exp_avg_codes = s.exp_avg_codes ? s.exp_avg_codes->data_ptr<int8_t>() : nullptr;
   a.exp_avg_sq_codes = s.exp_avg_sq_codes ? s.exp_avg_sq_codes->data_ptr<uint8_t>() : nullptr;
   a.scales = s.scales ? s.scales->data_ptr<float>() : nullptr;
+  a.exp_avg_bf16 = s.exp_avg_bf16
+      ? reinterpret_cast<uint16_t*>(s.exp_avg_bf16->data_ptr<at::BFloat16>()) : nullptr;
+  a.exp_avg_sq_bf16 = s.exp_avg_sq_bf16
+      ? reinterpret_cast<uint16_t*>(s.exp_avg_sq_bf16->data_ptr<at::BFloat16>()) : nullptr;
+  a.seed = uint32_t(s.seed);
+  a.index = s.index;
   a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
   a.param_lp = s.param_lp ? s.param_lp->data_ptr() : nullptr;
   a.numel = s.param.numel();
@@ -391,6 +454,17 @@ All tensors on param's device; scalars are read there (no host sync on CUDA).)do
 exp_avg_codes: int8 [n]; exp_avg_sq_codes: uint8 [n]; scales: float32 [ceil(n/256), 2],
 each block's (first, second) scale (zero_triton/kernels/quant.py defines the codes).
 The range starts on a block boundary. Everything else as adam_step (no amsgrad).)doc");
+  m.def("adam_bf16_step", &zero_triton::adam_bf16_step, py::arg("param"), py::arg("grad"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_lp"), py::arg("step"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adamw"), py::arg("maximize"),
+        py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
+        py::arg("clip_coef") = py::none(), py::arg("seed") = 0, py::arg("index") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        R"doc(adam_step over bfloat16 moments (moments="bf16"), in place (CPU or CUDA).
+
+exp_avg, exp_avg_sq: bfloat16 [n], written back by stochastic rounding whose bits hash
+(seed, step, moment, index + i) (zero_triton/kernels/rounding.py). No amsgrad.)doc");
   m.def("first_foreign_grad", &zero_triton::first_foreign_grad, py::arg("params"),
         py::arg("views"),
         "Index of the first parameter whose .grad is not views[i] (same tensor), or -1.");

@@ -27,6 +27,9 @@ struct AdamStep {
   // moments="int8" (quant.h): exp_avg / exp_avg_sq undefined, these defined instead:
   // int8 [n], uint8 [n], float32 [ceil(n / 256), 2].
   std::optional<at::Tensor> exp_avg_codes, exp_avg_sq_codes, scales;
+  // moments="bf16" (rounding.h): bfloat16 [n] each, and the keys of their rounding.
+  std::optional<at::Tensor> exp_avg_bf16, exp_avg_sq_bf16;
+  int64_t seed = 0, index = 0;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool adamw = false, amsgrad = false, maximize = false;
 };

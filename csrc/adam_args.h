@@ -46,6 +46,13 @@ struct AdamArgs {
   int8_t* exp_avg_codes;
   uint8_t* exp_avg_sq_codes;
   float* scales;
+  // moments="bf16" (rounding.h): exp_avg / exp_avg_sq above are nullptr, these hold the
+  // bfloat16 moments; `seed` and `index` (the canonical index of element 0) key the
+  // stochastic rounding. nullptr otherwise.
+  uint16_t* exp_avg_bf16;
+  uint16_t* exp_avg_sq_bf16;
+  uint32_t seed;
+  int64_t index;
 };
 
 // The scalars of one step, computed once from the arguments. The bias corrections are

@@ -356,7 +356,9 @@ MANY_PARAMETERS = {
     "kernels/adam.py": {"_adam_kernel", "_adam_list_kernel", "_step_block", "_adam_update",
                         "adam_step", "adam_step_list"},
     "native/ops.py": {"adam_step_", "_"}, "native/backends.py": {"torch_step", "native_step", "torch_step_int8",
-                                                          "native_step_int8"},
+                                                          "native_step_int8", "torch_step_bf16",
+                                                          "native_step_bf16"},
+    "kernels/adam_bf16.py": {"_adam_bf16_kernel", "adam_bf16_step"},
     "kernels/adam8.py": {"_adam8_kernel", "adam8_step"},
     "reference.py": {"torch_adam_step_"},
 }

@@ -23,6 +23,7 @@ struct IsaChoice {
   const char* name;
   AdamRangeFn fn;
   AdamRangeFn fn8;  // moments="int8", over blocks
+  AdamRangeFn fn16;  // moments="bf16"
 };
 
 IsaChoice best_isa() {
@@ -30,14 +31,17 @@ IsaChoice best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
-    return {"avx512", cpu::isa_avx512::adam_range, cpu::isa_avx512::adam8_range};
+    return {"avx512", cpu::isa_avx512::adam_range, cpu::isa_avx512::adam8_range,
+            cpu::isa_avx512::adam_bf16_range};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    return {"avx2", cpu::isa_avx2::adam_range, cpu::isa_avx2::adam8_range};
+    return {"avx2", cpu::isa_avx2::adam_range, cpu::isa_avx2::adam8_range,
+            cpu::isa_avx2::adam_bf16_range};
   }
 #endif
-  return {"default", cpu::isa_default::adam_range, cpu::isa_default::adam8_range};
+  return {"default", cpu::isa_default::adam_range, cpu::isa_default::adam8_range,
+            cpu::isa_default::adam_bf16_range};
 }
 
 // Test hook only: -1 = automatic, otherwise an index into the variants below.
@@ -46,10 +50,13 @@ std::atomic<int> forced_isa{-1};
 IsaChoice current_isa() {
   static const IsaChoice best = best_isa();
   switch (forced_isa.load(std::memory_order_relaxed)) {
-    case 0: return {"default", cpu::isa_default::adam_range, cpu::isa_default::adam8_range};
+    case 0: return {"default", cpu::isa_default::adam_range, cpu::isa_default::adam8_range,
+            cpu::isa_default::adam_bf16_range};
 #if defined(__x86_64__) && defined(__GNUC__)
-    case 1: return {"avx2", cpu::isa_avx2::adam_range, cpu::isa_avx2::adam8_range};
-    case 2: return {"avx512", cpu::isa_avx512::adam_range, cpu::isa_avx512::adam8_range};
+    case 1: return {"avx2", cpu::isa_avx2::adam_range, cpu::isa_avx2::adam8_range,
+            cpu::isa_avx2::adam_bf16_range};
+    case 2: return {"avx512", cpu::isa_avx512::adam_range, cpu::isa_avx512::adam8_range,
+            cpu::isa_avx512::adam_bf16_range};
 #endif
     default: return best;
   }
@@ -96,6 +103,12 @@ void adam_step_cpu(const AdamStep& s) {
   a.found_inf = nullptr;    // read above
   const StepScalars scalars = step_scalars(a);  // once per call, in double
 
+  if (a.exp_avg_bf16 != nullptr) {  // moments="bf16"
+    const AdamRangeFn fn16 = current_isa().fn16;
+    at::parallel_for(0, n, kGrainSize,
+                     [&](int64_t begin, int64_t end) { fn16(a, scalars, begin, end); });
+    return;
+  }
   if (a.scales != nullptr) {  // moments="int8": threads split the blocks
     const AdamRangeFn fn8 = current_isa().fn8;
     const int64_t blocks = (n + kQuantBlockElems - 1) / kQuantBlockElems;

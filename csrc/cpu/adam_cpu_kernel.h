@@ -23,6 +23,7 @@ namespace {
 
 #include "../adam_element.h"
 #include "../quant.h"
+#include "../rounding.h"
 
 inline uint32_t bits_of(float f) {
   uint32_t u;
@@ -180,6 +181,42 @@ __attribute__((noinline)) void adam8_loop(const StepScalars& scalars, float* __r
   }
 }
 
+// moments="bf16": adam_loop over bfloat16 moments, written back by stochastic rounding
+// keyed by (seed, step, stream, canonical index).
+template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE>
+__attribute__((noinline)) void adam_bf16_loop(const StepScalars& scalars, float* __restrict__ p,
+                                              const void* __restrict__ g,
+                                              uint16_t* __restrict__ m, uint16_t* __restrict__ v,
+                                              uint16_t* __restrict__ lp, uint32_t key_m,
+                                              uint32_t key_v, uint64_t index, int64_t begin,
+                                              int64_t end) {
+  const StepScalars s = scalars;
+  for (int64_t i = begin; i < end; ++i) {
+    float pi = p[i], mi = bf16_to_float(m[i]), vi = bf16_to_float(v[i]), unused = 0.0f;
+    adam_element<L2, false, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, unused);
+    p[i] = pi;
+    m[i] = bf16_stochastic(mi, random_bits(key_m, index + uint64_t(i)));
+    v[i] = bf16_stochastic(vi, random_bits(key_v, index + uint64_t(i)));
+    if constexpr (LP_DT == kFloat16) lp[i] = float_to_half(pi);
+    if constexpr (LP_DT == kBFloat16) lp[i] = float_to_bf16(pi);
+  }
+}
+
+struct LoopBf16 {
+  const AdamArgs& a;
+  const StepScalars& s;
+  int64_t begin, end;
+
+  template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
+  void run() {  // AMSGRAD: refused for bf16 moments before any launch
+    const uint32_t step = uint32_t(*a.step);
+    adam_bf16_loop<GRAD_DT, LP_DT, L2, UNSCALE>(
+        s, a.param, a.grad, a.exp_avg_bf16, a.exp_avg_sq_bf16, static_cast<uint16_t*>(a.param_lp),
+        rounding_key(a.seed, step, kFirstStream), rounding_key(a.seed, step, kSecondStream),
+        uint64_t(a.index), begin, end);
+  }
+};
+
 struct Loop8 {
   const AdamArgs& a;
   const StepScalars& s;
@@ -204,6 +241,11 @@ void adam_range(const AdamArgs& a, const StepScalars& s, int64_t begin, int64_t 
 void adam8_range(const AdamArgs& a, const StepScalars& s, int64_t block_begin,
                  int64_t block_end) {
   Loop8 loop{a, s, block_begin, block_end};
+  dispatch</*kAlwaysUnscale=*/false>(a, loop);
+}
+
+void adam_bf16_range(const AdamArgs& a, const StepScalars& s, int64_t begin, int64_t end) {
+  LoopBf16 loop{a, s, begin, end};
   dispatch</*kAlwaysUnscale=*/false>(a, loop);
 }
 

@@ -27,8 +27,9 @@ void adam_step_cuda(const AdamStep& s) {
     num_sms = 0;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = a.scales != nullptr ? cuda::launch_adam8_step(a, num_sms, stream)
-                                              : cuda::launch_adam_step(a, num_sms, stream);
+  const cudaError_t err = a.scales != nullptr         ? cuda::launch_adam8_step(a, num_sms, stream)
+                          : a.exp_avg_bf16 != nullptr ? cuda::launch_adam_bf16_step(a, num_sms, stream)
+                                                      : cuda::launch_adam_step(a, num_sms, stream);
   TORCH_CHECK(err == cudaSuccess, "zero_triton adam_step CUDA launch failed: ",
               cudaGetErrorString(err));
 }

@@ -17,6 +17,7 @@ constexpr int kVec = 4;  // 4 fp32 = 16 bytes per load of param/m/v
 // int8 moment codes (../quant.h).
 #include "../adam_element.h"
 #include "../quant.h"
+#include "../rounding.h"
 
 template <int DT>
 __device__ __forceinline__ float to_float(uint16_t h);
@@ -222,6 +223,44 @@ __global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs 
   }
 }
 
+// moments="bf16": grid-stride over the elements; the moments widened, stepped by
+// adam_element and written back by stochastic rounding (../rounding.h).
+template <int GRAD_DT, int LP_DT, bool L2>
+__global__ void __launch_bounds__(kThreads) adam_bf16_step_kernel(const AdamArgs a) {
+  if (a.found_inf && *a.found_inf != 0.f) return;
+  const StepScalars s = step_scalars(a);
+  const uint32_t step = uint32_t(*a.step);
+  const uint32_t key_m = rounding_key(a.seed, step, kFirstStream);
+  const uint32_t key_v = rounding_key(a.seed, step, kSecondStream);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.numel; i += stride) {
+    float p = a.param[i], unused = 0.f;
+    float m = __uint_as_float(uint32_t(a.exp_avg_bf16[i]) << 16);
+    float v = __uint_as_float(uint32_t(a.exp_avg_sq_bf16[i]) << 16);
+    adam_element<L2, false, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, unused);
+    a.param[i] = p;
+    const uint64_t index = uint64_t(a.index) + uint64_t(i);
+    a.exp_avg_bf16[i] = bf16_stochastic(m, random_bits(key_m, index));
+    a.exp_avg_sq_bf16[i] = bf16_stochastic(v, random_bits(key_v, index));
+    if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+  }
+}
+
+struct LaunchBf16 {
+  const AdamArgs& a;
+  int num_sms;
+  cudaStream_t stream;
+
+  template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
+  cudaError_t run() {  // AMSGRAD: refused for bf16 moments before any launch
+    const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
+    int64_t blocks = (a.numel + kThreads - 1) / kThreads;
+    if (blocks > max_blocks) blocks = max_blocks;
+    adam_bf16_step_kernel<GRAD_DT, LP_DT, L2><<<unsigned(blocks), kThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+};
+
 struct Launch8 {
   const AdamArgs& a;
   int num_sms;
@@ -242,6 +281,12 @@ struct Launch8 {
 cudaError_t launch_adam8_step(const AdamArgs& a, int num_sms, cudaStream_t stream) {
   if (a.numel == 0) return cudaSuccess;
   Launch8 launch{a, num_sms, stream};
+  return dispatch</*kAlwaysUnscale=*/true>(a, launch);
+}
+
+cudaError_t launch_adam_bf16_step(const AdamArgs& a, int num_sms, cudaStream_t stream) {
+  if (a.numel == 0) return cudaSuccess;
+  LaunchBf16 launch{a, num_sms, stream};
   return dispatch</*kAlwaysUnscale=*/true>(a, launch);
 }
 

@@ -17,6 +17,8 @@ namespace cuda {
 cudaError_t launch_adam_step(const AdamArgs& args, int num_sms, cudaStream_t stream);
 // moments="int8" (../quant.h): the codes and scales of `args` instead of fp32 moments.
 cudaError_t launch_adam8_step(const AdamArgs& args, int num_sms, cudaStream_t stream);
+// moments="bf16" (../rounding.h): the bfloat16 moments of `args` and their rounding's keys.
+cudaError_t launch_adam_bf16_step(const AdamArgs& args, int num_sms, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace zero_triton

@@ -13,7 +13,8 @@ parameters 2P, fp16/bf16 gradients 2P, optimizer state K*P with K = 12 (fp32 mas
 Plain fp32 training (``master_dtype="none"``): parameters 4P, gradients 4P, no
 master, moments 8P, so K = 8 and DDP is 16P again.
 
-The moments' format (``moments``, the optimizers' argument): ``"fp32"`` 8P; ``"int8"``
+The moments' format (``moments``, the optimizers' argument): ``"fp32"`` 8P; ``"bf16"``
+4P; ``"int8"``
 one byte per moment plus a float32 scale per moment per block of 256 elements,
 (2 + 8/256)P = 2.03P (``zero_triton.state.int8``).
 
@@ -55,7 +56,7 @@ PRECISIONS = {
     "none": (4, 4, 0, 8),  # plain fp32 training: the parameters are the master
 }
 # moments format -> bytes per parameter of m + v
-MOMENT_BYTES = {"fp32": 8, "int8": 2 + 8 / 256}
+MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256}
 
 
 def _check_count(value, name: str, minimum: int, fix: str) -> int:
@@ -120,7 +121,7 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
 
     ``master_dtype``: ``"fp32"`` (fp16/bf16 params and grads, fp32 master, K = 12) or
     ``"none"`` (plain fp32 training, no separate master, K = 8). ``moments``: the
-    moments' format, ``"fp32"`` (8 bytes per parameter) or ``"int8"`` (2.03).
+    moments' format, ``"fp32"`` (8 bytes per parameter), ``"bf16"`` (4) or ``"int8"`` (2.03).
     Keys: ``params``, ``world_size``, ``master_dtype``, ``moments``, ``K``
     (optimizer-state bytes per parameter), ``stages`` (the list from ``stage_bytes``).
     """

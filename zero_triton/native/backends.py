@@ -80,6 +80,26 @@ def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr
     quant.quantize(v, quant.SECOND, exp_avg_sq, scales[:, 1])
 
 
+def torch_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
+                    beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+                    grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
+                    scratch=None):
+    """The step over bf16 moments (``zero_triton.state.bf16``) in torch ops: widen them,
+    ``torch_step``, round them back stochastically (``zero_triton.kernels.rounding``:
+    keyed by ``seed``, the step, the moment and ``index`` + element). Allocates."""
+    from zero_triton.kernels import rounding
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    m, v = exp_avg.float(), exp_avg_sq.float()
+    torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
+               weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
+               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch)
+    t = int(float(step.item()) if isinstance(step, torch.Tensor) else step)
+    for moment, x, stream in ((exp_avg, m, rounding.FIRST_STREAM), (exp_avg_sq, v, rounding.SECOND_STREAM)):
+        bits = rounding.random_bits(rounding.key(seed, t, stream), index, x.numel(), x.device)
+        moment.copy_(rounding.to_bf16_stochastic(x, bits))
+
+
 def _triton_why_not(device: torch.device) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install triton, Linux only)"
@@ -189,6 +209,19 @@ def _native_step_int8():
     return native_step_int8
 
 
+def _native_step_bf16():
+    from zero_triton.native import ext as _ext
+    native = _ext.load().adam_bf16_step
+
+    def native_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
+                         beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
+                         grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0):
+        native(param, grad, exp_avg, exp_avg_sq, param_lp, step, lr, float(beta1), float(beta2),
+               float(eps), float(weight_decay), bool(adamw), bool(maximize), grad_scale,
+               found_inf, clip_coef, int(seed), int(index))
+    return native_step_bf16
+
+
 def _triton_step():
     from zero_triton.kernels.adam import adam_step
     return adam_step
@@ -197,6 +230,11 @@ def _triton_step():
 def _triton_step_int8():
     from zero_triton.kernels.adam8 import adam8_step
     return adam8_step
+
+
+def _triton_step_bf16():
+    from zero_triton.kernels.adam_bf16 import adam_bf16_step
+    return adam_bf16_step
 
 
 def _triton_step_list():
@@ -216,6 +254,10 @@ STEPS = {
     ("cpu", "int8"): (_native_step_int8, None),
     ("cuda", "int8"): (_native_step_int8, None),
     ("torch", "int8"): (lambda: torch_step_int8, None),
+    ("triton", "bf16"): (_triton_step_bf16, None),
+    ("cpu", "bf16"): (_native_step_bf16, None),
+    ("cuda", "bf16"): (_native_step_bf16, None),
+    ("torch", "bf16"): (lambda: torch_step_bf16, None),
 }
 
 

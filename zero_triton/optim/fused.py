@@ -37,8 +37,9 @@ class FusedAdam(torch.optim.Optimizer):
         master_weights: None (default) keeps an fp32 master for fp16/bf16 parameters;
             fp32 parameters are their own master.
         backend: "auto" | "triton" | "cuda" | "cpu" | "torch" (see zero_triton.native.backends).
-        moments: "fp32" (default, torch's state) | "int8" (block-scaled 8-bit codes, 2.03
-            bytes per parameter for both moments: zero_triton.state.int8).
+        moments: "fp32" (default, torch's state) | "bf16" (4 bytes per parameter for both
+            moments, stochastic rounding: zero_triton.state.bf16) | "int8" (block-scaled
+            8-bit codes, 2.03 bytes: zero_triton.state.int8).
 
     The parameters' storage moves into flat buffers at construction (a later
     ``model.to(device, dtype)`` is followed at the next step). ``zero_grad`` is torch's:

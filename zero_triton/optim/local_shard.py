@@ -310,9 +310,11 @@ class LocalShard(FlatShard):
             for k in members:
                 master, *moments = slots[k]
                 param = self.param_parts[k]
+                lo, hi, s0 = self.segments[k]
                 if self.scratch is not None:  # the torch backend's work space
-                    lo, hi, s0 = self.segments[k]
                     kwargs = {**plan["kwargs"], "scratch": self.scratch[s0:s0 + hi - lo]}
+                if st.moments.keyed:  # this rank's local shards: the engine's placement
+                    kwargs = {**kwargs, "seed": self.key, "index": s0}
                 self.step_fn(param if master is None else master, grads[k], *moments,
                              param if self.has_master else None, st.step_of(k), self.lr, **kwargs)
             return

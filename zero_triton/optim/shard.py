@@ -284,6 +284,10 @@ class FlatShard:
         if self.backend == "torch":
             kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
         st = self.state
+        if st.moments.keyed:  # rounding keyed by the element's place in the canonical layout
+            bucket = self.layout.buckets[k]
+            index = bucket.canonical_start + self.segments[k][0] - bucket.start + a
+            kwargs = {**kwargs, "seed": self.key, "index": index}
         param = self.param_parts[k][a:b]
         master = st.master[s0 + a:s0 + b] if st.master is not None else param
         self.step_fn(master, self.buckets[k].averaged()[a:b],

@@ -61,9 +61,9 @@ class ZeroAdam(FusedAdam, Joinable):
         process_group: the group to shard over (default: the world group).
         reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
             grads); default the gradient's own dtype.
-        moments: "fp32" (default) | "int8": the Adam moments' format, as FusedAdam's;
-            int8's blocks are the layout's, so the result does not depend on the world
-            size or the bucket size (bitwise).
+        moments: "fp32" (default) | "bf16" | "int8": the Adam moments' format, as
+            FusedAdam's; int8's blocks and bf16's rounding are keyed by the layout, so the
+            result does not depend on the world size or the bucket size (bitwise).
         stage: 1 (default): the optimizer state is sharded, each rank keeps the full
             local gradients. 2: the gradients too: each bucket's gradients are handed
             to the optimizer as backward produces them (``.grad`` is None afterwards)

@@ -39,6 +39,7 @@ class Int8Moments:
     format = "int8"
     align = ALIGN
     live = False  # export() is a dequantized copy
+    keyed = False  # its rounding is to nearest: the step takes no element index
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
         if amsgrad:

@@ -6,7 +6,8 @@ compute dtype (float32; float64 for float64 parameters). Its export is the stora
 itself, so ``opt.state`` and ``state_dict()`` hand out views of the live state, as torch
 does.
 
-``int8``: block-scaled 8-bit codes (``zero_triton.state.int8``).
+``int8``: block-scaled 8-bit codes (``zero_triton.state.int8``); ``bf16``: bfloat16
+moments written by stochastic rounding (``zero_triton.state.bf16``).
 
 A format is added by a class here (or a module of its own) registered in ``FORMATS``
 and its kernels in ``zero_triton.native.backends``; ``ShardState`` makes the one the
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from .bf16 import Bf16Moments
 from .flat import ALIGN
 from .int8 import Int8Moments
 from .keys import FIRST, KEYS, MAXIMUM, SECOND
 
-__all__ = ["FIRST", "SECOND", "MAXIMUM", "KEYS", "FORMATS", "Fp32Moments", "Int8Moments", "make"]
+__all__ = ["FIRST", "SECOND", "MAXIMUM", "KEYS", "FORMATS", "Fp32Moments", "Bf16Moments",
+           "Int8Moments", "make"]
 
 
 class Fp32Moments:
@@ -29,6 +32,7 @@ class Fp32Moments:
     format = "fp32"
     align = ALIGN  # the flat layout's alignment this format needs
     live = True    # export() is the storage itself
+    keyed = False  # the step takes no element index
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
         self.numel, self.dtype, self.device = numel, dtype, device
@@ -82,7 +86,7 @@ class Fp32Moments:
         self.commit(mine)
 
 
-FORMATS = {cls.format: cls for cls in (Fp32Moments, Int8Moments)}
+FORMATS = {cls.format: cls for cls in (Fp32Moments, Bf16Moments, Int8Moments)}
 
 
 def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):

@@ -19,7 +19,9 @@ checkpoint layer reach the moments only through it:
 - ``align``: the flat layout's alignment the format needs (every parameter, bucket and
   shard starts on a multiple of it: a block-quantized format's blocks are then the
   layout's, never a shard's); ``live``: whether ``export()`` is the storage itself
-  (``opt.state`` then holds views of it, as torch.optim.Adam's state).
+  (``opt.state`` then holds views of it, as torch.optim.Adam's state); ``keyed``: whether
+  its kernels round by a generator keyed by element, and so take ``seed`` (the flat
+  buffer's number) and ``index`` (the canonical index of the run's first element).
 
 This module imports nothing of the package (``tests/test_layers.py`` holds it to that).
 """
@@ -37,6 +39,7 @@ class MomentStore(Protocol):
     numel: int          # state elements of the shard
     align: int          # the flat layout's alignment (elements) the format needs
     live: bool          # export() returns the storage itself, not a copy
+    keyed: bool         # the step takes ``seed`` and ``index`` (its rounding is keyed by element)
 
     @property
     def amsgrad(self) -> bool:

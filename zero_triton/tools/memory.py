@@ -179,8 +179,8 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
                         help="fp32: bf16/fp16 params + fp32 master (default); "
                              "none: plain fp32 training")
     parser.add_argument("--moments", choices=sorted(MOMENT_BYTES), default="fp32",
-                        help="the Adam moments' format: fp32 (8 bytes per parameter, default) "
-                             "or int8 (2.03: block-scaled 8-bit codes)")
+                        help="the Adam moments' format: fp32 (8 bytes per parameter, default), "
+                             "bf16 (4) or int8 (2.03: block-scaled 8-bit codes)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with a 'stages' list")
     parser.add_argument("--measure", action="store_true",

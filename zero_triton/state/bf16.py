@@ -1,0 +1,84 @@
+"""``moments="bf16"``: the Adam moments of a shard in bfloat16, 4 bytes per parameter for
+both where ``fp32`` takes 8, written back by stochastic rounding
+(``zero_triton.kernels.rounding``).
+
+Round-to-nearest cannot move a bf16 value by less than half its last place, 0.2-0.4% of
+it, and ``exp_avg_sq`` moves by ``1 - beta2`` = 0.1% a step: it would stop decaying.
+Rounding up with the probability of the fraction dropped keeps each moment's expected
+value exact. The random bits are a hash of (the flat buffer's number, the step, the
+moment, the element's index in the canonical layout): the same at every world size and
+bucket size, so ZeroAdam's result does not depend on them, and a resumed run continues
+bit for bit. (DTensor parameters: the index is the element's place in this rank's local
+shards, which the engine picks.)
+
+Kernel operands: exp_avg and exp_avg_sq (bfloat16) and None; the step also takes
+``seed`` and ``index`` (the canonical index of the run's first element), which the
+optimizer passes to formats whose ``keyed`` is True. ``export`` is a float32 copy;
+``commit`` rounds what was written to nearest (an edit or a load is not a step).
+What it cannot store: amsgrad's running maximum, float64 moments.
+"""
+from __future__ import annotations
+
+import torch
+
+from .flat import ALIGN
+from .keys import FIRST, SECOND
+
+
+class Bf16Moments:
+    """exp_avg and exp_avg_sq of a shard in bfloat16."""
+
+    format = "bf16"
+    align = ALIGN
+    live = False   # export() is a float32 copy
+    keyed = True   # the step's rounding is keyed by element index
+
+    def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
+        if amsgrad:
+            raise ValueError(refusal("amsgrad=True"))
+        if dtype != torch.float32:
+            raise ValueError(refusal(f"{dtype} parameters"))
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.exp_avg = torch.zeros(numel, dtype=torch.bfloat16, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=torch.bfloat16, device=device)
+
+    @property
+    def amsgrad(self) -> bool:
+        return False
+
+    def ensure_amsgrad(self) -> bool:
+        raise ValueError(refusal("amsgrad=True"))
+
+    def operands(self, a: int, b: int, amsgrad: bool) -> tuple:
+        if amsgrad:
+            raise ValueError(refusal("amsgrad=True"))
+        return self.exp_avg[a:b], self.exp_avg_sq[a:b], None
+
+    def reset(self, amsgrad: bool | None = None) -> None:
+        if amsgrad:
+            raise ValueError(refusal("amsgrad=True"))
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+
+    def export(self) -> dict:
+        return {FIRST: self.exp_avg.float(), SECOND: self.exp_avg_sq.float()}
+
+    def commit(self, exported: dict) -> None:
+        self.exp_avg.copy_(exported[FIRST])
+        self.exp_avg_sq.copy_(exported[SECOND])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.storage())
+
+    def storage(self) -> list:
+        return [self.exp_avg, self.exp_avg_sq]
+
+    def carry_over(self, old) -> None:
+        self.commit({k: v.to(self.device, torch.float32) for k, v in old.export().items()
+                     if k in (FIRST, SECOND)})
+
+
+def refusal(what: str) -> str:
+    return (f"moments='bf16' cannot be used with {what}: it holds exp_avg and exp_avg_sq of "
+            "float32 state only (no amsgrad maximum, no float64); use moments='fp32' for "
+            "these parameters (another optimizer or param group)")
