@@ -83,7 +83,8 @@ else
     run_stage build 165 env ZERO_TRITON_BUILD_EXT=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
     # test-marked includes FSDP2 on the GPU with the compiled list kernel (tests/test_dtensor.py).
     run_stage test-marked 70 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
-    # test-named includes two gloo ranks on the GPU (tests/test_side_stream.py), and the
+    # test-named includes two gloo ranks on the GPU (tests/test_side_stream.py), the
+    # low-bit moments' Triton and CUDA kernels (tests/test_int8.py: int8 and bf16), and the
     # shard server's GPU path (tests/test_serve.py: the host copy after the state's event
     # while the main stream spins; rank 0's state_dict() of two gloo ranks on the GPU).
     run_stage test-named 95 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider

@@ -2,8 +2,6 @@
 step, moment, canonical index): the rounding itself, each kernel bitwise against "widen,
 the fp32 kernel of the same backend, round", training, and the same numbers at every
 world size and bucket size."""
-import os
-
 import pytest
 import torch
 

@@ -471,3 +471,54 @@ def test_memory_formula_takes_the_moments_format():
     assert z1["optimizer_bytes"] == 2.03125 * 10**9 / 8
     with pytest.raises(ValueError, match="moments must be one of"):
         memory_table(10, 1, moments="int4")
+
+
+# -- on a GPU (run by bench/gpu_check.sh; skipped here) ----------------------------------
+def _gpu_backends():
+    out = []
+    for name in ("triton", "cuda"):
+        if torch.cuda.is_available() and backends.why_not(name, torch.device("cuda")) is None:
+            out.append(name)
+    return out or [pytest.param("none", marks=pytest.mark.skip(
+        reason="needs an NVIDIA GPU with Triton or the CUDA extension"))]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_low_bit_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
+    """Five steps on CUDA tensors against the torch backend on CPU (not bitwise: the GPU
+    contracts multiply-adds); and the same run split at a block boundary is bitwise the
+    same as in one launch."""
+    n = BLOCK * 1000 + 77
+    gen = torch.Generator().manual_seed(0)
+    p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, amsgrad=False,
+              maximize=False)
+
+    def state(device):
+        if fmt == "int8":
+            return (torch.zeros(n, dtype=torch.int8, device=device),
+                    torch.zeros(n, dtype=torch.uint8, device=device),
+                    torch.zeros(quant.blocks(n), 2, device=device))
+        return (torch.zeros(n, dtype=torch.bfloat16, device=device),
+                torch.zeros(n, dtype=torch.bfloat16, device=device), None)
+
+    def run(name, device, split=None):
+        p, st = p0.clone().to(device), state(device)
+        fn = backends.step_function(name, fmt)
+        for t in range(1, 6):
+            step, lr = torch.tensor([float(t)], device=device), torch.tensor([1e-2], device=device)
+            cuts = [(0, n)] if split is None else [(0, split), (split, n)]
+            for a, b in cuts:
+                ops = (st[0][a:b], st[1][a:b],
+                       st[2][a // BLOCK:a // BLOCK + quant.blocks(b - a)] if st[2] is not None else None)
+                more = {"seed": 3, "index": a} if fmt == "bf16" else {}
+                fn(p[a:b], g.to(device)[a:b], *ops, None, step, lr, **kw, **more)
+        return p.cpu(), [t.cpu() if t is not None else None for t in st]
+    want_p, _ = run("torch", "cpu")
+    got_p, got_state = run(backend, "cuda")
+    assert torch.allclose(got_p, want_p, rtol=0, atol=5e-4), (got_p - want_p).abs().max()  # lr 1e-2
+    split_p, split_state = run(backend, "cuda", split=BLOCK * 400)
+    assert torch.equal(split_p, got_p)
+    for x, y in zip(split_state, got_state):
+        assert (x is None and y is None) or torch.equal(x, y)
