@@ -33,7 +33,10 @@ they are interleaved. Configurations:
   zero_s1_overlap    the same with zero_triton.overlap(model, opt): all-gathers waited by
                      the next forward, module by module
 
-and the same three for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap).
+  zero_s1_int8       the buckets' configuration with moments="int8" (8-bit Adam state)
+
+and the same four for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
+zero_s2_int8).
 The peers a user would pick instead:
 
   fsdp2              torch's FSDP2 (fully_shard per block and the root, reshard after
@@ -110,7 +113,9 @@ def zero_variants(bucket_cap_mb):
             (f"zero_s{s}_buckets", {**st, "bucket_cap_mb": cap},
              f"ZeroAdamW (ZeRO-{s}, {cap:g} MiB buckets)", False),
             (f"zero_s{s}_overlap", {**st, "bucket_cap_mb": cap},
-             f"ZeroAdamW (ZeRO-{s}, buckets + overlap())", True)]
+             f"ZeroAdamW (ZeRO-{s}, buckets + overlap())", True),
+            (f"zero_s{s}_int8", {**st, "bucket_cap_mb": cap, "moments": "int8"},
+             f"ZeroAdamW (ZeRO-{s}, buckets, int8 moments)", False)]
     return variants
 
 
@@ -520,8 +525,9 @@ def format_states(rows, world, args) -> str:
         return ""
     with torch.device("meta"):
         params = GPT(model_config(args)).num_params()
-    table = memory_table(params, world, "none" if args.dtype == "fp32" else "fp32")
-    formula = {row["stage"]: row for row in table["stages"]}
+    master = "none" if args.dtype == "fp32" else "fp32"
+    formulas = {m: {row["stage"]: row for row in memory_table(params, world, master, m)["stages"]}
+                for m in ("fp32", "int8")}
     mib = 2**20
     lines = [f"ZeroAdamW's bytes per rank (memory_report() after backward, MiB) against `python -m zero_triton "
              f"memory --params {params} --world-size {world}"
@@ -529,7 +535,8 @@ def format_states(rows, world, args) -> str:
     for r in zero:
         states = max((x["states"] for x in r["ranks"]), key=lambda st: sum(
             v for k, v in st.items() if k != "optimizer_state"))
-        f = formula[f"zero{2 if '_s2' in r['config'] else 1}"]
+        f = formulas["int8" if r["config"].endswith("_int8") else "fp32"][
+            f"zero{2 if '_s2' in r['config'] else 1}"]
         held = states["params"] + states["grads"] + states["master"] + states["moments"]
         lines.append(
             f"  {r['config']:<16} params {states['params'] / mib:6.1f}  grads {states['grads'] / mib:6.1f}"

@@ -76,6 +76,17 @@ def test_smoke_two_ranks_writes_a_row_per_configuration(tmp_path):
         assert len(cells) == 9 and abs(sum(cells[:8]) - r["profiled_ms"]) <= 0.05 * 9, (line, r["profiled_ms"])
 
 
+def test_int8_moments_configurations_run_and_train_close_to_ddp(tmp_path):
+    data, proc = _run(tmp_path, ["ddp", "zero_s1_int8", "zero_s2_int8"])
+    rows = {r["config"]: r for r in data["rows"]}
+    assert set(rows) == {"ddp", "zero_s1_int8", "zero_s2_int8"}
+    for key in ("zero_s1_int8", "zero_s2_int8"):
+        assert rows[key]["status"] == "ok", rows[key]["note"]
+        # 8-bit state: the same steps to within the codes' rounding, not bitwise
+        assert abs(rows[key]["loss"] - rows["ddp"]["loss"]) <= 2e-2 * rows["ddp"]["loss"]
+    assert proc.stdout.count("(formula ") == 2, proc.stdout
+
+
 def test_fsdp2_peers_train_to_ddps_loss(tmp_path):
     data, proc = _run(tmp_path, ["ddp", "fsdp2", "fsdp2_keep"])
     assert [r["config"] for r in data["rows"]] == ["ddp", "fsdp2", "fsdp2_keep"]
