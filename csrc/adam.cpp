@@ -71,98 +71,20 @@ void check_no_overlap(const std::vector<std::pair<const char*, const at::Tensor*
   }
 }
 
-void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-               std::optional<at::Tensor> max_exp_avg_sq, std::optional<at::Tensor> param_lp,
-               at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
-               double weight_decay, bool adamw, bool amsgrad, bool maximize,
-               std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
-               std::optional<at::Tensor> clip_coef) {
+// The checks every step shares, whatever its moments' format (each binding checks its
+// moments after these); returns the device type.
+at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
+                               const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
+                               const at::Tensor& lr, const std::optional<at::Tensor>& grad_scale,
+                               const std::optional<at::Tensor>& found_inf,
+                               const std::optional<at::Tensor>& clip_coef, double beta1,
+                               double beta2, double eps, double weight_decay) {
   TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
                        param.is_contiguous(),
                    "`param` must be float32 and contiguous, got ", describe(param),
                    "; keep an fp32 master copy for low-precision parameters");
   TORCH_CHECK(param.dim() == 1, "`param` must be a flat 1-D tensor, got ", describe(param),
               "; pass t.view(-1)");
-  const auto dev = param.device().type();
-#ifdef ZERO_TRITON_WITH_CUDA
-  TORCH_CHECK(dev == at::kCPU || dev == at::kCUDA, "`param` is on ", param.device(),
-              "; zero_triton._C runs on cpu and cuda tensors");
-#else
-  TORCH_CHECK(dev == at::kCPU, "`param` is on ", param.device(),
-              "; this build of zero_triton._C has CPU kernels only (rebuild with "
-              "ZERO_TRITON_BUILD_EXT=1 on a machine with nvcc for CUDA)");
-#endif
-  check_flat(grad, "grad", {at::kFloat, at::kHalf, at::kBFloat16}, param);
-  check_flat(exp_avg, "exp_avg", {at::kFloat}, param);
-  check_flat(exp_avg_sq, "exp_avg_sq", {at::kFloat}, param);
-  if (amsgrad) {
-    TORCH_CHECK(max_exp_avg_sq.has_value(),
-                "`max_exp_avg_sq` is required with amsgrad=True; pass a float32 tensor like "
-                "`exp_avg_sq`, zero-initialised");
-    check_flat(*max_exp_avg_sq, "max_exp_avg_sq", {at::kFloat}, param);
-  } else {
-    TORCH_CHECK(!max_exp_avg_sq.has_value(),
-                "`max_exp_avg_sq` was given but amsgrad=False; pass None or set amsgrad=True");
-  }
-  if (param_lp) check_flat(*param_lp, "param_lp", {at::kHalf, at::kBFloat16}, param);
-  check_scalar(step, "step", param);
-  check_scalar(lr, "lr", param);
-  if (grad_scale) check_scalar(*grad_scale, "grad_scale", param);
-  if (found_inf) check_scalar(*found_inf, "found_inf", param);
-  if (clip_coef) check_scalar(*clip_coef, "clip_coef", param);
-  TORCH_CHECK_VALUE(beta1 >= 0.0 && beta1 < 1.0, "`beta1` must be in [0, 1), got ", beta1);
-  TORCH_CHECK_VALUE(beta2 >= 0.0 && beta2 < 1.0, "`beta2` must be in [0, 1), got ", beta2);
-  TORCH_CHECK_VALUE(eps >= 0.0 && std::isfinite(eps), "`eps` must be >= 0 and finite, got ",
-                    eps);
-  TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
-                    "`weight_decay` must be >= 0 and finite, got ", weight_decay);
-
-  std::vector<std::pair<const char*, const at::Tensor*>> written = {
-      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
-  if (amsgrad) written.push_back({"max_exp_avg_sq", &*max_exp_avg_sq});
-  if (param_lp) written.push_back({"param_lp", &*param_lp});
-  auto all = written;
-  all.push_back({"grad", &grad});
-  check_no_overlap(written, all);
-
-  AdamStep s;
-  s.param = param;
-  s.grad = grad;
-  s.exp_avg = exp_avg;
-  s.exp_avg_sq = exp_avg_sq;
-  s.max_exp_avg_sq = max_exp_avg_sq;
-  s.param_lp = param_lp;
-  s.step = step;
-  s.lr = lr;
-  s.grad_scale = grad_scale;
-  s.found_inf = found_inf;
-  s.clip_coef = clip_coef;
-  s.beta1 = beta1;
-  s.beta2 = beta2;
-  s.eps = eps;
-  s.weight_decay = weight_decay;
-  s.adamw = adamw;
-  s.amsgrad = amsgrad;
-  s.maximize = maximize;
-#ifdef ZERO_TRITON_WITH_CUDA
-  if (dev == at::kCUDA) {
-    adam_step_cuda(s);
-    return;
-  }
-#endif
-  adam_step_cpu(s);
-}
-
-// The checks every step over low-bit moments shares (adam_step's, less the moments).
-at::DeviceType check_low_bit(const at::Tensor& param, const at::Tensor& grad,
-                             const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
-                             const at::Tensor& lr, const std::optional<at::Tensor>& grad_scale,
-                             const std::optional<at::Tensor>& found_inf,
-                             const std::optional<at::Tensor>& clip_coef, double beta1,
-                             double beta2, double eps, double weight_decay) {
-  TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
-                       param.is_contiguous() && param.dim() == 1,
-                   "`param` must be flat, float32 and contiguous, got ", describe(param));
   const auto dev = param.device().type();
 #ifdef ZERO_TRITON_WITH_CUDA
   TORCH_CHECK(dev == at::kCPU || dev == at::kCUDA, "`param` is on ", param.device(),
@@ -188,7 +110,7 @@ at::DeviceType check_low_bit(const at::Tensor& param, const at::Tensor& grad,
   return dev;
 }
 
-AdamStep low_bit_step(const at::Tensor& param, const at::Tensor& grad,
+AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
                       const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
                       const at::Tensor& lr, double beta1, double beta2, double eps,
                       double weight_decay, bool adamw, bool maximize,
@@ -224,6 +146,43 @@ void launch(const AdamStep& s, at::DeviceType dev) {
   adam_step_cpu(s);
 }
 
+void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+               std::optional<at::Tensor> max_exp_avg_sq, std::optional<at::Tensor> param_lp,
+               at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
+               double weight_decay, bool adamw, bool amsgrad, bool maximize,
+               std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
+               std::optional<at::Tensor> clip_coef) {
+  const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
+                                   clip_coef, beta1, beta2, eps, weight_decay);
+  check_flat(exp_avg, "exp_avg", {at::kFloat}, param);
+  check_flat(exp_avg_sq, "exp_avg_sq", {at::kFloat}, param);
+  if (amsgrad) {
+    TORCH_CHECK(max_exp_avg_sq.has_value(),
+                "`max_exp_avg_sq` is required with amsgrad=True; pass a float32 tensor like "
+                "`exp_avg_sq`, zero-initialised");
+    check_flat(*max_exp_avg_sq, "max_exp_avg_sq", {at::kFloat}, param);
+  } else {
+    TORCH_CHECK(!max_exp_avg_sq.has_value(),
+                "`max_exp_avg_sq` was given but amsgrad=False; pass None or set amsgrad=True");
+  }
+
+  std::vector<std::pair<const char*, const at::Tensor*>> written = {
+      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  if (amsgrad) written.push_back({"max_exp_avg_sq", &*max_exp_avg_sq});
+  if (param_lp) written.push_back({"param_lp", &*param_lp});
+  auto all = written;
+  all.push_back({"grad", &grad});
+  check_no_overlap(written, all);
+
+  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                        maximize, grad_scale, found_inf, clip_coef);
+  s.exp_avg = exp_avg;
+  s.exp_avg_sq = exp_avg_sq;
+  s.max_exp_avg_sq = max_exp_avg_sq;
+  s.amsgrad = amsgrad;
+  launch(s, dev);
+}
+
 // moments="int8": the same step over 8-bit codes and their blocks' scales (quant.h).
 void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                 at::Tensor exp_avg_sq_codes, at::Tensor scales, std::optional<at::Tensor> param_lp,
@@ -231,8 +190,8 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                 double weight_decay, bool adamw, bool maximize,
                 std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
                 std::optional<at::Tensor> clip_coef) {
-  const auto dev = check_low_bit(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                 clip_coef, beta1, beta2, eps, weight_decay);
+  const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
+                                   clip_coef, beta1, beta2, eps, weight_decay);
   check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
   check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
   const int64_t blocks = (param.numel() + 255) / 256;
@@ -249,7 +208,7 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
   auto all = written;
   all.push_back({"grad", &grad});
   check_no_overlap(written, all);
-  AdamStep s = low_bit_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
                             adamw, maximize, grad_scale, found_inf, clip_coef);
   s.exp_avg_codes = exp_avg_codes;
   s.exp_avg_sq_codes = exp_avg_sq_codes;
@@ -265,8 +224,8 @@ void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::T
                     bool maximize, std::optional<at::Tensor> grad_scale,
                     std::optional<at::Tensor> found_inf, std::optional<at::Tensor> clip_coef,
                     int64_t seed, int64_t index) {
-  const auto dev = check_low_bit(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                 clip_coef, beta1, beta2, eps, weight_decay);
+  const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
+                                   clip_coef, beta1, beta2, eps, weight_decay);
   check_flat(exp_avg, "exp_avg", {at::kBFloat16}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kBFloat16}, param);
   TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), got ",
@@ -277,7 +236,7 @@ void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::T
   auto all = written;
   all.push_back({"grad", &grad});
   check_no_overlap(written, all);
-  AdamStep s = low_bit_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
                             adamw, maximize, grad_scale, found_inf, clip_coef);
   s.exp_avg_bf16 = exp_avg;
   s.exp_avg_sq_bf16 = exp_avg_sq;

@@ -74,6 +74,30 @@ def _composed_step(fp32_step, p, g, codes_m, codes_v, scales, lp, step, lr, **kw
     quant.quantize(v, quant.SECOND, codes_v, scales[:, 1])
 
 
+def _against_definition(backend, n, lp_dtype, extras):
+    """One step of ``backend``'s int8 kernel against decode + its fp32 kernel + encode."""
+    gen = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=gen)
+    g = (torch.randn(n, generator=gen) * 1e-2).to(lp_dtype or torch.float32)
+    codes_m, scale_m = _quantized(_moments(n)[0] * 1e-3, quant.FIRST)
+    codes_v, scale_v = _quantized(_moments(n)[1] * 1e-4, quant.SECOND)
+    scales = torch.stack([scale_m, scale_v], dim=1).contiguous()
+    lp = torch.zeros(n, dtype=lp_dtype) if lp_dtype else None
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, amsgrad=False,
+              maximize=False)
+    kw.update({k: v for k, v in extras.items() if k in kw})
+    kw.update({k: torch.tensor([v]) for k, v in extras.items() if k not in kw})
+    step, lr = torch.tensor([3.0]), torch.tensor([1e-3])
+    want = [t.clone() if t is not None else None for t in (p, codes_m, codes_v, scales, lp)]
+    _composed_step(backends.step_function(backend, "fp32"), want[0], g, want[1], want[2],
+                   want[3], want[4], step, lr, **kw)
+    got = (p, codes_m, codes_v, scales, lp)
+    backends.step_function(backend, "int8")(p, g, codes_m, codes_v, scales, lp, step, lr, **kw)
+    for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "scales", "param_lp"),
+                          got, want):
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
 @pytest.mark.skipif(not HAS_CPU, reason="the C++ extension is not available here (see `python -m zero_triton info`)")
 @pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
 @pytest.mark.parametrize("n,lp_dtype,extras", [
@@ -90,26 +114,7 @@ def test_cpu_kernel_is_decode_fp32_step_encode(isa, n, lp_dtype, extras):
     except Exception as exc:  # noqa: BLE001 (the CPU lacks it)
         pytest.skip(f"this CPU cannot run the {isa} variant: {exc}")
     try:
-        gen = torch.Generator().manual_seed(n)
-        p = torch.randn(n, generator=gen)
-        g = (torch.randn(n, generator=gen) * 1e-2).to(lp_dtype or torch.float32)
-        codes_m, scale_m = _quantized(_moments(n)[0] * 1e-3, quant.FIRST)
-        codes_v, scale_v = _quantized(_moments(n)[1] * 1e-4, quant.SECOND)
-        scales = torch.stack([scale_m, scale_v], dim=1).contiguous()
-        lp = torch.zeros(n, dtype=lp_dtype) if lp_dtype else None
-        kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, amsgrad=False,
-                  maximize=False)
-        kw.update({k: v for k, v in extras.items() if k in kw})
-        kw.update({k: torch.tensor([v]) for k, v in extras.items() if k not in kw})
-        step, lr = torch.tensor([3.0]), torch.tensor([1e-3])
-        want = [t.clone() if t is not None else None for t in (p, codes_m, codes_v, scales, lp)]
-        _composed_step(backends.step_function("cpu", "fp32"), want[0], g, want[1], want[2], want[3],
-                       want[4], step, lr, **kw)
-        got = (p, codes_m, codes_v, scales, lp)
-        backends.step_function("cpu", "int8")(p, g, codes_m, codes_v, scales, lp, step, lr, **kw)
-        for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "scales", "param_lp"),
-                              got, want):
-            assert (a is None and b is None) or torch.equal(a, b), name
+        _against_definition("cpu", n, lp_dtype, extras)
     finally:
         mod._set_cpu_isa("")
 
@@ -126,26 +131,7 @@ def test_cpu_kernel_is_decode_fp32_step_encode(isa, n, lp_dtype, extras):
 def test_triton_kernel_is_decode_fp32_step_encode(n, lp_dtype, extras):
     """Under the interpreter (CPU tensors): bitwise against the Triton fp32 kernel between
     decode and encode."""
-    gen = torch.Generator().manual_seed(n)
-    p = torch.randn(n, generator=gen)
-    g = (torch.randn(n, generator=gen) * 1e-2).to(lp_dtype or torch.float32)
-    codes_m, scale_m = _quantized(_moments(n)[0] * 1e-3, quant.FIRST)
-    codes_v, scale_v = _quantized(_moments(n)[1] * 1e-4, quant.SECOND)
-    scales = torch.stack([scale_m, scale_v], dim=1).contiguous()
-    lp = torch.zeros(n, dtype=lp_dtype) if lp_dtype else None
-    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, amsgrad=False,
-              maximize=False)
-    kw.update({k: v for k, v in extras.items() if k in kw})
-    kw.update({k: torch.tensor([v]) for k, v in extras.items() if k not in kw})
-    step, lr = torch.tensor([3.0]), torch.tensor([1e-3])
-    want = [t.clone() if t is not None else None for t in (p, codes_m, codes_v, scales, lp)]
-    _composed_step(backends.step_function("triton", "fp32"), want[0], g, want[1], want[2],
-                   want[3], want[4], step, lr, **kw)
-    got = (p, codes_m, codes_v, scales, lp)
-    backends.step_function("triton", "int8")(p, g, codes_m, codes_v, scales, lp, step, lr, **kw)
-    for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "scales", "param_lp"),
-                          got, want):
-        assert (a is None and b is None) or torch.equal(a, b), name
+    _against_definition("triton", n, lp_dtype, extras)
 
 
 def test_torch_fallback_matches_the_cpu_kernel_closely():

@@ -219,6 +219,21 @@ def _check_scalars_and_device(device, **scalars) -> None:
             "otherwise use backend='cpu' or 'torch'")
 
 
+def _hyper(beta1, beta2, eps, weight_decay) -> tuple:
+    """The kernels' runtime hyperparameters: beta1, beta2, their logs, eps, weight decay."""
+    return (float(beta1), float(beta2), math.log(beta1) if beta1 > 0 else -math.inf,
+            math.log(beta2) if beta2 > 0 else -math.inf, float(eps), float(weight_decay))
+
+
+def _flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef) -> dict:
+    """The kernels' compile-time flags every format's kernel shares."""
+    return dict(ADAMW=bool(adamw), MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
+                HAS_PARAM_LP=param_lp is not None,
+                PARAM_LP_BF16=param_lp is not None and param_lp.dtype == torch.bfloat16,
+                HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+                HAS_CLIP=clip_coef is not None)
+
+
 def _block_and_warps(n):
     if INTERPRET:
         # The interpreter pays ~1 ms per program instance: few, large blocks.
@@ -265,15 +280,8 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
         clip_coef if clip_coef is not None else dummy,
-        n, float(beta1), float(beta2),
-        math.log(beta1) if beta1 > 0 else -math.inf,
-        math.log(beta2) if beta2 > 0 else -math.inf,
-        float(eps), float(weight_decay),
-        ADAMW=bool(adamw), AMSGRAD=bool(amsgrad), MAXIMIZE=bool(maximize),
-        HAS_WEIGHT_DECAY=weight_decay != 0, HAS_PARAM_LP=param_lp is not None,
-        PARAM_LP_BF16=param_lp is not None and param_lp.dtype == torch.bfloat16,
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        HAS_CLIP=clip_coef is not None,
+        n, *_hyper(beta1, beta2, eps, weight_decay), AMSGRAD=bool(amsgrad),
+        **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
         BLOCK=block, num_warps=warps,
     )
 

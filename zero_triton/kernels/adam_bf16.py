@@ -4,15 +4,14 @@ from the counter-based generator of ``zero_triton.kernels.rounding`` (keyed by t
 the step, the moment and the element's canonical index). 20 bytes per parameter for fp32
 parameters where the fp32 moments take 28.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from zero_triton.kernels import rounding
 from zero_triton.kernels.adam import (_GRAD_DTYPES, INTERPRET, _adam_update, _check,
-                                      _check_scalars_and_device, _store_low_precision)
+                                      _check_scalars_and_device, _flags, _hyper,
+                                      _store_low_precision)
 
 
 @triton.jit
@@ -106,15 +105,8 @@ def adam_bf16_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, s
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
         clip_coef if clip_coef is not None else dummy,
-        n, int(seed) & 0xFFFFFFFF, int(index), float(beta1), float(beta2),
-        math.log(beta1) if beta1 > 0 else -math.inf,
-        math.log(beta2) if beta2 > 0 else -math.inf,
-        float(eps), float(weight_decay),
-        ADAMW=bool(adamw), MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
-        HAS_PARAM_LP=param_lp is not None,
-        PARAM_LP_BF16=param_lp is not None and param_lp.dtype == torch.bfloat16,
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        HAS_CLIP=clip_coef is not None,
+        n, int(seed) & 0xFFFFFFFF, int(index), *_hyper(beta1, beta2, eps, weight_decay),
+        **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
         FIRST_MIX=(rounding.FIRST_STREAM * rounding.M1) & rounding.MASK32,
         SECOND_MIX=(rounding.SECOND_STREAM * rounding.M1) & rounding.MASK32,
         BLOCK=block, num_warps=1 if INTERPRET else 8,
