@@ -508,3 +508,17 @@ def test_low_bit_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
     assert torch.equal(split_p, got_p)
     for x, y in zip(split_state, got_state):
         assert (x is None and y is None) or torch.equal(x, y)
+
+
+def _job_disagree(rank, world_size):
+    p = torch.nn.Parameter(torch.randn(40))
+    try:
+        zt.ZeroAdamW([p], moments="int8" if rank == 0 else "fp32")
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_on_the_format_are_refused_on_every_rank():
+    for message in run_ranks(_job_disagree, 2):
+        assert message is not None and "moments=" in message and "['int8', 'fp32']" in message
