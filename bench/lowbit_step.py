@@ -8,6 +8,7 @@ round runs every row once, in an order rotated round by round:
 
   zt fp32           FusedAdamW, fp32 moments (the baseline of the ratios)
   zt int8           FusedAdamW(moments="int8")
+  zt bf16           FusedAdamW(moments="bf16")
   zt bf16+master    FusedAdamW on bf16 parameters and gradients with an fp32 master
   torch fused       torch.optim.AdamW(fused=True)
   bnb 8bit          bitsandbytes.optim.AdamW8bit (when installed)
@@ -15,6 +16,7 @@ round runs every row once, in an order rotated round by round:
   limit 28 B        a memory kernel with the fp32 step's traffic (read p g m v, write p m v)
   limit 16 B        a memory kernel with the int8 step's traffic (read p g, 1-byte m v;
                     write p, 1-byte m v)
+  limit 20 B        the same with 2-byte m v (the bf16 step's traffic)
 
 Columns: ms per step; x fp32 (the row's time over zt fp32's); % of the limit with the
 row's bytes (the limit's time over the row's); state bytes per parameter (the optimizer's
@@ -70,6 +72,25 @@ __attribute__((noinline)) void range16(float* __restrict__ P, const float* __res
   }
 }
 
+// The bf16 step's traffic: read p, g (4 B each), m, v (2 B each); write p, m, v (20 B/param).
+__attribute__((noinline)) void range20(float* __restrict__ P, const float* __restrict__ G,
+                                       uint16_t* __restrict__ M, uint16_t* __restrict__ V,
+                                       int64_t b, int64_t e) {
+  for (int64_t i = b; i < e; ++i) {
+    const float g = G[i];
+    M[i] = uint16_t(M[i] / 2 + uint16_t(g > 0.0f));
+    V[i] = uint16_t(V[i] / 2 + uint16_t(g != 0.0f));
+    P[i] = P[i] - 1e-3f * g;
+  }
+}
+
+void stream20(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
+  float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
+  uint16_t* M = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
+  uint16_t* V = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
+  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { range20(P, G, M, V, b, e); });
+}
+
 void stream28(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
   float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
   float* M = m.data_ptr<float>(); float* V = v.data_ptr<float>();
@@ -87,7 +108,7 @@ void stream16(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
 def _limits():
     from torch.utils.cpp_extension import load_inline
     return load_inline(name="zero_triton_bench_lowbit_limit", cpp_sources=[_LIMIT_SRC],
-                       functions=["stream28", "stream16"],
+                       functions=["stream28", "stream20", "stream16"],
                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
                        extra_ldflags=["-fopenmp"], verbose=False)
 
@@ -134,12 +155,13 @@ def rows(args):
     out = []
     for name, dtype, moments in (("zt fp32", torch.float32, "fp32"),
                                  ("zt int8", torch.float32, "int8"),
+                                 ("zt bf16", torch.float32, "bf16"),
                                  ("zt bf16+master", torch.bfloat16, "fp32")):
         params = _params(n, args.tensors, dtype)
         opt = FusedAdamW(params, lr=LR, weight_decay=WD, moments=moments)
         report = opt.memory_report()
         state = (report["master"] + report["moments"]) / n
-        moved = 16 if moments == "int8" else 28 if dtype == torch.float32 else 30
+        moved = {"int8": 16, "bf16": 20}.get(moments, 28 if dtype == torch.float32 else 30)
         out.append((name, opt.step, moved, state, ""))
     params = _params(n, args.tensors, torch.float32)
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
@@ -169,7 +191,9 @@ def rows(args):
     p, g = torch.randn(n) * 0.02, torch.randn(n) * 1e-3
     m, v = torch.zeros(n), torch.zeros(n)
     mq, vq = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
+    mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
     out.append(("limit 28 B", lambda: lim.stream28(p, g, m, v), 28, None, "memory kernel"))
+    out.append(("limit 20 B", lambda: lim.stream20(p, g, mb, vb), 20, None, "memory kernel"))
     out.append(("limit 16 B", lambda: lim.stream16(p, g, mq, vq), 16, None, "memory kernel"))
     return out
 
@@ -197,7 +221,7 @@ def format_rows(results, size) -> str:
     lines = [f"{size:,} parameters ({size / 2**20:g} Mi), {torch.get_num_threads()} threads",
              f"{'':<16}{'ms/step':>9}{'x fp32':>8}{'% limit':>9}{'state B/param':>15}  note"]
     for name, ms, moved, state, note in results:
-        lim = limits.get(16 if moved == 16 else 28)
+        lim = limits.get(moved if moved in (16, 20) else 28)
         pct = "" if name.startswith("limit") or lim is None else f"{100 * lim / ms:.0f}%"
         st = "" if state is None else f"{state:.3f}"
         lines.append(f"{name:<16}{ms:>9.2f}{ms / base:>8.2f}{pct:>9}{st:>15}  {note}")

@@ -1,0 +1,39 @@
+"""The low-bit benchmarks run and print what they say: bench/lowbit_step.py (the step's
+time and state bytes side by side) and bench/lowbit_quality.py (final losses against
+torch AdamW's), at tiny sizes."""
+import json
+import os
+from pathlib import Path
+
+from dist_utils import run_python
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_step_bench_prints_every_row_with_its_state_bytes(tmp_path):
+    proc = run_python([REPO / "bench" / "lowbit_step.py", "--size", "64Ki", "--repeats", "1",
+                       "--no-peers"], env=ENV, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {line[:16].strip(): line for line in proc.stdout.splitlines()}
+    for name in ("zt fp32", "zt int8", "zt bf16", "zt bf16+master", "torch fused",
+                 "limit 28 B", "limit 20 B", "limit 16 B"):
+        assert name in rows, proc.stdout
+    state = {name: float(rows[name].split()[-1]) for name in ("zt fp32", "zt int8", "zt bf16")}
+    assert state["zt fp32"] == 8.0 and state["zt bf16"] == 4.0
+    assert 2.0 < state["zt int8"] < 2.1
+
+
+def test_quality_bench_writes_its_table(tmp_path):
+    proc = run_python([REPO / "bench" / "lowbit_quality.py", "--steps", "12", "--tail", "4",
+                       "--warmup", "2", "--val-batches", "2", "--corpus-bytes", "200000",
+                       "--rows", "torch_fp32,zt_int8,zt_bf16", "--out", tmp_path],
+                      env=ENV, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "quality.json").read_text())
+    rows = {r["row"]: r for r in data["results"]}
+    assert set(rows) == {"torch_fp32", "zt_int8", "zt_bf16"}
+    for r in rows.values():
+        assert len(r["losses"]) == 12 and r["losses"][-1] < r["losses"][0]  # it trains
+    assert rows["zt_int8"]["state_bytes_per_param"] < 2.2
+    assert "x ref" in proc.stdout
