@@ -78,11 +78,23 @@ at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
                                const at::Tensor& lr, const std::optional<at::Tensor>& grad_scale,
                                const std::optional<at::Tensor>& found_inf,
                                const std::optional<at::Tensor>& clip_coef, double beta1,
-                               double beta2, double eps, double weight_decay) {
-  TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
-                       param.is_contiguous(),
-                   "`param` must be float32 and contiguous, got ", describe(param),
-                   "; keep an fp32 master copy for low-precision parameters");
+                               double beta2, double eps, double weight_decay,
+                               bool stochastic = false, int64_t index = 0) {
+  if (stochastic) {  // master_weights="stochastic": the bf16 parameter, no master
+    TORCH_CHECK_TYPE(param.scalar_type() == at::kBFloat16 && param.layout() == at::kStrided &&
+                         param.is_contiguous(),
+                     "`param` must be bfloat16 and contiguous with stochastic=True (the "
+                     "parameter itself, no master), got ", describe(param));
+    TORCH_CHECK(!param_lp.has_value(), "`param_lp` must be None with stochastic=True: `param` "
+                "is the bfloat16 parameter itself");
+    TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), "
+                      "got ", index);
+  } else {
+    TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
+                         param.is_contiguous(),
+                     "`param` must be float32 and contiguous, got ", describe(param),
+                     "; keep an fp32 master copy for low-precision parameters");
+  }
   TORCH_CHECK(param.dim() == 1, "`param` must be a flat 1-D tensor, got ", describe(param),
               "; pass t.view(-1)");
   const auto dev = param.device().type();
@@ -151,9 +163,10 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
                at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
                double weight_decay, bool adamw, bool amsgrad, bool maximize,
                std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
-               std::optional<at::Tensor> clip_coef) {
+               std::optional<at::Tensor> clip_coef, bool stochastic, int64_t seed,
+               int64_t index) {
   const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay);
+                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index);
   check_flat(exp_avg, "exp_avg", {at::kFloat}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kFloat}, param);
   if (amsgrad) {
@@ -180,6 +193,9 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   s.exp_avg_sq = exp_avg_sq;
   s.max_exp_avg_sq = max_exp_avg_sq;
   s.amsgrad = amsgrad;
+  s.stochastic_param = stochastic;
+  s.seed = seed;
+  s.index = index;
   launch(s, dev);
 }
 
@@ -189,9 +205,10 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                 at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
                 double weight_decay, bool adamw, bool maximize,
                 std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
-                std::optional<at::Tensor> clip_coef) {
+                std::optional<at::Tensor> clip_coef, bool stochastic, int64_t seed,
+                int64_t index) {
   const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay);
+                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index);
   check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
   check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
   const int64_t blocks = (param.numel() + 255) / 256;
@@ -213,6 +230,9 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
   s.exp_avg_codes = exp_avg_codes;
   s.exp_avg_sq_codes = exp_avg_sq_codes;
   s.scales = scales;
+  s.stochastic_param = stochastic;
+  s.seed = seed;
+  s.index = index;
   launch(s, dev);
 }
 
@@ -223,9 +243,9 @@ void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::T
                     double beta1, double beta2, double eps, double weight_decay, bool adamw,
                     bool maximize, std::optional<at::Tensor> grad_scale,
                     std::optional<at::Tensor> found_inf, std::optional<at::Tensor> clip_coef,
-                    int64_t seed, int64_t index) {
+                    int64_t seed, int64_t index, bool stochastic) {
   const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay);
+                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index);
   check_flat(exp_avg, "exp_avg", {at::kBFloat16}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kBFloat16}, param);
   TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), got ",
@@ -242,6 +262,7 @@ void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::T
   s.exp_avg_sq_bf16 = exp_avg_sq;
   s.seed = seed;
   s.index = index;
+  s.stochastic_param = stochastic;
   launch(s, dev);
 }
 
@@ -344,7 +365,7 @@ const float* optional_ptr(const std::optional<at::Tensor>& t) {
 
 AdamArgs args_of(const AdamStep& s) {
   AdamArgs a{};
-  a.param = s.param.data_ptr<float>();
+  a.param = s.stochastic_param ? nullptr : s.param.data_ptr<float>();
   a.grad = s.grad.const_data_ptr();
   a.exp_avg = s.exp_avg.defined() ? s.exp_avg.data_ptr<float>() : nullptr;
   a.exp_avg_sq = s.exp_avg_sq.defined() ? s.exp_avg_sq.data_ptr<float>() : nullptr;
@@ -358,10 +379,12 @@ AdamArgs args_of(const AdamStep& s) {
   a.seed = uint32_t(s.seed);
   a.index = s.index;
   a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
-  a.param_lp = s.param_lp ? s.param_lp->data_ptr() : nullptr;
+  a.param_lp = s.stochastic_param ? s.param.data_ptr() : s.param_lp ? s.param_lp->data_ptr() : nullptr;
   a.numel = s.param.numel();
   a.grad_dtype = dtype_code(s.grad.scalar_type());
-  a.param_lp_dtype = s.param_lp ? dtype_code(s.param_lp->scalar_type()) : kNone;
+  a.param_lp_dtype = s.stochastic_param ? kBFloat16
+                     : s.param_lp ? dtype_code(s.param_lp->scalar_type()) : kNone;
+  a.stochastic_param = s.stochastic_param;
   a.amsgrad = s.amsgrad;
   a.adamw = s.adamw;
   a.maximize = s.maximize;
@@ -388,6 +411,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
         py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale") = py::none(),
         py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
+        py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index") = 0,
         // The step touches no Python objects; let other threads run meanwhile.
         py::call_guard<py::gil_scoped_release>(),
         R"doc(One fused Adam/AdamW step, in place, one launch (CPU or CUDA).
@@ -400,13 +424,17 @@ param_lp: float16/bfloat16 [n] or None; receives param rounded to nearest even.
 step: float32 [1], the step number t already incremented; lr: float32 [1].
 grad_scale, found_inf, clip_coef: float32 [1] or None. g = g / grad_scale * clip_coef;
 a nonzero found_inf skips the step without writing anything.
-All tensors on param's device; scalars are read there (no host sync on CUDA).)doc");
+All tensors on param's device; scalars are read there (no host sync on CUDA).
+stochastic=True (master_weights="stochastic"): `param` is the bfloat16 parameter itself
+(no master, param_lp None), rounded back stochastically by a hash of (seed, step, the
+parameter's stream, index + i) (zero_triton/kernels/rounding.py).)doc");
   m.def("adam8_step", &zero_triton::adam8_step, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg_codes"), py::arg("exp_avg_sq_codes"), py::arg("scales"),
         py::arg("param_lp"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
         py::arg("maximize"), py::arg("grad_scale") = py::none(),
         py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
+        py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index") = 0,
         py::call_guard<py::gil_scoped_release>(),
         R"doc(adam_step over int8 moments (moments="int8"), in place (CPU or CUDA).
 
@@ -419,7 +447,7 @@ The range starts on a block boundary. Everything else as adam_step (no amsgrad).
         py::arg("weight_decay"), py::arg("adamw"), py::arg("maximize"),
         py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
         py::arg("clip_coef") = py::none(), py::arg("seed") = 0, py::arg("index") = 0,
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("stochastic") = false, py::call_guard<py::gil_scoped_release>(),
         R"doc(adam_step over bfloat16 moments (moments="bf16"), in place (CPU or CUDA).
 
 exp_avg, exp_avg_sq: bfloat16 [n], written back by stochastic rounding whose bits hash

@@ -30,6 +30,9 @@ struct AdamStep {
   // moments="bf16" (rounding.h): bfloat16 [n] each, and the keys of their rounding.
   std::optional<at::Tensor> exp_avg_bf16, exp_avg_sq_bf16;
   int64_t seed = 0, index = 0;
+  // master_weights="stochastic": `param` is the bfloat16 parameter itself (no master),
+  // `param_lp` absent; rounded back stochastically, keyed by seed and index.
+  bool stochastic_param = false;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool adamw = false, amsgrad = false, maximize = false;
 };

@@ -53,6 +53,10 @@ struct AdamArgs {
   uint16_t* exp_avg_sq_bf16;
   uint32_t seed;
   int64_t index;
+  // master_weights="stochastic": no fp32 master. `param` is nullptr, `param_lp` the
+  // bfloat16 parameter itself, stepped and rounded back stochastically (rounding.h),
+  // keyed by `seed` and `index` as above.
+  bool stochastic_param;
 };
 
 // The scalars of one step, computed once from the arguments. The bias corrections are

@@ -12,7 +12,8 @@
 #endif
 
 constexpr uint32_t kGolden = 0x9E3779B1u, kMix1 = 0x85EBCA6Bu, kMix2 = 0xC2B2AE35u;
-constexpr uint32_t kFirstStream = 1, kSecondStream = 2;  // exp_avg, exp_avg_sq
+// exp_avg, exp_avg_sq, the parameter (master_weights="stochastic")
+constexpr uint32_t kFirstStream = 1, kSecondStream = 2, kParamStream = 3;
 
 // MurmurHash3's 32-bit finaliser.
 ZT_ROUND uint32_t fmix32(uint32_t x) {

@@ -54,7 +54,23 @@ __device__ __forceinline__ float load_grad(const void* g, int64_t i) {
 // GRAD_DT, LP_DT, L2 and AMSGRAD are template parameters: they decide which memory is
 // touched, so the dead branches vanish. VEC selects 16-byte accesses (the launcher
 // checked alignment) or one element per iteration.
-template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool VEC>
+// master_weights="stochastic" (SR): no master; the bf16 parameter (param_lp) is widened,
+// stepped and written back by stochastic rounding (../rounding.h). Scalar path only.
+__device__ __forceinline__ float load_param_sr(const AdamArgs& a, int64_t i) {
+  return __uint_as_float(uint32_t(static_cast<const uint16_t*>(a.param_lp)[i]) << 16);
+}
+
+__device__ __forceinline__ void store_param_sr(const AdamArgs& a, int64_t i, float p,
+                                               uint32_t key_p) {
+  static_cast<uint16_t*>(a.param_lp)[i] =
+      bf16_stochastic(p, random_bits(key_p, uint64_t(a.index) + uint64_t(i)));
+}
+
+__device__ __forceinline__ uint32_t param_key(const AdamArgs& a) {
+  return rounding_key(a.seed, uint32_t(*a.step), kParamStream);
+}
+
+template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool VEC, bool SR = false>
 __global__ void __launch_bounds__(kThreads)
     adam_step_kernel(const AdamArgs a) {
   // Skip the whole step on overflow; read on the device so the host never waits.
@@ -117,16 +133,24 @@ __global__ void __launch_bounds__(kThreads)
     scalar_begin = nvec * kVec;  // the tail, fewer than kVec elements
   }
 
+  uint32_t key_p = 0;
+  if constexpr (SR) key_p = param_key(a);
   for (int64_t i = scalar_begin + tid; i < a.numel; i += stride) {
-    float p = a.param[i], m = a.exp_avg[i], v = a.exp_avg_sq[i];
+    float p, m = a.exp_avg[i], v = a.exp_avg_sq[i];
+    if constexpr (SR) p = load_param_sr(a, i);
+    else p = a.param[i];
     float x = 0.f;
     if constexpr (AMSGRAD) x = a.max_exp_avg_sq[i];
     adam_element<L2, AMSGRAD, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, x);
-    a.param[i] = p;
     a.exp_avg[i] = m;
     a.exp_avg_sq[i] = v;
     if constexpr (AMSGRAD) a.max_exp_avg_sq[i] = x;
-    if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+    if constexpr (SR) {
+      store_param_sr(a, i, p, key_p);
+    } else {
+      a.param[i] = p;
+      if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+    }
   }
 }
 
@@ -136,6 +160,16 @@ bool aligned(const void* p, uintptr_t bytes) {
 
 template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD>
 cudaError_t launch_typed(const AdamArgs& a, int num_sms, cudaStream_t stream) {
+  if constexpr (LP_DT == kBFloat16) {
+    if (a.stochastic_param) {
+      const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
+      int64_t blocks = (a.numel + kThreads - 1) / kThreads;
+      if (blocks > max_blocks) blocks = max_blocks;
+      adam_step_kernel<GRAD_DT, LP_DT, L2, AMSGRAD, false, true>
+          <<<unsigned(blocks), kThreads, 0, stream>>>(a);
+      return cudaGetLastError();
+    }
+  }
   const int grad_bytes = GRAD_DT == kFloat32 ? 4 : 2;
   // Vector path: fp32 arrays 16-byte aligned, 16-bit arrays 8-byte aligned.
   const bool vec = aligned(a.param, 16) && aligned(a.exp_avg, 16) &&
@@ -174,10 +208,12 @@ struct Launch {
 // elements at a time (grid-stride over the blocks). Each thread decodes its element's
 // codes, steps it (adam_element), and the block takes its new largest magnitudes as the
 // scales (warp shuffles, then one shared word per warp) before every thread encodes.
-template <int GRAD_DT, int LP_DT, bool L2>
+template <int GRAD_DT, int LP_DT, bool L2, bool SR>
 __global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs a) {
   if (a.found_inf && *a.found_inf != 0.f) return;
   const StepScalars s = step_scalars(a);
+  uint32_t key_p = 0;
+  if constexpr (SR) key_p = param_key(a);
   constexpr int kWarps = kQuantBlock / 32;
   __shared__ uint32_t warp_max[2][kWarps];
   const int64_t n_blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
@@ -187,12 +223,18 @@ __global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs 
     const bool mine = i < a.numel;
     float m = 0.f, v = 0.f;
     if (mine) {
-      float p = a.param[i], unused = 0.f;
+      float p, unused = 0.f;
+      if constexpr (SR) p = load_param_sr(a, i);
+      else p = a.param[i];
       m = decode_first(a.exp_avg_codes[i], a.scales[2 * blk]);
       v = decode_second(a.exp_avg_sq_codes[i], a.scales[2 * blk + 1]);
       adam_element<L2, false, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, unused);
-      a.param[i] = p;
-      if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+      if constexpr (SR) {
+        store_param_sr(a, i, p, key_p);
+      } else {
+        a.param[i] = p;
+        if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+      }
     }
     uint32_t m_max = magnitude_bits(m), v_max = magnitude_bits(v);
 #pragma unroll
@@ -225,24 +267,31 @@ __global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs 
 
 // moments="bf16": grid-stride over the elements; the moments widened, stepped by
 // adam_element and written back by stochastic rounding (../rounding.h).
-template <int GRAD_DT, int LP_DT, bool L2>
+template <int GRAD_DT, int LP_DT, bool L2, bool SR>
 __global__ void __launch_bounds__(kThreads) adam_bf16_step_kernel(const AdamArgs a) {
   if (a.found_inf && *a.found_inf != 0.f) return;
   const StepScalars s = step_scalars(a);
   const uint32_t step = uint32_t(*a.step);
   const uint32_t key_m = rounding_key(a.seed, step, kFirstStream);
   const uint32_t key_v = rounding_key(a.seed, step, kSecondStream);
+  const uint32_t key_p = SR ? rounding_key(a.seed, step, kParamStream) : 0u;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.numel; i += stride) {
-    float p = a.param[i], unused = 0.f;
+    float p, unused = 0.f;
+    if constexpr (SR) p = load_param_sr(a, i);
+    else p = a.param[i];
     float m = __uint_as_float(uint32_t(a.exp_avg_bf16[i]) << 16);
     float v = __uint_as_float(uint32_t(a.exp_avg_sq_bf16[i]) << 16);
     adam_element<L2, false, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, unused);
-    a.param[i] = p;
     const uint64_t index = uint64_t(a.index) + uint64_t(i);
     a.exp_avg_bf16[i] = bf16_stochastic(m, random_bits(key_m, index));
     a.exp_avg_sq_bf16[i] = bf16_stochastic(v, random_bits(key_v, index));
-    if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+    if constexpr (SR) {
+      store_param_sr(a, i, p, key_p);
+    } else {
+      a.param[i] = p;
+      if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+    }
   }
 }
 
@@ -256,7 +305,11 @@ struct LaunchBf16 {
     const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
     int64_t blocks = (a.numel + kThreads - 1) / kThreads;
     if (blocks > max_blocks) blocks = max_blocks;
-    adam_bf16_step_kernel<GRAD_DT, LP_DT, L2><<<unsigned(blocks), kThreads, 0, stream>>>(a);
+    if (LP_DT == kBFloat16 && a.stochastic_param) {
+      adam_bf16_step_kernel<GRAD_DT, LP_DT, L2, true><<<unsigned(blocks), kThreads, 0, stream>>>(a);
+    } else {
+      adam_bf16_step_kernel<GRAD_DT, LP_DT, L2, false><<<unsigned(blocks), kThreads, 0, stream>>>(a);
+    }
     return cudaGetLastError();
   }
 };
@@ -271,7 +324,11 @@ struct Launch8 {
     const int64_t n_blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
     const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
     const int64_t grid = n_blocks < max_blocks ? n_blocks : max_blocks;
-    adam8_step_kernel<GRAD_DT, LP_DT, L2><<<unsigned(grid), kQuantBlock, 0, stream>>>(a);
+    if (LP_DT == kBFloat16 && a.stochastic_param) {
+      adam8_step_kernel<GRAD_DT, LP_DT, L2, true><<<unsigned(grid), kQuantBlock, 0, stream>>>(a);
+    } else {
+      adam8_step_kernel<GRAD_DT, LP_DT, L2, false><<<unsigned(grid), kQuantBlock, 0, stream>>>(a);
+    }
     return cudaGetLastError();
   }
 };

@@ -109,15 +109,66 @@ def _store_low_precision(ptrs, p, mask, PARAM_LP_BF16: tl.constexpr):
 
 
 @triton.jit
+def _fmix32(x):
+    """MurmurHash3's 32-bit finaliser (``zero_triton.kernels.rounding``)."""
+    x ^= x >> 16
+    x *= 0x85EBCA6B
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _key(seed, step, STREAM_MIX: tl.constexpr):
+    """rounding.key on uint32 scalars (``STREAM_MIX``: the stream times 0x85EBCA6B, mod 2^32)."""
+    return _fmix32(_fmix32(seed) ^ (step * 0x9E3779B1) ^ STREAM_MIX)
+
+
+@triton.jit
+def _store_bf16_stochastic(ptrs, x, key, index, mask):
+    """rounding.to_bf16_stochastic of ``x`` with the bits of elements ``index`` (int64)."""
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    bits = _fmix32(lo ^ key ^ (hi * 0xC2B2AE35))
+    u = x.to(tl.uint32, bitcast=True)
+    out = (u + (bits & 0xFFFF)) >> 16
+    out = tl.where((u & 0x7FFFFFFF) == 0x7F800000, u >> 16, out)
+    out = tl.where(x != x, 0x7FC0, out)
+    tl.store(ptrs, out.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _load_param(ptrs, mask, SR_PARAM: tl.constexpr):
+    """The parameter (or master) in float32: with SR_PARAM the bf16 parameter itself."""
+    if SR_PARAM:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_param(ptrs, lp_ptrs, p, mask, key, index, SR_PARAM: tl.constexpr,
+                 HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr):
+    """The stepped parameter back: the master (and its low-precision copy), or with
+    SR_PARAM the bf16 parameter, rounded stochastically."""
+    if SR_PARAM:
+        _store_bf16_stochastic(ptrs, p, key, index, mask)
+    else:
+        tl.store(ptrs, p, mask=mask)
+        if HAS_PARAM_LP:
+            _store_low_precision(lp_ptrs, p, mask, PARAM_LP_BF16)
+
+
+@triton.jit
 def _adam_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, param_lp_ptr,
     step_ptr, lr_ptr, grad_scale_ptr, found_inf_ptr, clip_coef_ptr,
-    n_elements, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+    n_elements, seed, index0, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
     # Flags are constexpr so that the branches not taken vanish from the binary.
     ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr, HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SR_PARAM: tl.constexpr, PARAM_MIX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if HAS_FOUND_INF:
         # GradScaler saw inf/nan: the whole step is skipped, on the device.
@@ -131,12 +182,30 @@ def _adam_kernel(
     lr = tl.load(lr_ptr)
     t = tl.load(step_ptr)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
-                    max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
-                    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
-    if HAS_PARAM_LP:
-        _store_low_precision(param_lp_ptr + offs, p, mask, PARAM_LP_BF16)
+    if SR_PARAM:  # master_weights="stochastic": the bf16 parameter, no master
+        p = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+        vmax = v
+        if AMSGRAD:
+            vmax = tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+        p, m, v, vmax = _adam_update(p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
+                                     beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                                     ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
+                                     HAS_CLIP)
+        tl.store(exp_avg_ptr + offs, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+        if AMSGRAD:
+            tl.store(max_exp_avg_sq_ptr + offs, vmax, mask=mask)
+        _store_bf16_stochastic(param_ptr + offs, p, _key(seed.to(tl.uint32), t.to(tl.uint32),
+                                                          PARAM_MIX), index0 + offs, mask)
+    else:
+        p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
+                        max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
+                        beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                        ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
+        if HAS_PARAM_LP:
+            _store_low_precision(param_lp_ptr + offs, p, mask, PARAM_LP_BF16)
 
 
 @triton.jit
@@ -234,6 +303,24 @@ def _flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_
                 HAS_CLIP=clip_coef is not None)
 
 
+def _check_param(param, param_lp, stochastic) -> None:
+    """``param``: the fp32 master (or parameter), or with ``stochastic`` the bf16 parameter."""
+    if stochastic:
+        _check("param", param, param.numel(), (torch.bfloat16,), param.device)
+        if param_lp is not None:
+            raise ValueError("`param_lp` must be None with stochastic=True: `param` is the "
+                             "bfloat16 parameter itself")
+    else:
+        _check("param", param, param.numel(), (torch.float32,), param.device)
+
+
+def _param_flags(stochastic) -> dict:
+    """The constexprs of master_weights="stochastic" (the parameter's stream of bits)."""
+    from zero_triton.kernels import rounding
+    return dict(SR_PARAM=bool(stochastic),
+                PARAM_MIX=(rounding.PARAM_STREAM * rounding.M1) & rounding.MASK32)
+
+
 def _block_and_warps(n):
     if INTERPRET:
         # The interpreter pays ~1 ms per program instance: few, large blocks.
@@ -243,7 +330,8 @@ def _block_and_warps(n):
 
 def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
               beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-              grad_scale=None, found_inf=None, clip_coef=None):
+              grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
+              index=0):
     """One fused Adam/AdamW step over a flat shard, in place.
 
     param: float32 [n] master or fp32 parameter; grad: fp32/fp16/bf16 [n];
@@ -251,11 +339,13 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
     param_lp: fp16/bf16 [n] receiving param rounded to nearest even, or None;
     step, lr: float32 [1] on the device (step already incremented);
     grad_scale (divides the grad), found_inf (skip when != 0), clip_coef (multiplies
-    the grad): float32 [1] on the device, or None.
+    the grad): float32 [1] on the device, or None. ``stochastic`` (master_weights=
+    "stochastic"): param is the bf16 parameter itself, param_lp None, rounded back
+    stochastically keyed by ``seed`` and ``index`` (``zero_triton.kernels.rounding``).
     """
     n = param.numel()
     device = param.device
-    _check("param", param, n, (torch.float32,), device)
+    _check_param(param, param_lp, stochastic)
     _check("grad", grad, n, _GRAD_DTYPES, device)
     _check("exp_avg", exp_avg, n, (torch.float32,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,), device)
@@ -280,9 +370,10 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
         clip_coef if clip_coef is not None else dummy,
-        n, *_hyper(beta1, beta2, eps, weight_decay), AMSGRAD=bool(amsgrad),
+        n, int(seed) & 0xFFFFFFFF, int(index), *_hyper(beta1, beta2, eps, weight_decay),
+        AMSGRAD=bool(amsgrad),
         **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
-        BLOCK=block, num_warps=warps,
+        **_param_flags(stochastic), BLOCK=block, num_warps=warps,
     )
 
 

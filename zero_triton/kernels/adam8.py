@@ -11,8 +11,8 @@ import triton.language as tl
 
 from zero_triton.kernels import quant
 from zero_triton.kernels.adam import (_GRAD_DTYPES, INTERPRET, _adam_update, _check,
-                                      _check_scalars_and_device, _flags, _hyper,
-                                      _store_low_precision)
+                                      _check_param, _check_scalars_and_device, _flags, _hyper,
+                                      _key, _load_param, _param_flags, _store_param)
 
 
 
@@ -56,12 +56,12 @@ def _scale_of(x):
 def _adam8_kernel(
     param_ptr, grad_ptr, m_ptr, v_ptr, scales_ptr, param_lp_ptr,
     step_ptr, lr_ptr, grad_scale_ptr, found_inf_ptr, clip_coef_ptr,
-    n_elements, n_blocks, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+    n_elements, n_blocks, seed, index0, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
     ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
     FIRST_BIAS: tl.constexpr, FIRST_MAN: tl.constexpr, SECOND_BIAS: tl.constexpr,
-    SECOND_MAN: tl.constexpr,
+    SECOND_MAN: tl.constexpr, SR_PARAM: tl.constexpr, PARAM_MIX: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if HAS_FOUND_INF:
@@ -77,15 +77,15 @@ def _adam8_kernel(
     m_scale = tl.load(scales_ptr + 2 * rows, mask=row_mask, other=0.0)
     v_scale = tl.load(scales_ptr + 2 * rows + 1, mask=row_mask, other=0.0)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = tl.load(param_ptr + offs, mask=mask, other=0.0)
+    p = _load_param(param_ptr + offs, mask, SR_PARAM)
     m = _decode(tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32), m_scale, FIRST_BIAS, FIRST_MAN)
     v = _decode(tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32), v_scale, SECOND_BIAS, SECOND_MAN)
     p, m, v, _ = _adam_update(p, g, m, v, v, lr, t, grad_scale_ptr, clip_coef_ptr,
                               beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
                               ADAMW, False, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
-    tl.store(param_ptr + offs, p, mask=mask)
-    if HAS_PARAM_LP:
-        _store_low_precision(param_lp_ptr + offs, p, mask, PARAM_LP_BF16)
+    _store_param(param_ptr + offs, param_lp_ptr + offs, p, mask,
+                 _key(seed.to(tl.uint32), t.to(tl.uint32), PARAM_MIX), index0 + offs,
+                 SR_PARAM, HAS_PARAM_LP, PARAM_LP_BF16)
     # Elements past the end were stepped from zeros: their moments are zero, no scale's.
     m_scale, m_inv = _scale_of(m)
     v_scale, v_inv = _scale_of(v)
@@ -103,7 +103,8 @@ def _rows(n_blocks: int) -> tuple:
 
 def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
                beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-               grad_scale=None, found_inf=None, clip_coef=None):
+               grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
+               index=0):
     """``adam.adam_step`` over int8 moments, in place: exp_avg int8 [n], exp_avg_sq
     uint8 [n], scales float32 [ceil(n / 256), 2] (each block's first and second moment
     scale); the run starts on a block boundary. No amsgrad."""
@@ -111,7 +112,7 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
         raise ValueError("int8 moments hold no amsgrad maximum; use moments='fp32'")
     n = param.numel()
     device = param.device
-    _check("param", param, n, (torch.float32,), device)
+    _check_param(param, param_lp, stochastic)
     _check("grad", grad, n, _GRAD_DTYPES, device)
     _check("exp_avg", exp_avg, n, (torch.int8,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.uint8,), device)
@@ -131,9 +132,10 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
         clip_coef if clip_coef is not None else dummy,
-        n, n_blocks, *_hyper(beta1, beta2, eps, weight_decay),
+        n, n_blocks, int(seed) & 0xFFFFFFFF, int(index), *_hyper(beta1, beta2, eps, weight_decay),
         **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
         FIRST_BIAS=quant.FIRST.bias, FIRST_MAN=quant.FIRST.man_bits,
         SECOND_BIAS=quant.SECOND.bias, SECOND_MAN=quant.SECOND.man_bits,
+        **_param_flags(stochastic),
         ROWS=rows, BLOCK=quant.BLOCK, num_warps=warps,
     )

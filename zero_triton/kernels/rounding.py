@@ -20,7 +20,7 @@ import torch
 
 MASK32 = 0xFFFFFFFF
 GOLDEN, M1, M2 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
-FIRST_STREAM, SECOND_STREAM = 1, 2  # exp_avg, exp_avg_sq
+FIRST_STREAM, SECOND_STREAM, PARAM_STREAM = 1, 2, 3  # exp_avg, exp_avg_sq, the parameter
 
 
 def fmix32_int(x: int) -> int:

@@ -13,6 +13,9 @@ parameters 2P, fp16/bf16 gradients 2P, optimizer state K*P with K = 12 (fp32 mas
 Plain fp32 training (``master_dtype="none"``): parameters 4P, gradients 4P, no
 master, moments 8P, so K = 8 and DDP is 16P again.
 
+bf16 training without a master (``master_dtype="stochastic"``, the optimizers'
+``master_weights="stochastic"``): parameters 2P, gradients 2P, no master.
+
 The moments' format (``moments``, the optimizers' argument): ``"fp32"`` 8P; ``"bf16"``
 4P; ``"int8"``
 one byte per moment plus a float32 scale per moment per block of 256 elements,
@@ -54,6 +57,7 @@ STAGES = {
 PRECISIONS = {
     "fp32": (2, 2, 4, 8),  # fp16/bf16 params and grads, fp32 master and moments
     "none": (4, 4, 0, 8),  # plain fp32 training: the parameters are the master
+    "stochastic": (2, 2, 0, 8),  # bf16 params and grads, no master (master_weights="stochastic")
 }
 # moments format -> bytes per parameter of m + v
 MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256}
@@ -119,8 +123,9 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
                  moments: str = "fp32") -> Dict:
     """The memory model as one JSON-ready dict.
 
-    ``master_dtype``: ``"fp32"`` (fp16/bf16 params and grads, fp32 master, K = 12) or
-    ``"none"`` (plain fp32 training, no separate master, K = 8). ``moments``: the
+    ``master_dtype``: ``"fp32"`` (fp16/bf16 params and grads, fp32 master, K = 12),
+    ``"none"`` (plain fp32 training, no separate master, K = 8) or ``"stochastic"`` (bf16
+    params and grads, no master: ``master_weights="stochastic"``). ``moments``: the
     moments' format, ``"fp32"`` (8 bytes per parameter), ``"bf16"`` (4) or ``"int8"`` (2.03).
     Keys: ``params``, ``world_size``, ``master_dtype``, ``moments``, ``K``
     (optimizer-state bytes per parameter), ``stages`` (the list from ``stage_bytes``).
@@ -128,7 +133,8 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
     if master_dtype not in PRECISIONS:
         raise ValueError(f"master_dtype must be one of {sorted(PRECISIONS)}, got "
                          f"{master_dtype!r}; use 'fp32' for bf16/fp16 training with an "
-                         f"fp32 master copy, 'none' for plain fp32 training")
+                         f"fp32 master copy, 'none' for plain fp32 training, 'stochastic' "
+                         f"for bf16 training without a master")
     if moments not in MOMENT_BYTES:
         raise ValueError(f"moments must be one of {sorted(MOMENT_BYTES)}, got {moments!r}")
     pb, gb, mb, _ = PRECISIONS[master_dtype]

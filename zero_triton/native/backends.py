@@ -23,11 +23,26 @@ NAMES = ("auto", "triton", "cuda", "cpu", "torch")
 
 def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-               grad_scale=None, found_inf=None, clip_coef=None, scratch=None):
+               grad_scale=None, found_inf=None, clip_coef=None, scratch=None,
+               stochastic=False, seed=0, index=0):
     """The step in plain in-place torch ops on preallocated buffers (several passes
     over memory; the fallback when no kernel can run). Reads ``found_inf``, ``lr`` and
-    ``step`` on the host: on CUDA tensors this path syncs once per step."""
+    ``step`` on the host: on CUDA tensors this path syncs once per step.
+    ``stochastic``: ``param`` is the bf16 parameter itself (master_weights="stochastic"),
+    stepped in float32 and rounded back stochastically, keyed by ``seed`` and ``index``."""
     if found_inf is not None and found_inf.item() != 0:
+        return
+    if stochastic:
+        from zero_triton.kernels import rounding
+        master = param.float()
+        torch_step(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, None, step, lr,
+                   beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                   amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
+                   clip_coef=clip_coef, scratch=scratch)
+        t = int(float(step.item()) if isinstance(step, torch.Tensor) else step)
+        bits = rounding.random_bits(rounding.key(seed, t, rounding.PARAM_STREAM), index,
+                                    master.numel(), master.device)
+        param.copy_(rounding.to_bf16_stochastic(master, bits))
         return
     if scratch is None:
         scratch = torch.empty_like(param)
@@ -64,7 +79,8 @@ def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step,
 
 def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
                     beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                    grad_scale=None, found_inf=None, clip_coef=None, scratch=None):
+                    grad_scale=None, found_inf=None, clip_coef=None, scratch=None,
+                    stochastic=False, seed=0, index=0):
     """The step over int8 moments (``zero_triton.state.int8``) in torch ops: decode the
     blocks (``zero_triton.kernels.quant``), ``torch_step`` on them, encode them again
     with their new scales. Allocates the decoded moments (the fallback, not the fast path)."""
@@ -75,7 +91,8 @@ def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr
     v = quant.decode(exp_avg_sq, scales[:, 1], quant.SECOND)
     torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
                weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
-               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch)
+               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch,
+               stochastic=stochastic, seed=seed, index=index)
     quant.quantize(m, quant.FIRST, exp_avg, scales[:, 0])
     quant.quantize(v, quant.SECOND, exp_avg_sq, scales[:, 1])
 
@@ -83,7 +100,7 @@ def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr
 def torch_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                     beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                     grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
-                    scratch=None):
+                    scratch=None, stochastic=False):
     """The step over bf16 moments (``zero_triton.state.bf16``) in torch ops: widen them,
     ``torch_step``, round them back stochastically (``zero_triton.kernels.rounding``:
     keyed by ``seed``, the step, the moment and ``index`` + element). Allocates."""
@@ -93,7 +110,8 @@ def torch_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, 
     m, v = exp_avg.float(), exp_avg_sq.float()
     torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
                weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
-               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch)
+               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch,
+               stochastic=stochastic, seed=seed, index=index)
     t = int(float(step.item()) if isinstance(step, torch.Tensor) else step)
     for moment, x, stream in ((exp_avg, m, rounding.FIRST_STREAM), (exp_avg_sq, v, rounding.SECOND_STREAM)):
         bits = rounding.random_bits(rounding.key(seed, t, stream), index, x.numel(), x.device)
@@ -189,10 +207,12 @@ def _native_step():
 
     def native_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                     beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                    grad_scale=None, found_inf=None, clip_coef=None):
+                    grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
+                    index=0):
         native(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr,
                float(beta1), float(beta2), float(eps), float(weight_decay),
-               bool(adamw), bool(amsgrad), bool(maximize), grad_scale, found_inf, clip_coef)
+               bool(adamw), bool(amsgrad), bool(maximize), grad_scale, found_inf, clip_coef,
+               bool(stochastic), int(seed), int(index))
     return native_step
 
 
@@ -202,10 +222,11 @@ def _native_step_int8():
 
     def native_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
                          beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                         grad_scale=None, found_inf=None, clip_coef=None):
+                         grad_scale=None, found_inf=None, clip_coef=None, stochastic=False,
+                         seed=0, index=0):
         native(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, float(beta1),
                float(beta2), float(eps), float(weight_decay), bool(adamw), bool(maximize),
-               grad_scale, found_inf, clip_coef)
+               grad_scale, found_inf, clip_coef, bool(stochastic), int(seed), int(index))
     return native_step_int8
 
 
@@ -215,10 +236,11 @@ def _native_step_bf16():
 
     def native_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                          beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                         grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0):
+                         grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
+                         stochastic=False):
         native(param, grad, exp_avg, exp_avg_sq, param_lp, step, lr, float(beta1), float(beta2),
                float(eps), float(weight_decay), bool(adamw), bool(maximize), grad_scale,
-               found_inf, clip_coef, int(seed), int(index))
+               found_inf, clip_coef, int(seed), int(index), bool(stochastic))
     return native_step_bf16
 
 

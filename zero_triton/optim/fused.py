@@ -35,7 +35,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     Args beyond torch's:
         master_weights: None (default) keeps an fp32 master for fp16/bf16 parameters;
-            fp32 parameters are their own master.
+            fp32 parameters are their own master. "stochastic": bf16 parameters without
+            one, stepped in float32 and rounded back stochastically (a hash of the step
+            and the element's place: the same at every world size; zero_triton.kernels.rounding).
         backend: "auto" | "triton" | "cuda" | "cpu" | "torch" (see zero_triton.native.backends).
         moments: "fp32" (default, torch's state) | "bf16" (4 bytes per parameter for both
             moments, stochastic rounding: zero_triton.state.bf16) | "int8" (block-scaled

@@ -177,7 +177,7 @@ class LocalShard(FlatShard):
             _check_local(p, t, i)
         self.params = params
         self.dtype, self.device = locals_[0].dtype, locals_[0].device
-        self.has_master = self.dtype in LOW_PRECISION
+        self.has_master = self.dtype in LOW_PRECISION and not spec.stochastic
         self.spec = spec
         if self.has_master and not spec.master_weights:
             raise ValueError(
@@ -204,8 +204,9 @@ class LocalShard(FlatShard):
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
         self.backend = "torch" if self.dtype == torch.float64 else backends.resolve(spec.backend, self.device)
         self.step_fn = backends.step_function(self.backend, self.state.moments.format)
-        # one launch for all, or None
-        self.step_list = backends.list_step_function(self.backend, self.state.moments.format)
+        # one launch for all, or None (stochastic rounding keys each shard: one launch each)
+        self.step_list = None if spec.stochastic else \
+            backends.list_step_function(self.backend, self.state.moments.format)
         self.scratch = torch.empty(self.layout.shard_numel, dtype=self.state.dtype, device=self.device) \
             if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
@@ -313,8 +314,9 @@ class LocalShard(FlatShard):
                 lo, hi, s0 = self.segments[k]
                 if self.scratch is not None:  # the torch backend's work space
                     kwargs = {**plan["kwargs"], "scratch": self.scratch[s0:s0 + hi - lo]}
-                if st.moments.keyed:  # this rank's local shards: the engine's placement
-                    kwargs = {**kwargs, "seed": self.key, "index": s0}
+                if st.moments.keyed or self.spec.stochastic:  # the engine's placement
+                    kwargs = {**kwargs, "seed": self.key, "index": s0,
+                              **({"stochastic": True} if self.spec.stochastic else {})}
                 self.step_fn(param if master is None else master, grads[k], *moments,
                              param if self.has_master else None, st.step_of(k), self.lr, **kwargs)
             return

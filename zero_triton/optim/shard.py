@@ -87,7 +87,8 @@ class FlatShard:
         self.params = params
         self.spec = spec
         self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
-        self.has_master = self.dtype in LOW_PRECISION
+        # master_weights="stochastic": bf16 parameters without a master (Spec.check_params)
+        self.has_master = self.dtype in LOW_PRECISION and not spec.stochastic
         reduce_dtype = spec.reduce_dtype
         if bucket_numel is None:
             bucket_numel = spec.bucket_numel(self.dtype, sum(
@@ -284,10 +285,12 @@ class FlatShard:
         if self.backend == "torch":
             kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
         st = self.state
-        if st.moments.keyed:  # rounding keyed by the element's place in the canonical layout
+        if st.moments.keyed or self.spec.stochastic:
+            # rounding keyed by the element's place in the canonical layout
             bucket = self.layout.buckets[k]
             index = bucket.canonical_start + self.segments[k][0] - bucket.start + a
-            kwargs = {**kwargs, "seed": self.key, "index": index}
+            kwargs = {**kwargs, "seed": self.key, "index": index,
+                      **({"stochastic": True} if self.spec.stochastic else {})}
         param = self.param_parts[k][a:b]
         master = st.master[s0 + a:s0 + b] if st.master is not None else param
         self.step_fn(master, self.buckets[k].averaged()[a:b],

@@ -21,12 +21,14 @@ from zero_triton.optim.checks import check_flag
 from zero_triton.state import moments as moment_formats
 
 REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
+STOCHASTIC = "stochastic"  # master_weights: no fp32 master, bf16 parameters rounded stochastically
 
 
 @dataclass(frozen=True)
 class Spec:
     """``backend``: "auto" or a backend name (``zero_triton.native.backends``);
-    ``master_weights``: keep an fp32 master of fp16/bf16 parameters; ``reduce_dtype``: the
+    ``master_weights``: keep an fp32 master of fp16/bf16 parameters (``"stochastic"``:
+    none, bf16 parameters updated in float32 and rounded back stochastically); ``reduce_dtype``: the
     dtype gradients are averaged in (None: their own); ``bucket_cap_mb``: MiB of
     gradients per bucket at most (None: one bucket per flat buffer); ``stage``: 1 (state
     sharded) or 2 (gradients too); ``max_grad_norm``: clip by the global norm inside
@@ -34,7 +36,7 @@ class Spec:
     buffers; ``moments``: the moments' format (``zero_triton.state.moments.FORMATS``)."""
 
     backend: str = "auto"
-    master_weights: bool = True
+    master_weights: bool | str = True
     reduce_dtype: torch.dtype | None = None
     bucket_cap_mb: float | None = None
     stage: int = 1
@@ -47,7 +49,16 @@ class Spec:
               stage=1, max_grad_norm=None, differentiable=False, moments="fp32") -> "Spec":
         """The constructor's keywords, checked in the order the optimizers have always
         checked them (each error names the fix; nothing has changed yet)."""
-        if master_weights is not None:
+        if isinstance(master_weights, str):
+            if master_weights != STOCHASTIC:
+                raise ValueError(f"master_weights must be None, True, False or {STOCHASTIC!r} "
+                                 f"(bfloat16 parameters without an fp32 master, stepped with "
+                                 f"stochastic rounding), got {master_weights!r}")
+            if differentiable:
+                raise ValueError("master_weights='stochastic' cannot be used with "
+                                 "differentiable=True: autograd through the step needs torch's "
+                                 "own float state; use master_weights=None")
+        elif master_weights is not None:
             check_flag("master_weights", master_weights)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
                                           not isinstance(max_grad_norm, (int, float)) or
@@ -74,7 +85,9 @@ class Spec:
             raise ValueError(f"moments={moments!r} cannot be used with differentiable=True: "
                              "autograd through the step needs torch's own float state; use "
                              "moments='fp32' (the default)")
-        return cls(backend=backend, master_weights=True if master_weights is None else bool(master_weights),
+        master = True if master_weights is None else (
+            master_weights if isinstance(master_weights, str) else bool(master_weights))
+        return cls(backend=backend, master_weights=master,
                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                    differentiable=bool(differentiable), moments=moments)
@@ -84,9 +97,25 @@ class Spec:
         """The flat layout's alignment (elements) the moments' format needs."""
         return moment_formats.FORMATS[self.moments].align
 
+    @property
+    def stochastic(self) -> bool:
+        """bf16 parameters without an fp32 master, rounded back stochastically."""
+        return self.master_weights == STOCHASTIC
+
     def check_params(self, params, amsgrad: bool) -> None:
         """Refuse, with the fix and before anything is built, what the moments' format
-        cannot step: amsgrad's maximum, float64 or complex parameters."""
+        cannot step (amsgrad's maximum, float64 or complex parameters) and parameters
+        ``master_weights="stochastic"`` does not apply to (any but bfloat16)."""
+        if self.stochastic:
+            for i, p in enumerate(params):
+                if p.dtype != torch.bfloat16:
+                    fix = ("float32 and float64 parameters are their own master: use "
+                           "master_weights=None" if p.dtype in (torch.float32, torch.float64)
+                           else "stochastic rounding is to bfloat16 only: use bfloat16 "
+                           "parameters, or master_weights=None (an fp32 master)")
+                    raise ValueError(f"master_weights='stochastic' drops the fp32 master of "
+                                     f"bfloat16 parameters; parameter {i} {tuple(p.shape)} is "
+                                     f"{p.dtype}: {fix}")
         if self.moments == "fp32":
             return
         if amsgrad:

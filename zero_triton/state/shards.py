@@ -40,8 +40,10 @@ class ShardState:
             self.master = torch.zeros(n, dtype=torch.float32, device=self.device)
             for part, (lo, hi, s0) in zip(param_parts, segments):
                 self.master[s0:s0 + hi - lo].copy_(part)
-        else:
-            self.master = param_parts[0] if len(param_parts) == 1 else None
+        else:  # fp32 (fp64) parameters are their own master; bf16 ones stepped without one
+            # (master_weights="stochastic") have none
+            own = len(param_parts) == 1 and param_parts[0].dtype in (torch.float32, torch.float64)
+            self.master = param_parts[0] if own else None
         # float64 parameters keep float64 state (torch steps them in float64); every
         # other dtype float32.
         self.dtype = torch.float64 if param_parts[0].dtype == torch.float64 else torch.float32
@@ -97,6 +99,8 @@ class ShardState:
         """What a sharded checkpoint saves, float32 in state order (an fp32 master spread
         over several segments is a copy)."""
         master = self.master if self.master is not None else torch.cat(self.param_parts)
+        if master.dtype in (torch.float16, torch.bfloat16):  # no master: the parameters
+            master = master.float()
         return {"master": master, **self.moments.export()}
 
     def nbytes(self) -> dict:

@@ -46,12 +46,13 @@ def _params(n: int, dtype):
 def _rank(args, rank, world, device):
     from zero_triton import ZeroAdam
     from zero_triton.memory.probe import MemoryProbe
-    dtype = torch.bfloat16 if args.master_dtype == "fp32" else torch.float32
+    dtype = torch.float32 if args.master_dtype == "none" else torch.bfloat16
     gc.collect()
     before = MemoryProbe(device).snapshot()["current"]
     params = _params(args.params, dtype)
     opt = ZeroAdam(params, lr=1e-3, stage=args.stage, bucket_cap_mb=args.bucket_cap_mb,
-                   reduce_dtype=torch.float32, moments=args.moments)
+                   reduce_dtype=torch.float32, moments=args.moments,
+                   master_weights="stochastic" if args.master_dtype == "stochastic" else None)
     probe = MemoryProbe(device)
     held = None
     for it in range(2):
@@ -177,7 +178,7 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
                         help="number of data-parallel ranks N")
     parser.add_argument("--master-dtype", choices=sorted(PRECISIONS), default="fp32",
                         help="fp32: bf16/fp16 params + fp32 master (default); "
-                             "none: plain fp32 training")
+                             "none: plain fp32 training; stochastic: bf16 params, no master")
     parser.add_argument("--moments", choices=sorted(MOMENT_BYTES), default="fp32",
                         help="the Adam moments' format: fp32 (8 bytes per parameter, default), "
                              "bf16 (4) or int8 (2.03: block-scaled 8-bit codes)")
