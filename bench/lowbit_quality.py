@@ -14,6 +14,9 @@ Rows (each when it can run here):
   zt fp32         zero_triton FusedAdamW, fp32 moments
   zt int8         FusedAdamW(moments="int8")
   zt bf16         FusedAdamW(moments="bf16"): bfloat16 moments, stochastic rounding
+  bf16p + master  the model in bfloat16, FusedAdamW with its fp32 master (12 B of state)
+  bf16p sr int8   the model in bfloat16, FusedAdamW(master_weights="stochastic",
+                  moments="int8"): no master, 8-bit moments (2.03 B of state)
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
                   elements keep 32-bit state)
   torchao 8bit    torchao.optim.AdamW8bit
@@ -45,9 +48,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from zero_triton import FusedAdamW  # noqa: E402
 from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 
-ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "bnb_8bit", "torchao_8bit")
+ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf16p_sr_int8",
+        "bnb_8bit", "torchao_8bit")
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
-          "zt_bf16": "zt bf16", "bnb_8bit": "bnb 8bit", "torchao_8bit": "torchao 8bit"}
+          "zt_bf16": "zt bf16", "zt_bf16p_master": "bf16p + master", "zt_bf16p_sr_int8":
+          "bf16p sr int8", "bnb_8bit": "bnb 8bit", "torchao_8bit": "torchao 8bit"}
+BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr_int8")  # rows whose model is in bfloat16
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -86,6 +92,11 @@ def make_optimizer(row: str, params, lr: float, wd: float):
         return FusedAdamW(params, lr=lr, weight_decay=wd, moments="int8")
     if row == "zt_bf16":
         return FusedAdamW(params, lr=lr, weight_decay=wd, moments="bf16")
+    if row == "zt_bf16p_master":
+        return FusedAdamW(params, lr=lr, weight_decay=wd)
+    if row == "zt_bf16p_sr_int8":
+        return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="stochastic",
+                          moments="int8")
     if row == "bnb_8bit":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=wd)
@@ -121,13 +132,14 @@ def evaluate(model, val, args) -> float:
     total = 0.0
     for _ in range(args.val_batches):
         idx, tgt = next(it)
-        total += model(idx, tgt)[1].item()
+        total += model(idx, tgt)[1].float().item()
     model.train()
     return total / args.val_batches
 
 
 def train(row: str, train_tokens, val, config, args) -> dict:
-    model = build_gpt(config, dtype=torch.float32, seed=0)
+    model = build_gpt(config, dtype=torch.bfloat16 if row in BF16_PARAMS else torch.float32,
+                      seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(row, params, args.lr, args.weight_decay)
     it = batches(train_tokens, args.batch, args.seq, seed=1)
@@ -142,10 +154,10 @@ def train(row: str, train_tokens, val, config, args) -> dict:
             else:
                 g["lr"] = lr
         _, loss = model(idx, tgt)
-        loss.backward()
+        loss.float().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.float().item())
         if not math.isfinite(losses[-1]):
             break
     seconds = time.perf_counter() - t0
