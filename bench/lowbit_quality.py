@@ -15,6 +15,8 @@ Rows (each when it can run here):
   zt int8         FusedAdamW(moments="int8")
   zt bf16         FusedAdamW(moments="bf16"): bfloat16 moments, stochastic rounding
   bf16p + master  the model in bfloat16, FusedAdamW with its fp32 master (12 B of state)
+  bf16p sr        the model in bfloat16, FusedAdamW(master_weights="stochastic"): no
+                  master, fp32 moments (8 B of state)
   bf16p sr int8   the model in bfloat16, FusedAdamW(master_weights="stochastic",
                   moments="int8"): no master, 8-bit moments (2.03 B of state)
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
@@ -48,12 +50,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from zero_triton import FusedAdamW  # noqa: E402
 from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 
-ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf16p_sr_int8",
-        "bnb_8bit", "torchao_8bit")
+ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf16p_sr",
+        "zt_bf16p_sr_int8", "bnb_8bit", "torchao_8bit")
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
-          "zt_bf16": "zt bf16", "zt_bf16p_master": "bf16p + master", "zt_bf16p_sr_int8":
+          "zt_bf16": "zt bf16", "zt_bf16p_master": "bf16p + master", "zt_bf16p_sr": "bf16p sr",
+          "zt_bf16p_sr_int8":
           "bf16p sr int8", "bnb_8bit": "bnb 8bit", "torchao_8bit": "torchao 8bit"}
-BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr_int8")  # rows whose model is in bfloat16
+BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr", "zt_bf16p_sr_int8")  # rows whose model is in bfloat16
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -94,6 +97,8 @@ def make_optimizer(row: str, params, lr: float, wd: float):
         return FusedAdamW(params, lr=lr, weight_decay=wd, moments="bf16")
     if row == "zt_bf16p_master":
         return FusedAdamW(params, lr=lr, weight_decay=wd)
+    if row == "zt_bf16p_sr":
+        return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="stochastic")
     if row == "zt_bf16p_sr_int8":
         return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="stochastic",
                           moments="int8")

@@ -87,8 +87,6 @@ at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
                      "parameter itself, no master), got ", describe(param));
     TORCH_CHECK(!param_lp.has_value(), "`param_lp` must be None with stochastic=True: `param` "
                 "is the bfloat16 parameter itself");
-    TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), "
-                      "got ", index);
   } else {
     TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
                          param.is_contiguous(),
@@ -119,7 +117,21 @@ at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
                     eps);
   TORCH_CHECK_VALUE(weight_decay >= 0.0 && std::isfinite(weight_decay),
                     "`weight_decay` must be >= 0 and finite, got ", weight_decay);
+  TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), got ",
+                    index);
   return dev;
+}
+
+// Refuses tensors a step writes that share memory with another of its tensors: `moments`
+// (the format's), with the parameter, its low-precision copy and the gradient.
+void check_writes(const at::Tensor& param, const at::Tensor& grad,
+                  const std::optional<at::Tensor>& param_lp,
+                  std::vector<std::pair<const char*, const at::Tensor*>> written) {
+  written.insert(written.begin(), {"param", &param});
+  if (param_lp) written.push_back({"param_lp", &*param_lp});
+  auto all = written;
+  all.push_back({"grad", &grad});
+  check_no_overlap(written, all);
 }
 
 AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
@@ -128,7 +140,8 @@ AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
                       double weight_decay, bool adamw, bool maximize,
                       const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf,
-                      const std::optional<at::Tensor>& clip_coef) {
+                      const std::optional<at::Tensor>& clip_coef, bool stochastic, int64_t seed,
+                      int64_t index) {
   AdamStep s;
   s.param = param;
   s.grad = grad;
@@ -144,6 +157,9 @@ AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
   s.weight_decay = weight_decay;
   s.adamw = adamw;
   s.maximize = maximize;
+  s.stochastic_param = stochastic;
+  s.seed = seed;
+  s.index = index;
   return s;
 }
 
@@ -179,23 +195,17 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
                 "`max_exp_avg_sq` was given but amsgrad=False; pass None or set amsgrad=True");
   }
 
-  std::vector<std::pair<const char*, const at::Tensor*>> written = {
-      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
-  if (amsgrad) written.push_back({"max_exp_avg_sq", &*max_exp_avg_sq});
-  if (param_lp) written.push_back({"param_lp", &*param_lp});
-  auto all = written;
-  all.push_back({"grad", &grad});
-  check_no_overlap(written, all);
+  std::vector<std::pair<const char*, const at::Tensor*>> moments = {
+      {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  if (amsgrad) moments.push_back({"max_exp_avg_sq", &*max_exp_avg_sq});
+  check_writes(param, grad, param_lp, moments);
 
   AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                        maximize, grad_scale, found_inf, clip_coef);
+                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index);
   s.exp_avg = exp_avg;
   s.exp_avg_sq = exp_avg_sq;
   s.max_exp_avg_sq = max_exp_avg_sq;
   s.amsgrad = amsgrad;
-  s.stochastic_param = stochastic;
-  s.seed = seed;
-  s.index = index;
   launch(s, dev);
 }
 
@@ -218,21 +228,14 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                    "second moment per block of 256), got ", describe(scales));
   TORCH_CHECK(scales.device() == param.device(), "`scales` is on ", scales.device(),
               " but `param` is on ", param.device());
-  std::vector<std::pair<const char*, const at::Tensor*>> written = {
-      {"param", &param}, {"exp_avg_codes", &exp_avg_codes},
-      {"exp_avg_sq_codes", &exp_avg_sq_codes}, {"scales", &scales}};
-  if (param_lp) written.push_back({"param_lp", &*param_lp});
-  auto all = written;
-  all.push_back({"grad", &grad});
-  check_no_overlap(written, all);
-  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
-                            adamw, maximize, grad_scale, found_inf, clip_coef);
+  check_writes(param, grad, param_lp,
+               {{"exp_avg_codes", &exp_avg_codes}, {"exp_avg_sq_codes", &exp_avg_sq_codes},
+                {"scales", &scales}});
+  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index);
   s.exp_avg_codes = exp_avg_codes;
   s.exp_avg_sq_codes = exp_avg_sq_codes;
   s.scales = scales;
-  s.stochastic_param = stochastic;
-  s.seed = seed;
-  s.index = index;
   launch(s, dev);
 }
 
@@ -248,21 +251,11 @@ void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::T
                                    clip_coef, beta1, beta2, eps, weight_decay, stochastic, index);
   check_flat(exp_avg, "exp_avg", {at::kBFloat16}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kBFloat16}, param);
-  TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), got ",
-                    index);
-  std::vector<std::pair<const char*, const at::Tensor*>> written = {
-      {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
-  if (param_lp) written.push_back({"param_lp", &*param_lp});
-  auto all = written;
-  all.push_back({"grad", &grad});
-  check_no_overlap(written, all);
-  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
-                            adamw, maximize, grad_scale, found_inf, clip_coef);
+  check_writes(param, grad, param_lp, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
+  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index);
   s.exp_avg_bf16 = exp_avg;
   s.exp_avg_sq_bf16 = exp_avg_sq;
-  s.seed = seed;
-  s.index = index;
-  s.stochastic_param = stochastic;
   launch(s, dev);
 }
 
