@@ -51,9 +51,9 @@ class Spec:
         checked them (each error names the fix; nothing has changed yet)."""
         if isinstance(master_weights, str):
             if master_weights != STOCHASTIC:
-                raise ValueError(f"master_weights must be None, True, False or {STOCHASTIC!r} "
-                                 f"(bfloat16 parameters without an fp32 master, stepped with "
-                                 f"stochastic rounding), got {master_weights!r}")
+                raise ValueError(f"master_weights must be True or False (None: True), or "
+                                 f"{STOCHASTIC!r} (bfloat16 parameters without an fp32 master, "
+                                 f"stepped with stochastic rounding), got {master_weights!r}")
             if differentiable:
                 raise ValueError("master_weights='stochastic' cannot be used with "
                                  "differentiable=True: autograd through the step needs torch's "
