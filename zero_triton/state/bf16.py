@@ -23,9 +23,10 @@ import torch
 
 from .flat import ALIGN
 from .keys import FIRST, SECOND
+from .lowbit import NoMaximum
 
 
-class Bf16Moments:
+class Bf16Moments(NoMaximum):
     """exp_avg and exp_avg_sq of a shard in bfloat16."""
 
     format = "bf16"
@@ -34,29 +35,17 @@ class Bf16Moments:
     keyed = True   # the step's rounding is keyed by element index
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
-        if amsgrad:
-            raise ValueError(refusal("amsgrad=True"))
-        if dtype != torch.float32:
-            raise ValueError(refusal(f"{dtype} parameters"))
+        self.check(dtype, amsgrad)
         self.numel, self.dtype, self.device = numel, dtype, device
         self.exp_avg = torch.zeros(numel, dtype=torch.bfloat16, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=torch.bfloat16, device=device)
 
-    @property
-    def amsgrad(self) -> bool:
-        return False
-
-    def ensure_amsgrad(self) -> bool:
-        raise ValueError(refusal("amsgrad=True"))
-
     def operands(self, a: int, b: int, amsgrad: bool) -> tuple:
-        if amsgrad:
-            raise ValueError(refusal("amsgrad=True"))
+        self.check(None, amsgrad)
         return self.exp_avg[a:b], self.exp_avg_sq[a:b], None
 
     def reset(self, amsgrad: bool | None = None) -> None:
-        if amsgrad:
-            raise ValueError(refusal("amsgrad=True"))
+        self.check(None, amsgrad)
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
 
@@ -77,8 +66,3 @@ class Bf16Moments:
         self.commit({k: v.to(self.device, torch.float32) for k, v in old.export().items()
                      if k in (FIRST, SECOND)})
 
-
-def refusal(what: str) -> str:
-    return (f"moments='bf16' cannot be used with {what}: it holds exp_avg and exp_avg_sq of "
-            "float32 state only (no amsgrad maximum, no float64); use moments='fp32' for "
-            "these parameters (another optimizer or param group)")

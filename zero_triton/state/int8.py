@@ -28,12 +28,13 @@ import torch
 from zero_triton.kernels import quant
 
 from .keys import FIRST, SECOND
+from .lowbit import NoMaximum
 
 BLOCK = quant.BLOCK
 ALIGN = BLOCK
 
 
-class Int8Moments:
+class Int8Moments(NoMaximum):
     """exp_avg and exp_avg_sq of a shard as block-scaled 8-bit codes."""
 
     format = "int8"
@@ -42,25 +43,14 @@ class Int8Moments:
     keyed = False  # its rounding is to nearest: the step takes no element index
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
-        if amsgrad:
-            raise ValueError(refusal("amsgrad=True"))
-        if dtype != torch.float32:
-            raise ValueError(refusal(f"{dtype} parameters"))
+        self.check(dtype, amsgrad)
         self.numel, self.dtype, self.device = numel, dtype, device
         self.exp_avg = torch.zeros(numel, dtype=quant.FIRST.dtype, device=device)
         self.exp_avg_sq = torch.zeros(numel, dtype=quant.SECOND.dtype, device=device)
         self.scales = torch.zeros(quant.blocks(numel), 2, dtype=torch.float32, device=device)
 
-    @property
-    def amsgrad(self) -> bool:
-        return False
-
-    def ensure_amsgrad(self) -> bool:
-        raise ValueError(refusal("amsgrad=True"))
-
     def operands(self, a: int, b: int, amsgrad: bool) -> tuple:
-        if amsgrad:
-            raise ValueError(refusal("amsgrad=True"))
+        self.check(None, amsgrad)
         if a % BLOCK:
             raise ValueError(f"int8 moments are stepped from a block boundary (a multiple of "
                              f"{BLOCK}), got state element {a}")
@@ -68,8 +58,7 @@ class Int8Moments:
                 self.scales[a // BLOCK:a // BLOCK + quant.blocks(b - a)])
 
     def reset(self, amsgrad: bool | None = None) -> None:
-        if amsgrad:
-            raise ValueError(refusal("amsgrad=True"))
+        self.check(None, amsgrad)
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         self.scales.zero_()
@@ -102,9 +91,3 @@ class Int8Moments:
         self.commit({k: v.to(self.device, torch.float32) for k, v in old.export().items()
                      if k in (FIRST, SECOND)})
 
-
-def refusal(what: str) -> str:
-    """Why int8 moments cannot hold ``what``, with the fix."""
-    return (f"moments='int8' cannot be used with {what}: its 8-bit codes hold exp_avg and "
-            "exp_avg_sq of float32 state only (no amsgrad maximum, no float64); use "
-            "moments='fp32' for these parameters (another optimizer or param group)")
