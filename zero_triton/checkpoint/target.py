@@ -10,6 +10,7 @@ import torch
 from zero_triton.checkpoint.manifest import NOT_HYPER, dtype_name, plain_names
 from zero_triton.optim.interface import internals
 from zero_triton.state.flat import unflatten_into
+from zero_triton.state.moments import MAXIMUM
 
 # What torch's LR schedulers write into param groups (OneCycleLR and CyclicLR cycle the
 # momentum, i.e. Adam's betas, too).
@@ -158,7 +159,7 @@ class Target:
             unflatten_into(flat.params, plan["params"][k], flat.layout.canonical)
             # A state the checkpoint holds and this store lacks (a running maximum) is
             # stored from now on; one it lacks is zero.
-            if any(k != "master" and k not in flat.state.moments.export() for k in got):
+            if MAXIMUM in got and not flat.state.amsgrad:  # (the store's keys, no export)
                 flat.state.ensure_amsgrad()
             bufs = self.states(flat)
             for name, buf in bufs.items():

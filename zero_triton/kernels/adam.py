@@ -74,10 +74,13 @@ def _step_block(
     grad_scale_ptr, clip_coef_ptr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
     ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+    SR_PARAM: tl.constexpr,
 ):
-    """One block of the step in place: load the fp32 parameter and moments at the given
-    pointers, update them from ``g`` (fp32), store them; returns the new parameter."""
-    p = tl.load(param_ptrs, mask=mask, other=0.0)
+    """One block of the step: load the parameter (the fp32 master, or with SR_PARAM the
+    bf16 parameter, ``_load_param``) and the moments at the given pointers, update them
+    from ``g`` (fp32), store the moments; returns the new parameter, for the caller to
+    store (``_store_param``)."""
+    p = _load_param(param_ptrs, mask, SR_PARAM)
     m = tl.load(exp_avg_ptrs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptrs, mask=mask, other=0.0)
     vmax = v
@@ -87,7 +90,6 @@ def _step_block(
                                  beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
                                  ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
                                  HAS_CLIP)
-    tl.store(param_ptrs, p, mask=mask)
     tl.store(exp_avg_ptrs, m, mask=mask)
     tl.store(exp_avg_sq_ptrs, v, mask=mask)
     if AMSGRAD:
@@ -182,30 +184,14 @@ def _adam_kernel(
     lr = tl.load(lr_ptr)
     t = tl.load(step_ptr)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if SR_PARAM:  # master_weights="stochastic": the bf16 parameter, no master
-        p = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-        vmax = v
-        if AMSGRAD:
-            vmax = tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-        p, m, v, vmax = _adam_update(p, g, m, v, vmax, lr, t, grad_scale_ptr, clip_coef_ptr,
-                                     beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                                     ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
-                                     HAS_CLIP)
-        tl.store(exp_avg_ptr + offs, m, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-        if AMSGRAD:
-            tl.store(max_exp_avg_sq_ptr + offs, vmax, mask=mask)
-        _store_bf16_stochastic(param_ptr + offs, p, _key(seed.to(tl.uint32), t.to(tl.uint32),
-                                                          PARAM_MIX), index0 + offs, mask)
-    else:
-        p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
-                        max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
-                        beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                        ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
-        if HAS_PARAM_LP:
-            _store_low_precision(param_lp_ptr + offs, p, mask, PARAM_LP_BF16)
+    p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
+                    max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
+                    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
+                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP, SR_PARAM)
+    # master_weights="stochastic": the bf16 parameter rounded back stochastically
+    _store_param(param_ptr + offs, param_lp_ptr + offs, p, mask,
+                 _key(seed.to(tl.uint32), t.to(tl.uint32), PARAM_MIX), index0 + offs,
+                 SR_PARAM, HAS_PARAM_LP, PARAM_LP_BF16)
 
 
 @triton.jit
@@ -248,7 +234,8 @@ def _adam_list_kernel(
     p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
                     max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
                     beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
+                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP, False)
+    tl.store(param_ptr + offs, p, mask=mask)
     if HAS_PARAM_LP:
         if PARAM_LP_BF16:
             lp_ptr = tl.load(row + 5).to(tl.pointer_type(tl.bfloat16))
@@ -303,6 +290,17 @@ def _flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_
                 HAS_CLIP=clip_coef is not None)
 
 
+def _check_step(param, grad, param_lp, stochastic, **scalars) -> None:
+    """What every launcher checks beside its moments: the parameter (``_check_param``),
+    the gradient, the low-precision copy, the 1-element scalars and the device."""
+    n, device = param.numel(), param.device
+    _check_param(param, param_lp, stochastic)
+    _check("grad", grad, n, _GRAD_DTYPES, device)
+    if param_lp is not None:
+        _check("param_lp", param_lp, n, (torch.float16, torch.bfloat16), device)
+    _check_scalars_and_device(device, **scalars)
+
+
 def _check_param(param, param_lp, stochastic) -> None:
     """``param``: the fp32 master (or parameter), or with ``stochastic`` the bf16 parameter."""
     if stochastic:
@@ -345,18 +343,14 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
     """
     n = param.numel()
     device = param.device
-    _check_param(param, param_lp, stochastic)
-    _check("grad", grad, n, _GRAD_DTYPES, device)
+    _check_step(param, grad, param_lp, stochastic, step=step, lr=lr, grad_scale=grad_scale,
+                found_inf=found_inf, clip_coef=clip_coef)
     _check("exp_avg", exp_avg, n, (torch.float32,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,), device)
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("amsgrad=True needs `max_exp_avg_sq`")
         _check("max_exp_avg_sq", max_exp_avg_sq, n, (torch.float32,), device)
-    if param_lp is not None:
-        _check("param_lp", param_lp, n, (torch.float16, torch.bfloat16), device)
-    _check_scalars_and_device(device, step=step, lr=lr, grad_scale=grad_scale,
-                              found_inf=found_inf, clip_coef=clip_coef)
     if n == 0:
         return
     block, warps = _block_and_warps(n)

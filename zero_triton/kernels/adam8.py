@@ -10,9 +10,8 @@ import triton
 import triton.language as tl
 
 from zero_triton.kernels import quant
-from zero_triton.kernels.adam import (_GRAD_DTYPES, INTERPRET, _adam_update, _check,
-                                      _check_param, _check_scalars_and_device, _flags, _hyper,
-                                      _key, _load_param, _param_flags, _store_param)
+from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
+                                      _hyper, _key, _load_param, _param_flags, _store_param)
 
 
 
@@ -112,16 +111,12 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
         raise ValueError("int8 moments hold no amsgrad maximum; use moments='fp32'")
     n = param.numel()
     device = param.device
-    _check_param(param, param_lp, stochastic)
-    _check("grad", grad, n, _GRAD_DTYPES, device)
+    _check_step(param, grad, param_lp, stochastic, step=step, lr=lr, grad_scale=grad_scale,
+                found_inf=found_inf, clip_coef=clip_coef)
     _check("exp_avg", exp_avg, n, (torch.int8,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.uint8,), device)
     n_blocks = quant.blocks(n)
     _check("scales", scales, 2 * n_blocks, (torch.float32,), device)
-    if param_lp is not None:
-        _check("param_lp", param_lp, n, (torch.float16, torch.bfloat16), device)
-    _check_scalars_and_device(device, step=step, lr=lr, grad_scale=grad_scale,
-                              found_inf=found_inf, clip_coef=clip_coef)
     if n == 0:
         return
     rows, warps = _rows(n_blocks)
