@@ -79,13 +79,17 @@ at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
                                const std::optional<at::Tensor>& found_inf,
                                const std::optional<at::Tensor>& clip_coef, double beta1,
                                double beta2, double eps, double weight_decay,
-                               bool stochastic = false, int64_t index = 0) {
-  if (stochastic) {  // master_weights="stochastic": the bf16 parameter, no master
+                               bool stochastic, int64_t index,
+                               const std::optional<at::Tensor>& remainder) {
+  TORCH_CHECK(!(stochastic && remainder.has_value()), "stochastic=True and `remainder` are two "
+              "ways of stepping a bfloat16 parameter without an fp32 master; pass one");
+  if (stochastic || remainder) {  // the bf16 parameter itself, no fp32 master
+    const char* mode = stochastic ? "stochastic=True" : "a `remainder`";
     TORCH_CHECK_TYPE(param.scalar_type() == at::kBFloat16 && param.layout() == at::kStrided &&
                          param.is_contiguous(),
-                     "`param` must be bfloat16 and contiguous with stochastic=True (the "
-                     "parameter itself, no master), got ", describe(param));
-    TORCH_CHECK(!param_lp.has_value(), "`param_lp` must be None with stochastic=True: `param` "
+                     "`param` must be bfloat16 and contiguous with ", mode, " (the parameter "
+                     "itself, no fp32 master), got ", describe(param));
+    TORCH_CHECK(!param_lp.has_value(), "`param_lp` must be None with ", mode, ": `param` "
                 "is the bfloat16 parameter itself");
   } else {
     TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat && param.layout() == at::kStrided &&
@@ -106,6 +110,7 @@ at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
 #endif
   check_flat(grad, "grad", {at::kFloat, at::kHalf, at::kBFloat16}, param);
   if (param_lp) check_flat(*param_lp, "param_lp", {at::kHalf, at::kBFloat16}, param);
+  if (remainder) check_flat(*remainder, "remainder", {at::kShort}, param);
   check_scalar(step, "step", param);
   check_scalar(lr, "lr", param);
   if (grad_scale) check_scalar(*grad_scale, "grad_scale", param);
@@ -126,9 +131,11 @@ at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
 // (the format's), with the parameter, its low-precision copy and the gradient.
 void check_writes(const at::Tensor& param, const at::Tensor& grad,
                   const std::optional<at::Tensor>& param_lp,
+                  const std::optional<at::Tensor>& remainder,
                   std::vector<std::pair<const char*, const at::Tensor*>> written) {
   written.insert(written.begin(), {"param", &param});
   if (param_lp) written.push_back({"param_lp", &*param_lp});
+  if (remainder) written.push_back({"remainder", &*remainder});
   auto all = written;
   all.push_back({"grad", &grad});
   check_no_overlap(written, all);
@@ -141,7 +148,7 @@ AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
                       const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf,
                       const std::optional<at::Tensor>& clip_coef, bool stochastic, int64_t seed,
-                      int64_t index) {
+                      int64_t index, const std::optional<at::Tensor>& remainder) {
   AdamStep s;
   s.param = param;
   s.grad = grad;
@@ -158,6 +165,7 @@ AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
   s.adamw = adamw;
   s.maximize = maximize;
   s.stochastic_param = stochastic;
+  s.param_remainder = remainder;
   s.seed = seed;
   s.index = index;
   return s;
@@ -180,9 +188,10 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
                double weight_decay, bool adamw, bool amsgrad, bool maximize,
                std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
                std::optional<at::Tensor> clip_coef, bool stochastic, int64_t seed,
-               int64_t index) {
+               int64_t index, std::optional<at::Tensor> remainder) {
   const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index);
+                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index,
+                                   remainder);
   check_flat(exp_avg, "exp_avg", {at::kFloat}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kFloat}, param);
   if (amsgrad) {
@@ -198,10 +207,11 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   std::vector<std::pair<const char*, const at::Tensor*>> moments = {
       {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
   if (amsgrad) moments.push_back({"max_exp_avg_sq", &*max_exp_avg_sq});
-  check_writes(param, grad, param_lp, moments);
+  check_writes(param, grad, param_lp, remainder, moments);
 
   AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index);
+                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index,
+                       remainder);
   s.exp_avg = exp_avg;
   s.exp_avg_sq = exp_avg_sq;
   s.max_exp_avg_sq = max_exp_avg_sq;
@@ -216,9 +226,10 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                 double weight_decay, bool adamw, bool maximize,
                 std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
                 std::optional<at::Tensor> clip_coef, bool stochastic, int64_t seed,
-                int64_t index) {
+                int64_t index, std::optional<at::Tensor> remainder) {
   const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index);
+                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index,
+                                   remainder);
   check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
   check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
   const int64_t blocks = (param.numel() + 255) / 256;
@@ -228,11 +239,12 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                    "second moment per block of 256), got ", describe(scales));
   TORCH_CHECK(scales.device() == param.device(), "`scales` is on ", scales.device(),
               " but `param` is on ", param.device());
-  check_writes(param, grad, param_lp,
+  check_writes(param, grad, param_lp, remainder,
                {{"exp_avg_codes", &exp_avg_codes}, {"exp_avg_sq_codes", &exp_avg_sq_codes},
                 {"scales", &scales}});
   AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index);
+                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index,
+                       remainder);
   s.exp_avg_codes = exp_avg_codes;
   s.exp_avg_sq_codes = exp_avg_sq_codes;
   s.scales = scales;
@@ -246,14 +258,17 @@ void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::T
                     double beta1, double beta2, double eps, double weight_decay, bool adamw,
                     bool maximize, std::optional<at::Tensor> grad_scale,
                     std::optional<at::Tensor> found_inf, std::optional<at::Tensor> clip_coef,
-                    int64_t seed, int64_t index, bool stochastic) {
+                    int64_t seed, int64_t index, bool stochastic,
+                    std::optional<at::Tensor> remainder) {
   const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index);
+                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index,
+                                   remainder);
   check_flat(exp_avg, "exp_avg", {at::kBFloat16}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kBFloat16}, param);
-  check_writes(param, grad, param_lp, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
+  check_writes(param, grad, param_lp, remainder, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
   AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index);
+                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index,
+                       remainder);
   s.exp_avg_bf16 = exp_avg;
   s.exp_avg_sq_bf16 = exp_avg_sq;
   launch(s, dev);
@@ -358,7 +373,8 @@ const float* optional_ptr(const std::optional<at::Tensor>& t) {
 
 AdamArgs args_of(const AdamStep& s) {
   AdamArgs a{};
-  a.param = s.stochastic_param ? nullptr : s.param.data_ptr<float>();
+  const bool own_param = s.stochastic_param || s.param_remainder;  // bf16, no fp32 master
+  a.param = own_param ? nullptr : s.param.data_ptr<float>();
   a.grad = s.grad.const_data_ptr();
   a.exp_avg = s.exp_avg.defined() ? s.exp_avg.data_ptr<float>() : nullptr;
   a.exp_avg_sq = s.exp_avg_sq.defined() ? s.exp_avg_sq.data_ptr<float>() : nullptr;
@@ -372,10 +388,11 @@ AdamArgs args_of(const AdamStep& s) {
   a.seed = uint32_t(s.seed);
   a.index = s.index;
   a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
-  a.param_lp = s.stochastic_param ? s.param.data_ptr() : s.param_lp ? s.param_lp->data_ptr() : nullptr;
+  a.param_lp = own_param ? s.param.data_ptr() : s.param_lp ? s.param_lp->data_ptr() : nullptr;
+  a.param_remainder = s.param_remainder ? s.param_remainder->data_ptr<int16_t>() : nullptr;
   a.numel = s.param.numel();
   a.grad_dtype = dtype_code(s.grad.scalar_type());
-  a.param_lp_dtype = s.stochastic_param ? kBFloat16
+  a.param_lp_dtype = own_param ? kBFloat16
                      : s.param_lp ? dtype_code(s.param_lp->scalar_type()) : kNone;
   a.stochastic_param = s.stochastic_param;
   a.amsgrad = s.amsgrad;
@@ -405,6 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amsgrad"), py::arg("maximize"), py::arg("grad_scale") = py::none(),
         py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
         py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index") = 0,
+        py::arg("remainder") = py::none(),
         // The step touches no Python objects; let other threads run meanwhile.
         py::call_guard<py::gil_scoped_release>(),
         R"doc(One fused Adam/AdamW step, in place, one launch (CPU or CUDA).
@@ -420,7 +438,10 @@ a nonzero found_inf skips the step without writing anything.
 All tensors on param's device; scalars are read there (no host sync on CUDA).
 stochastic=True (master_weights="stochastic"): `param` is the bfloat16 parameter itself
 (no master, param_lp None), rounded back stochastically by a hash of (seed, step, the
-parameter's stream, index + i) (zero_triton/kernels/rounding.py).)doc");
+parameter's stream, index + i) (zero_triton/kernels/rounding.py).
+remainder (master_weights="remainder"): int16 [n], the low 16 bits of the fp32 master
+whose high half is `param` (bfloat16, param_lp None); both updated
+(zero_triton/kernels/remainder.py).)doc");
   m.def("adam8_step", &zero_triton::adam8_step, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg_codes"), py::arg("exp_avg_sq_codes"), py::arg("scales"),
         py::arg("param_lp"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
@@ -428,7 +449,7 @@ parameter's stream, index + i) (zero_triton/kernels/rounding.py).)doc");
         py::arg("maximize"), py::arg("grad_scale") = py::none(),
         py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
         py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index") = 0,
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("remainder") = py::none(), py::call_guard<py::gil_scoped_release>(),
         R"doc(adam_step over int8 moments (moments="int8"), in place (CPU or CUDA).
 
 exp_avg_codes: int8 [n]; exp_avg_sq_codes: uint8 [n]; scales: float32 [ceil(n/256), 2],
@@ -440,7 +461,8 @@ The range starts on a block boundary. Everything else as adam_step (no amsgrad).
         py::arg("weight_decay"), py::arg("adamw"), py::arg("maximize"),
         py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
         py::arg("clip_coef") = py::none(), py::arg("seed") = 0, py::arg("index") = 0,
-        py::arg("stochastic") = false, py::call_guard<py::gil_scoped_release>(),
+        py::arg("stochastic") = false, py::arg("remainder") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
         R"doc(adam_step over bfloat16 moments (moments="bf16"), in place (CPU or CUDA).
 
 exp_avg, exp_avg_sq: bfloat16 [n], written back by stochastic rounding whose bits hash

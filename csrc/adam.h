@@ -33,6 +33,9 @@ struct AdamStep {
   // master_weights="stochastic": `param` is the bfloat16 parameter itself (no master),
   // `param_lp` absent; rounded back stochastically, keyed by seed and index.
   bool stochastic_param = false;
+  // master_weights="remainder": `param` is the bfloat16 parameter, this int16 [n] the low
+  // 16 bits of its fp32 master (remainder.h); both updated. `param_lp` absent.
+  std::optional<at::Tensor> param_remainder;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   bool adamw = false, amsgrad = false, maximize = false;
 };

@@ -98,7 +98,7 @@ def test_trains_like_an_fp32_master_with_int8_moments_at_2_bytes():
     ({"master_weights": "stochastic"}, torch.float32, "their own master"),
     ({"master_weights": "stochastic"}, torch.float16, "bfloat16 only"),
     ({"master_weights": "stochastic", "differentiable": True}, torch.bfloat16, "differentiable"),
-    ({"master_weights": "remainder"}, torch.bfloat16, "must be True or False .None: True., or 'stochastic'"),
+    ({"master_weights": "exact"}, torch.bfloat16, "must be True or False .None: True., or 'stochastic'"),
 ])
 def test_refused_before_anything_changes(kwargs, dtype, match):
     p = torch.nn.Parameter(torch.randn(40, 3).to(dtype))

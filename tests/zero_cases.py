@@ -106,7 +106,7 @@ def _snapshot(opt, averages=None):
     flat = opt._flats[0][0]
     out = {"params": [p.detach().clone() for p in flat.params],
            "flat_param": flat.flat_param.clone(),
-           "master": flat.state.master.detach().clone(),
+           "master": flat.state.master.checkpointed().detach().clone(),
            **{k: v.clone() for k, v in flat.state.moments.export().items()},
            "step": float(flat.state.step)}
     if averages is not None:
@@ -118,7 +118,7 @@ def _describe_flat(opt):
     flat = opt._flats[0][0]
     return {"padded_numel": flat.layout.padded_numel, "shard_numel": flat.layout.shard_numel,
             "segments": flat.segments,
-            "sizes": {k: t.numel() for k, t in {"master": flat.state.master, **flat.state.moments.export()}.items()
+            "sizes": {k: t.numel() for k, t in {"master": flat.state.master.checkpointed(), **flat.state.moments.export()}.items()
                       if k in ("master", "exp_avg", "exp_avg_sq")}}
 
 
@@ -426,7 +426,7 @@ class References:
     def fused_state(self, key: str) -> torch.Tensor:
         """FusedAdam's flat master/m/v padded to the ZeRO layout's length."""
         state = self.fused._flats[0][0].state
-        t = state.master if key == "master" else state.moments.export()[key]
+        t = state.master.checkpointed() if key == "master" else state.moments.export()[key]
         return _padded(t, self.layout.padded_numel)
 
     def torch_state(self, key: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ namespace {
 
 #include "../adam_element.h"
 #include "../quant.h"
+#include "../remainder.h"
 #include "../rounding.h"
 
 inline uint32_t bits_of(float f) {
@@ -96,13 +97,26 @@ inline float load_grad(const void* __restrict__ base, int64_t i) {
   }
 }
 
-// The stepped parameter back: the fp32 master (and its fp16/bf16 copy), or with SR the
-// bf16 parameter alone, rounded stochastically.
-template <int LP_DT, bool SR>
-inline void store_param(float* __restrict__ p, uint16_t* __restrict__ lp, int64_t i, float pi,
-                        uint32_t key_p, uint64_t index) {
-  if constexpr (SR) {
+// The parameter in float32: the fp32 master, or (PM, ParamMode) the bf16 parameter
+// itself, widened or joined with its remainder.
+template <int LP_DT, int PM>
+inline float load_param(const float* __restrict__ p, const uint16_t* __restrict__ lp,
+                        const int16_t* __restrict__ rem, int64_t i) {
+  if constexpr (PM == kParamStochastic) return bf16_to_float(lp[i]);
+  else if constexpr (PM == kParamRemainder) return remainder_join(lp[i], rem[i]);
+  else return p[i];
+}
+
+// The stepped parameter back: the fp32 master (and its fp16/bf16 copy), or the bf16
+// parameter alone, rounded stochastically or split with its remainder.
+template <int LP_DT, int PM>
+inline void store_param(float* __restrict__ p, uint16_t* __restrict__ lp,
+                        int16_t* __restrict__ rem, int64_t i, float pi, uint32_t key_p,
+                        uint64_t index) {
+  if constexpr (PM == kParamStochastic) {
     lp[i] = bf16_stochastic(pi, random_bits(key_p, index + uint64_t(i)));
+  } else if constexpr (PM == kParamRemainder) {
+    lp[i] = remainder_split(pi, &rem[i]);
   } else {
     p[i] = pi;
     if constexpr (LP_DT == kFloat16) lp[i] = float_to_half(pi);
@@ -110,21 +124,18 @@ inline void store_param(float* __restrict__ p, uint16_t* __restrict__ lp, int64_
   }
 }
 
-template <int LP_DT, bool SR>
-inline float load_param(const float* __restrict__ p, const uint16_t* __restrict__ lp, int64_t i) {
-  if constexpr (SR) return bf16_to_float(lp[i]);
-  else return p[i];
-}
-
-// Calls f(std::true_type) when the step has no master (the launcher set the bf16
-// parameter as param_lp), else f(std::false_type): only bf16 instantiations get an SR
-// variant.
+// Calls f(std::integral_constant<int, ParamMode>) for the step's parameter mode: only
+// bf16 instantiations get the stochastic and remainder variants.
 template <int LP_DT, class F>
 inline void with_param_mode(const AdamArgs& a, F&& f) {
   if constexpr (LP_DT == kBFloat16) {
-    if (a.stochastic_param) return f(std::true_type{});
+    switch (param_mode(a)) {
+      case kParamStochastic: return f(std::integral_constant<int, kParamStochastic>{});
+      case kParamRemainder: return f(std::integral_constant<int, kParamRemainder>{});
+      default: break;
+    }
   }
-  f(std::false_type{});
+  f(std::integral_constant<int, kParamMaster>{});
 }
 
 inline uint32_t param_key(const AdamArgs& a) {
@@ -135,28 +146,28 @@ inline uint32_t param_key(const AdamArgs& a) {
 // drops restrict on locals and after inlining), so the loop is vectorised without
 // runtime alias checks; the launcher refuses overlapping tensors, which makes the
 // promise true. The scalars are copied into a local: nothing can alias it.
-// master_weights="stochastic" (SR): no fp32 master; the bf16 parameter `lp` is widened,
-// stepped and written back by stochastic rounding keyed by (seed, step, the parameter's
-// stream, canonical index) (../rounding.h); `p` is unused.
-template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE, bool SR>
+// PM (ParamMode) other than kParamMaster: no fp32 master; the bf16 parameter `lp` is
+// widened (or joined with its remainder `rem`), stepped and written back by stochastic
+// rounding keyed by (seed, step, the parameter's stream, canonical index) (../rounding.h)
+// or split again (../remainder.h); `p` is unused.
+template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE, int PM>
 __attribute__((noinline)) void adam_loop(const StepScalars& scalars, float* __restrict__ p,
                                          const void* __restrict__ g, float* __restrict__ m,
                                          float* __restrict__ v, float* __restrict__ vmax,
-                                         uint16_t* __restrict__ lp, uint32_t key_p,
-                                         uint64_t index, int64_t begin, int64_t end) {
+                                         uint16_t* __restrict__ lp, int16_t* __restrict__ rem,
+                                         uint32_t key_p, uint64_t index, int64_t begin,
+                                         int64_t end) {
   const StepScalars s = scalars;
   // 64-bit index: shards of more than 2^31 elements are normal for ZeRO.
   for (int64_t i = begin; i < end; ++i) {
-    float pi, mi = m[i], vi = v[i];
-    if constexpr (SR) pi = bf16_to_float(lp[i]);
-    else pi = p[i];
+    float pi = load_param<LP_DT, PM>(p, lp, rem, i), mi = m[i], vi = v[i];
     float xi = 0.0f;
     if constexpr (AMSGRAD) xi = vmax[i];
     adam_element<L2, AMSGRAD, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, xi);
     m[i] = mi;
     v[i] = vi;
     if constexpr (AMSGRAD) vmax[i] = xi;
-    store_param<LP_DT, SR>(p, lp, i, pi, key_p, index);
+    store_param<LP_DT, PM>(p, lp, rem, i, pi, key_p, index);
   }
 }
 
@@ -168,10 +179,11 @@ struct Loop {
 
   template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
   void run() {
-    with_param_mode<LP_DT>(a, [&](auto sr) {
-      adam_loop<GRAD_DT, LP_DT, L2, AMSGRAD, UNSCALE, decltype(sr)::value>(
+    with_param_mode<LP_DT>(a, [&](auto mode) {
+      adam_loop<GRAD_DT, LP_DT, L2, AMSGRAD, UNSCALE, decltype(mode)::value>(
           s, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.max_exp_avg_sq,
-          static_cast<uint16_t*>(a.param_lp), param_key(a), uint64_t(a.index), begin, end);
+          static_cast<uint16_t*>(a.param_lp), a.param_remainder, param_key(a),
+          uint64_t(a.index), begin, end);
     });
   }
 };
@@ -180,12 +192,12 @@ struct Loop {
 // be short: numel). Per block, one pass decodes the moments, steps every element as
 // adam_loop does (adam_element) and keeps the new moments and their largest
 // magnitudes; a second pass over the block (in L1) encodes them with the new scales.
-template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE, bool SR>
+template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE, int PM>
 __attribute__((noinline)) void adam8_loop(const StepScalars& scalars, float* __restrict__ p,
                                           const void* __restrict__ g,
                                           int8_t* __restrict__ mq, uint8_t* __restrict__ vq,
                                           float* __restrict__ scales, uint16_t* __restrict__ lp,
-                                          uint32_t key_p, uint64_t index, int64_t block_begin,
+                                          int16_t* __restrict__ rem, uint32_t key_p, uint64_t index, int64_t block_begin,
                                           int64_t block_end, int64_t numel) {
   const StepScalars s = scalars;
   float mb[kQuantBlock], vb[kQuantBlock];
@@ -196,12 +208,12 @@ __attribute__((noinline)) void adam8_loop(const StepScalars& scalars, float* __r
     uint32_t m_max = 0, v_max = 0;
     for (int64_t j = 0; j < len; ++j) {
       const int64_t i = lo + j;
-      float pi = load_param<LP_DT, SR>(p, lp, i);
+      float pi = load_param<LP_DT, PM>(p, lp, rem, i);
       float mi = decode_first(mq[i], m_scale);
       float vi = decode_second(vq[i], v_scale);
       float unused = 0.0f;
       adam_element<L2, false, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, unused);
-      store_param<LP_DT, SR>(p, lp, i, pi, key_p, index);
+      store_param<LP_DT, PM>(p, lp, rem, i, pi, key_p, index);
       mb[j] = mi;
       vb[j] = vi;
       const uint32_t am = magnitude_bits(mi), av = magnitude_bits(vi);
@@ -221,21 +233,22 @@ __attribute__((noinline)) void adam8_loop(const StepScalars& scalars, float* __r
 
 // moments="bf16": adam_loop over bfloat16 moments, written back by stochastic rounding
 // keyed by (seed, step, stream, canonical index).
-template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE, bool SR>
+template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE, int PM>
 __attribute__((noinline)) void adam_bf16_loop(const StepScalars& scalars, float* __restrict__ p,
                                               const void* __restrict__ g,
                                               uint16_t* __restrict__ m, uint16_t* __restrict__ v,
-                                              uint16_t* __restrict__ lp, uint32_t key_m,
+                                              uint16_t* __restrict__ lp,
+                                              int16_t* __restrict__ rem, uint32_t key_m,
                                               uint32_t key_v, uint32_t key_p, uint64_t index,
                                               int64_t begin, int64_t end) {
   const StepScalars s = scalars;
   for (int64_t i = begin; i < end; ++i) {
-    float pi = load_param<LP_DT, SR>(p, lp, i), unused = 0.0f;
+    float pi = load_param<LP_DT, PM>(p, lp, rem, i), unused = 0.0f;
     float mi = bf16_to_float(m[i]), vi = bf16_to_float(v[i]);
     adam_element<L2, false, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, unused);
     m[i] = bf16_stochastic(mi, random_bits(key_m, index + uint64_t(i)));
     v[i] = bf16_stochastic(vi, random_bits(key_v, index + uint64_t(i)));
-    store_param<LP_DT, SR>(p, lp, i, pi, key_p, index);
+    store_param<LP_DT, PM>(p, lp, rem, i, pi, key_p, index);
   }
 }
 
@@ -247,10 +260,10 @@ struct LoopBf16 {
   template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
   void run() {  // AMSGRAD: refused for bf16 moments before any launch
     const uint32_t step = uint32_t(*a.step);
-    with_param_mode<LP_DT>(a, [&](auto sr) {
-      adam_bf16_loop<GRAD_DT, LP_DT, L2, UNSCALE, decltype(sr)::value>(
+    with_param_mode<LP_DT>(a, [&](auto mode) {
+      adam_bf16_loop<GRAD_DT, LP_DT, L2, UNSCALE, decltype(mode)::value>(
           s, a.param, a.grad, a.exp_avg_bf16, a.exp_avg_sq_bf16,
-          static_cast<uint16_t*>(a.param_lp), rounding_key(a.seed, step, kFirstStream),
+          static_cast<uint16_t*>(a.param_lp), a.param_remainder, rounding_key(a.seed, step, kFirstStream),
           rounding_key(a.seed, step, kSecondStream), param_key(a), uint64_t(a.index), begin,
           end);
     });
@@ -264,10 +277,10 @@ struct Loop8 {
 
   template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
   void run() {  // AMSGRAD: refused for int8 before any launch
-    with_param_mode<LP_DT>(a, [&](auto sr) {
-      adam8_loop<GRAD_DT, LP_DT, L2, UNSCALE, decltype(sr)::value>(
+    with_param_mode<LP_DT>(a, [&](auto mode) {
+      adam8_loop<GRAD_DT, LP_DT, L2, UNSCALE, decltype(mode)::value>(
           s, a.param, a.grad, a.exp_avg_codes, a.exp_avg_sq_codes, a.scales,
-          static_cast<uint16_t*>(a.param_lp), param_key(a), uint64_t(a.index), block_begin,
+          static_cast<uint16_t*>(a.param_lp), a.param_remainder, param_key(a), uint64_t(a.index), block_begin,
           block_end, a.numel);
     });
   }

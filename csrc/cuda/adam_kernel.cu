@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 namespace zero_triton {
 namespace cuda {
 namespace {
@@ -17,6 +19,7 @@ constexpr int kVec = 4;  // 4 fp32 = 16 bytes per load of param/m/v
 // int8 moment codes (../quant.h).
 #include "../adam_element.h"
 #include "../quant.h"
+#include "../remainder.h"
 #include "../rounding.h"
 
 template <int DT>
@@ -54,23 +57,36 @@ __device__ __forceinline__ float load_grad(const void* g, int64_t i) {
 // GRAD_DT, LP_DT, L2 and AMSGRAD are template parameters: they decide which memory is
 // touched, so the dead branches vanish. VEC selects 16-byte accesses (the launcher
 // checked alignment) or one element per iteration.
-// master_weights="stochastic" (SR): no master; the bf16 parameter (param_lp) is widened,
-// stepped and written back by stochastic rounding (../rounding.h). Scalar path only.
-__device__ __forceinline__ float load_param_sr(const AdamArgs& a, int64_t i) {
-  return __uint_as_float(uint32_t(static_cast<const uint16_t*>(a.param_lp)[i]) << 16);
+// PM (ParamMode, ../adam_args.h) other than kParamMaster: no master; the bf16 parameter
+// (param_lp) is widened, or joined with its remainder (../remainder.h), stepped and
+// written back by stochastic rounding (../rounding.h) or split again. Scalar path only.
+template <int PM>
+__device__ __forceinline__ float load_param(const AdamArgs& a, int64_t i) {
+  const uint16_t* lp = static_cast<const uint16_t*>(a.param_lp);
+  if constexpr (PM == kParamStochastic) return __uint_as_float(uint32_t(lp[i]) << 16);
+  else if constexpr (PM == kParamRemainder) return remainder_join(lp[i], a.param_remainder[i]);
+  else return a.param[i];
 }
 
-__device__ __forceinline__ void store_param_sr(const AdamArgs& a, int64_t i, float p,
-                                               uint32_t key_p) {
-  static_cast<uint16_t*>(a.param_lp)[i] =
-      bf16_stochastic(p, random_bits(key_p, uint64_t(a.index) + uint64_t(i)));
+template <int LP_DT, int PM>
+__device__ __forceinline__ void store_param(const AdamArgs& a, int64_t i, float p,
+                                            uint32_t key_p) {
+  uint16_t* lp = static_cast<uint16_t*>(a.param_lp);
+  if constexpr (PM == kParamStochastic) {
+    lp[i] = bf16_stochastic(p, random_bits(key_p, uint64_t(a.index) + uint64_t(i)));
+  } else if constexpr (PM == kParamRemainder) {
+    lp[i] = remainder_split(p, &a.param_remainder[i]);
+  } else {
+    a.param[i] = p;
+    if constexpr (LP_DT != kNone) lp[i] = from_float<LP_DT>(p);
+  }
 }
 
 __device__ __forceinline__ uint32_t param_key(const AdamArgs& a) {
   return rounding_key(a.seed, uint32_t(*a.step), kParamStream);
 }
 
-template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool VEC, bool SR = false>
+template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool VEC, int PM = kParamMaster>
 __global__ void __launch_bounds__(kThreads)
     adam_step_kernel(const AdamArgs a) {
   // Skip the whole step on overflow; read on the device so the host never waits.
@@ -134,24 +150,31 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   uint32_t key_p = 0;
-  if constexpr (SR) key_p = param_key(a);
+  if constexpr (PM == kParamStochastic) key_p = param_key(a);
   for (int64_t i = scalar_begin + tid; i < a.numel; i += stride) {
-    float p, m = a.exp_avg[i], v = a.exp_avg_sq[i];
-    if constexpr (SR) p = load_param_sr(a, i);
-    else p = a.param[i];
+    float p = load_param<PM>(a, i), m = a.exp_avg[i], v = a.exp_avg_sq[i];
     float x = 0.f;
     if constexpr (AMSGRAD) x = a.max_exp_avg_sq[i];
     adam_element<L2, AMSGRAD, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, x);
     a.exp_avg[i] = m;
     a.exp_avg_sq[i] = v;
     if constexpr (AMSGRAD) a.max_exp_avg_sq[i] = x;
-    if constexpr (SR) {
-      store_param_sr(a, i, p, key_p);
-    } else {
-      a.param[i] = p;
-      if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
+    store_param<LP_DT, PM>(a, i, p, key_p);
+  }
+}
+
+// Calls f(std::integral_constant<int, ParamMode>) for the step's parameter mode: only
+// bf16 instantiations get the stochastic and remainder variants.
+template <int LP_DT, class F>
+cudaError_t with_param_mode(const AdamArgs& a, F&& f) {
+  if constexpr (LP_DT == kBFloat16) {
+    switch (param_mode(a)) {
+      case kParamStochastic: return f(std::integral_constant<int, kParamStochastic>{});
+      case kParamRemainder: return f(std::integral_constant<int, kParamRemainder>{});
+      default: break;
     }
   }
+  return f(std::integral_constant<int, kParamMaster>{});
 }
 
 bool aligned(const void* p, uintptr_t bytes) {
@@ -160,15 +183,15 @@ bool aligned(const void* p, uintptr_t bytes) {
 
 template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD>
 cudaError_t launch_typed(const AdamArgs& a, int num_sms, cudaStream_t stream) {
-  if constexpr (LP_DT == kBFloat16) {
-    if (a.stochastic_param) {
-      const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
-      int64_t blocks = (a.numel + kThreads - 1) / kThreads;
-      if (blocks > max_blocks) blocks = max_blocks;
-      adam_step_kernel<GRAD_DT, LP_DT, L2, AMSGRAD, false, true>
+  if (param_mode(a) != kParamMaster) {  // the bf16 parameter itself: the scalar path
+    const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
+    int64_t blocks = (a.numel + kThreads - 1) / kThreads;
+    if (blocks > max_blocks) blocks = max_blocks;
+    return with_param_mode<LP_DT>(a, [&](auto mode) {
+      adam_step_kernel<GRAD_DT, LP_DT, L2, AMSGRAD, false, decltype(mode)::value>
           <<<unsigned(blocks), kThreads, 0, stream>>>(a);
       return cudaGetLastError();
-    }
+    });
   }
   const int grad_bytes = GRAD_DT == kFloat32 ? 4 : 2;
   // Vector path: fp32 arrays 16-byte aligned, 16-bit arrays 8-byte aligned.
@@ -208,12 +231,12 @@ struct Launch {
 // elements at a time (grid-stride over the blocks). Each thread decodes its element's
 // codes, steps it (adam_element), and the block takes its new largest magnitudes as the
 // scales (warp shuffles, then one shared word per warp) before every thread encodes.
-template <int GRAD_DT, int LP_DT, bool L2, bool SR>
+template <int GRAD_DT, int LP_DT, bool L2, int PM>
 __global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs a) {
   if (a.found_inf && *a.found_inf != 0.f) return;
   const StepScalars s = step_scalars(a);
   uint32_t key_p = 0;
-  if constexpr (SR) key_p = param_key(a);
+  if constexpr (PM == kParamStochastic) key_p = param_key(a);
   constexpr int kWarps = kQuantBlock / 32;
   __shared__ uint32_t warp_max[2][kWarps];
   const int64_t n_blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
@@ -223,18 +246,11 @@ __global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs 
     const bool mine = i < a.numel;
     float m = 0.f, v = 0.f;
     if (mine) {
-      float p, unused = 0.f;
-      if constexpr (SR) p = load_param_sr(a, i);
-      else p = a.param[i];
+      float p = load_param<PM>(a, i), unused = 0.f;
       m = decode_first(a.exp_avg_codes[i], a.scales[2 * blk]);
       v = decode_second(a.exp_avg_sq_codes[i], a.scales[2 * blk + 1]);
       adam_element<L2, false, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, unused);
-      if constexpr (SR) {
-        store_param_sr(a, i, p, key_p);
-      } else {
-        a.param[i] = p;
-        if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
-      }
+      store_param<LP_DT, PM>(a, i, p, key_p);
     }
     uint32_t m_max = magnitude_bits(m), v_max = magnitude_bits(v);
 #pragma unroll
@@ -267,31 +283,24 @@ __global__ void __launch_bounds__(kQuantBlock) adam8_step_kernel(const AdamArgs 
 
 // moments="bf16": grid-stride over the elements; the moments widened, stepped by
 // adam_element and written back by stochastic rounding (../rounding.h).
-template <int GRAD_DT, int LP_DT, bool L2, bool SR>
+template <int GRAD_DT, int LP_DT, bool L2, int PM>
 __global__ void __launch_bounds__(kThreads) adam_bf16_step_kernel(const AdamArgs a) {
   if (a.found_inf && *a.found_inf != 0.f) return;
   const StepScalars s = step_scalars(a);
   const uint32_t step = uint32_t(*a.step);
   const uint32_t key_m = rounding_key(a.seed, step, kFirstStream);
   const uint32_t key_v = rounding_key(a.seed, step, kSecondStream);
-  const uint32_t key_p = SR ? rounding_key(a.seed, step, kParamStream) : 0u;
+  const uint32_t key_p = PM == kParamStochastic ? rounding_key(a.seed, step, kParamStream) : 0u;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < a.numel; i += stride) {
-    float p, unused = 0.f;
-    if constexpr (SR) p = load_param_sr(a, i);
-    else p = a.param[i];
+    float p = load_param<PM>(a, i), unused = 0.f;
     float m = __uint_as_float(uint32_t(a.exp_avg_bf16[i]) << 16);
     float v = __uint_as_float(uint32_t(a.exp_avg_sq_bf16[i]) << 16);
     adam_element<L2, false, true>(s, load_grad<GRAD_DT>(a.grad, i), p, m, v, unused);
     const uint64_t index = uint64_t(a.index) + uint64_t(i);
     a.exp_avg_bf16[i] = bf16_stochastic(m, random_bits(key_m, index));
     a.exp_avg_sq_bf16[i] = bf16_stochastic(v, random_bits(key_v, index));
-    if constexpr (SR) {
-      store_param_sr(a, i, p, key_p);
-    } else {
-      a.param[i] = p;
-      if constexpr (LP_DT != kNone) static_cast<uint16_t*>(a.param_lp)[i] = from_float<LP_DT>(p);
-    }
+    store_param<LP_DT, PM>(a, i, p, key_p);
   }
 }
 
@@ -305,12 +314,11 @@ struct LaunchBf16 {
     const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
     int64_t blocks = (a.numel + kThreads - 1) / kThreads;
     if (blocks > max_blocks) blocks = max_blocks;
-    if (LP_DT == kBFloat16 && a.stochastic_param) {
-      adam_bf16_step_kernel<GRAD_DT, LP_DT, L2, true><<<unsigned(blocks), kThreads, 0, stream>>>(a);
-    } else {
-      adam_bf16_step_kernel<GRAD_DT, LP_DT, L2, false><<<unsigned(blocks), kThreads, 0, stream>>>(a);
-    }
-    return cudaGetLastError();
+    return with_param_mode<LP_DT>(a, [&](auto mode) {
+      adam_bf16_step_kernel<GRAD_DT, LP_DT, L2, decltype(mode)::value>
+          <<<unsigned(blocks), kThreads, 0, stream>>>(a);
+      return cudaGetLastError();
+    });
   }
 };
 
@@ -324,12 +332,11 @@ struct Launch8 {
     const int64_t n_blocks = (a.numel + kQuantBlock - 1) / kQuantBlock;
     const int64_t max_blocks = int64_t(num_sms > 0 ? num_sms : 132) * 8;
     const int64_t grid = n_blocks < max_blocks ? n_blocks : max_blocks;
-    if (LP_DT == kBFloat16 && a.stochastic_param) {
-      adam8_step_kernel<GRAD_DT, LP_DT, L2, true><<<unsigned(grid), kQuantBlock, 0, stream>>>(a);
-    } else {
-      adam8_step_kernel<GRAD_DT, LP_DT, L2, false><<<unsigned(grid), kQuantBlock, 0, stream>>>(a);
-    }
-    return cudaGetLastError();
+    return with_param_mode<LP_DT>(a, [&](auto mode) {
+      adam8_step_kernel<GRAD_DT, LP_DT, L2, decltype(mode)::value>
+          <<<unsigned(grid), kQuantBlock, 0, stream>>>(a);
+      return cudaGetLastError();
+    });
   }
 };
 

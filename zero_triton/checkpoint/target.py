@@ -167,13 +167,7 @@ class Target:
                     buf.copy_(got[name])
                 elif name != "master":
                     buf.zero_()
-            flat.state.commit({k: v for k, v in bufs.items() if k != "master"})
-            if flat.state.master is None and "master" in got:  # fp32 over several buckets
-                for (lo, hi, s0), part in zip(flat.segments, flat.param_parts):
-                    part.copy_(got["master"][s0:s0 + hi - lo])
-            elif flat.has_master:
-                for master, part in zip(flat.state.master_parts(), flat.param_parts):
-                    part.copy_(master)
+            flat.state.restore(bufs)
         # The masters are the checkpoint's, not the parameters' writes.
         self.view.shards_loaded(self.flats)
         if plan["model_extra"]:

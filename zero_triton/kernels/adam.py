@@ -70,17 +70,17 @@ def _adam_update(
 
 @triton.jit
 def _step_block(
-    param_ptrs, g, exp_avg_ptrs, exp_avg_sq_ptrs, max_exp_avg_sq_ptrs, mask, lr, t,
-    grad_scale_ptr, clip_coef_ptr, beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-    ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+    param_ptrs, param_lp_ptrs, g, exp_avg_ptrs, exp_avg_sq_ptrs, max_exp_avg_sq_ptrs, mask,
+    lr, t, grad_scale_ptr, clip_coef_ptr, beta1, beta2, log_beta1, log_beta2, eps,
+    weight_decay, ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
-    SR_PARAM: tl.constexpr,
+    PARAM_MODE: tl.constexpr,
 ):
-    """One block of the step: load the parameter (the fp32 master, or with SR_PARAM the
-    bf16 parameter, ``_load_param``) and the moments at the given pointers, update them
-    from ``g`` (fp32), store the moments; returns the new parameter, for the caller to
-    store (``_store_param``)."""
-    p = _load_param(param_ptrs, mask, SR_PARAM)
+    """One block of the step: load the parameter (the fp32 master, or the bf16 parameter
+    itself: ``_load_param``) and the moments at the given pointers, update them from
+    ``g`` (fp32), store the moments; returns the new parameter, for the caller to store
+    (``_store_param``)."""
+    p = _load_param(param_ptrs, param_lp_ptrs, mask, PARAM_MODE)
     m = tl.load(exp_avg_ptrs, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptrs, mask=mask, other=0.0)
     vmax = v
@@ -140,21 +140,40 @@ def _store_bf16_stochastic(ptrs, x, key, index, mask):
     tl.store(ptrs, out.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
 
 
+# How the parameter is stepped (``PARAM_MODE``, csrc/adam_args.h's ParamMode): the fp32
+# master (and its optional fp16/bf16 copy at the ``param_lp`` pointers), or the bf16
+# parameter itself, rounded back stochastically (master_weights="stochastic") or with its
+# int16 remainder at the ``param_lp`` pointers (master_weights="remainder",
+# zero_triton.kernels.remainder).
+MODE_MASTER, MODE_STOCHASTIC, MODE_REMAINDER = 0, 1, 2
+
+
 @triton.jit
-def _load_param(ptrs, mask, SR_PARAM: tl.constexpr):
-    """The parameter (or master) in float32: with SR_PARAM the bf16 parameter itself."""
-    if SR_PARAM:
+def _load_param(ptrs, lp_ptrs, mask, PARAM_MODE: tl.constexpr):
+    """The parameter (or master) in float32."""
+    if PARAM_MODE == 1:
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    if PARAM_MODE == 2:  # remainder.join
+        hi = tl.load(ptrs, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        r = tl.load(lp_ptrs, mask=mask, other=0).to(tl.int32)
+        hi = (hi - (r < 0).to(tl.uint32)) & 0xFFFF
+        bits = (hi << 16) | (r.to(tl.uint32, bitcast=True) & 0xFFFF)
+        return bits.to(tl.float32, bitcast=True)
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
-def _store_param(ptrs, lp_ptrs, p, mask, key, index, SR_PARAM: tl.constexpr,
+def _store_param(ptrs, lp_ptrs, p, mask, key, index, PARAM_MODE: tl.constexpr,
                  HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr):
-    """The stepped parameter back: the master (and its low-precision copy), or with
-    SR_PARAM the bf16 parameter, rounded stochastically."""
-    if SR_PARAM:
+    """The stepped parameter back: the master (and its low-precision copy), or the bf16
+    parameter, rounded stochastically or split with its remainder."""
+    if PARAM_MODE == 1:
         _store_bf16_stochastic(ptrs, p, key, index, mask)
+    elif PARAM_MODE == 2:  # remainder.split
+        u = p.to(tl.uint32, bitcast=True)
+        hi = tl.where(p != p, (u >> 16) | 0x40, (u + 0x8000) >> 16)
+        tl.store(ptrs, hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(lp_ptrs, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
         tl.store(ptrs, p, mask=mask)
         if HAS_PARAM_LP:
@@ -170,7 +189,7 @@ def _adam_kernel(
     ADAMW: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
     HAS_WEIGHT_DECAY: tl.constexpr, HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
-    SR_PARAM: tl.constexpr, PARAM_MIX: tl.constexpr, BLOCK: tl.constexpr,
+    PARAM_MODE: tl.constexpr, PARAM_MIX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if HAS_FOUND_INF:
         # GradScaler saw inf/nan: the whole step is skipped, on the device.
@@ -184,14 +203,14 @@ def _adam_kernel(
     lr = tl.load(lr_ptr)
     t = tl.load(step_ptr)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
-                    max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
-                    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP, SR_PARAM)
-    # master_weights="stochastic": the bf16 parameter rounded back stochastically
+    p = _step_block(param_ptr + offs, param_lp_ptr + offs, g, exp_avg_ptr + offs,
+                    exp_avg_sq_ptr + offs, max_exp_avg_sq_ptr + offs, mask, lr, t,
+                    grad_scale_ptr, clip_coef_ptr, beta1, beta2, log_beta1, log_beta2, eps,
+                    weight_decay, ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
+                    HAS_CLIP, PARAM_MODE)
     _store_param(param_ptr + offs, param_lp_ptr + offs, p, mask,
                  _key(seed.to(tl.uint32), t.to(tl.uint32), PARAM_MIX), index0 + offs,
-                 SR_PARAM, HAS_PARAM_LP, PARAM_LP_BF16)
+                 PARAM_MODE, HAS_PARAM_LP, PARAM_LP_BF16)
 
 
 @triton.jit
@@ -231,10 +250,11 @@ def _adam_list_kernel(
     max_exp_avg_sq_ptr = exp_avg_sq_ptr  # never read without AMSGRAD
     if AMSGRAD:
         max_exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    p = _step_block(param_ptr + offs, g, exp_avg_ptr + offs, exp_avg_sq_ptr + offs,
-                    max_exp_avg_sq_ptr + offs, mask, lr, t, grad_scale_ptr, clip_coef_ptr,
-                    beta1, beta2, log_beta1, log_beta2, eps, weight_decay,
-                    ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP, False)
+    p = _step_block(param_ptr + offs, param_ptr + offs, g, exp_avg_ptr + offs,
+                    exp_avg_sq_ptr + offs, max_exp_avg_sq_ptr + offs, mask, lr, t,
+                    grad_scale_ptr, clip_coef_ptr, beta1, beta2, log_beta1, log_beta2, eps,
+                    weight_decay, ADAMW, AMSGRAD, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE,
+                    HAS_CLIP, 0)
     tl.store(param_ptr + offs, p, mask=mask)
     if HAS_PARAM_LP:
         if PARAM_LP_BF16:
@@ -290,33 +310,47 @@ def _flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_
                 HAS_CLIP=clip_coef is not None)
 
 
-def _check_step(param, grad, param_lp, stochastic, **scalars) -> None:
+def _check_step(param, grad, param_lp, stochastic, remainder=None, **scalars) -> None:
     """What every launcher checks beside its moments: the parameter (``_check_param``),
     the gradient, the low-precision copy, the 1-element scalars and the device."""
     n, device = param.numel(), param.device
-    _check_param(param, param_lp, stochastic)
+    _check_param(param, param_lp, stochastic, remainder)
     _check("grad", grad, n, _GRAD_DTYPES, device)
     if param_lp is not None:
         _check("param_lp", param_lp, n, (torch.float16, torch.bfloat16), device)
     _check_scalars_and_device(device, **scalars)
 
 
-def _check_param(param, param_lp, stochastic) -> None:
-    """``param``: the fp32 master (or parameter), or with ``stochastic`` the bf16 parameter."""
-    if stochastic:
+def _check_param(param, param_lp, stochastic, remainder=None) -> None:
+    """``param``: the fp32 master (or parameter), or with ``stochastic`` or a
+    ``remainder`` (int16) the bf16 parameter."""
+    if stochastic and remainder is not None:
+        raise ValueError("stochastic=True and `remainder` are two ways of stepping a bfloat16 "
+                         "parameter without an fp32 master; pass one")
+    if stochastic or remainder is not None:
         _check("param", param, param.numel(), (torch.bfloat16,), param.device)
         if param_lp is not None:
-            raise ValueError("`param_lp` must be None with stochastic=True: `param` is the "
-                             "bfloat16 parameter itself")
+            raise ValueError("`param_lp` must be None with stochastic=True or a `remainder`: "
+                             "`param` is the bfloat16 parameter itself")
+        if remainder is not None:
+            _check("remainder", remainder, param.numel(), (torch.int16,), param.device)
     else:
         _check("param", param, param.numel(), (torch.float32,), param.device)
 
 
-def _param_flags(stochastic) -> dict:
-    """The constexprs of master_weights="stochastic" (the parameter's stream of bits)."""
+def _param_flags(stochastic, remainder=None) -> dict:
+    """The constexprs of the parameter's mode (and its stream of bits, stochastic)."""
     from zero_triton.kernels import rounding
-    return dict(SR_PARAM=bool(stochastic),
-                PARAM_MIX=(rounding.PARAM_STREAM * rounding.M1) & rounding.MASK32)
+    mode = MODE_STOCHASTIC if stochastic else MODE_REMAINDER if remainder is not None else MODE_MASTER
+    return dict(PARAM_MODE=mode, PARAM_MIX=(rounding.PARAM_STREAM * rounding.M1) & rounding.MASK32)
+
+
+def _second_half(param_lp, remainder, dummy):
+    """What the kernels read at their ``param_lp`` pointer: the low-precision copy, or
+    the remainder (``dummy``, never dereferenced, for neither)."""
+    if remainder is not None:
+        return remainder
+    return param_lp if param_lp is not None else dummy
 
 
 def _block_and_warps(n):
@@ -329,7 +363,7 @@ def _block_and_warps(n):
 def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
               beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
               grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
-              index=0):
+              index=0, remainder=None):
     """One fused Adam/AdamW step over a flat shard, in place.
 
     param: float32 [n] master or fp32 parameter; grad: fp32/fp16/bf16 [n];
@@ -340,11 +374,13 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
     the grad): float32 [1] on the device, or None. ``stochastic`` (master_weights=
     "stochastic"): param is the bf16 parameter itself, param_lp None, rounded back
     stochastically keyed by ``seed`` and ``index`` (``zero_triton.kernels.rounding``).
+    ``remainder`` (master_weights="remainder"): int16 [n], the low half of the master
+    whose high half is ``param`` (bf16; ``zero_triton.kernels.remainder``).
     """
     n = param.numel()
     device = param.device
-    _check_step(param, grad, param_lp, stochastic, step=step, lr=lr, grad_scale=grad_scale,
-                found_inf=found_inf, clip_coef=clip_coef)
+    _check_step(param, grad, param_lp, stochastic, remainder, step=step, lr=lr,
+                grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
     _check("exp_avg", exp_avg, n, (torch.float32,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,), device)
     if amsgrad:
@@ -359,7 +395,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
     _adam_kernel[grid](
         param, grad, exp_avg, exp_avg_sq,
         max_exp_avg_sq if amsgrad else dummy,
-        param_lp if param_lp is not None else dummy,
+        _second_half(param_lp, remainder, dummy),
         step, lr,
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
@@ -367,7 +403,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
         n, int(seed) & 0xFFFFFFFF, int(index), *_hyper(beta1, beta2, eps, weight_decay),
         AMSGRAD=bool(amsgrad),
         **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
-        **_param_flags(stochastic), BLOCK=block, num_warps=warps,
+        **_param_flags(stochastic, remainder), BLOCK=block, num_warps=warps,
     )
 
 

@@ -11,7 +11,8 @@ import triton.language as tl
 
 from zero_triton.kernels import quant
 from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
-                                      _hyper, _key, _load_param, _param_flags, _store_param)
+                                      _hyper, _key, _load_param, _param_flags, _second_half,
+                                      _store_param)
 
 
 
@@ -60,7 +61,7 @@ def _adam8_kernel(
     HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
     FIRST_BIAS: tl.constexpr, FIRST_MAN: tl.constexpr, SECOND_BIAS: tl.constexpr,
-    SECOND_MAN: tl.constexpr, SR_PARAM: tl.constexpr, PARAM_MIX: tl.constexpr,
+    SECOND_MAN: tl.constexpr, PARAM_MODE: tl.constexpr, PARAM_MIX: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if HAS_FOUND_INF:
@@ -76,7 +77,7 @@ def _adam8_kernel(
     m_scale = tl.load(scales_ptr + 2 * rows, mask=row_mask, other=0.0)
     v_scale = tl.load(scales_ptr + 2 * rows + 1, mask=row_mask, other=0.0)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = _load_param(param_ptr + offs, mask, SR_PARAM)
+    p = _load_param(param_ptr + offs, param_lp_ptr + offs, mask, PARAM_MODE)
     m = _decode(tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32), m_scale, FIRST_BIAS, FIRST_MAN)
     v = _decode(tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32), v_scale, SECOND_BIAS, SECOND_MAN)
     p, m, v, _ = _adam_update(p, g, m, v, v, lr, t, grad_scale_ptr, clip_coef_ptr,
@@ -84,7 +85,7 @@ def _adam8_kernel(
                               ADAMW, False, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_GRAD_SCALE, HAS_CLIP)
     _store_param(param_ptr + offs, param_lp_ptr + offs, p, mask,
                  _key(seed.to(tl.uint32), t.to(tl.uint32), PARAM_MIX), index0 + offs,
-                 SR_PARAM, HAS_PARAM_LP, PARAM_LP_BF16)
+                 PARAM_MODE, HAS_PARAM_LP, PARAM_LP_BF16)
     # Elements past the end were stepped from zeros: their moments are zero, no scale's.
     m_scale, m_inv = _scale_of(m)
     v_scale, v_inv = _scale_of(v)
@@ -103,7 +104,7 @@ def _rows(n_blocks: int) -> tuple:
 def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
                beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
-               index=0):
+               index=0, remainder=None):
     """``adam.adam_step`` over int8 moments, in place: exp_avg int8 [n], exp_avg_sq
     uint8 [n], scales float32 [ceil(n / 256), 2] (each block's first and second moment
     scale); the run starts on a block boundary. No amsgrad."""
@@ -111,8 +112,8 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
         raise ValueError("int8 moments hold no amsgrad maximum; use moments='fp32'")
     n = param.numel()
     device = param.device
-    _check_step(param, grad, param_lp, stochastic, step=step, lr=lr, grad_scale=grad_scale,
-                found_inf=found_inf, clip_coef=clip_coef)
+    _check_step(param, grad, param_lp, stochastic, remainder, step=step, lr=lr,
+                grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
     _check("exp_avg", exp_avg, n, (torch.int8,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.uint8,), device)
     n_blocks = quant.blocks(n)
@@ -123,7 +124,7 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
     dummy = param  # never dereferenced: its branch is compiled out
     _adam8_kernel[(triton.cdiv(n_blocks, rows),)](
         param, grad, exp_avg, exp_avg_sq, scales,
-        param_lp if param_lp is not None else dummy, step, lr,
+        _second_half(param_lp, remainder, dummy), step, lr,
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
         clip_coef if clip_coef is not None else dummy,
@@ -131,6 +132,6 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
         **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
         FIRST_BIAS=quant.FIRST.bias, FIRST_MAN=quant.FIRST.man_bits,
         SECOND_BIAS=quant.SECOND.bias, SECOND_MAN=quant.SECOND.man_bits,
-        **_param_flags(stochastic),
+        **_param_flags(stochastic, remainder),
         ROWS=rows, BLOCK=quant.BLOCK, num_warps=warps,
     )

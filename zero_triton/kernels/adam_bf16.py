@@ -10,7 +10,7 @@ import triton.language as tl
 
 from zero_triton.kernels import rounding
 from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
-                                      _hyper, _key, _load_param, _param_flags,
+                                      _hyper, _key, _load_param, _param_flags, _second_half,
                                       _store_bf16_stochastic, _store_param)
 
 
@@ -22,7 +22,7 @@ def _adam_bf16_kernel(
     ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_PARAM_LP: tl.constexpr, PARAM_LP_BF16: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr, FIRST_MIX: tl.constexpr,
-    SECOND_MIX: tl.constexpr, SR_PARAM: tl.constexpr, PARAM_MIX: tl.constexpr,
+    SECOND_MIX: tl.constexpr, PARAM_MODE: tl.constexpr, PARAM_MIX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     if HAS_FOUND_INF:
@@ -34,7 +34,7 @@ def _adam_bf16_kernel(
     lr = tl.load(lr_ptr)
     t = tl.load(step_ptr)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = _load_param(param_ptr + offs, mask, SR_PARAM)
+    p = _load_param(param_ptr + offs, param_lp_ptr + offs, mask, PARAM_MODE)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p, m, v, _ = _adam_update(p, g, m, v, v, lr, t, grad_scale_ptr, clip_coef_ptr,
@@ -44,7 +44,7 @@ def _adam_bf16_kernel(
     seed32 = seed.to(tl.uint32)
     index = index0 + offs
     _store_param(param_ptr + offs, param_lp_ptr + offs, p, mask, _key(seed32, step, PARAM_MIX),
-                 index, SR_PARAM, HAS_PARAM_LP, PARAM_LP_BF16)
+                 index, PARAM_MODE, HAS_PARAM_LP, PARAM_LP_BF16)
     _store_bf16_stochastic(m_ptr + offs, m, _key(seed32, step, FIRST_MIX), index, mask)
     _store_bf16_stochastic(v_ptr + offs, v, _key(seed32, step, SECOND_MIX), index, mask)
 
@@ -52,7 +52,7 @@ def _adam_bf16_kernel(
 def adam_bf16_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                    beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                    grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
-                   stochastic=False):
+                   stochastic=False, remainder=None):
     """``adam.adam_step`` over bfloat16 moments, in place: exp_avg, exp_avg_sq bfloat16
     [n] (``max_exp_avg_sq`` must be None: no amsgrad); ``seed`` and ``index`` (the
     canonical index of element 0) key their stochastic rounding."""
@@ -60,8 +60,8 @@ def adam_bf16_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, s
         raise ValueError("bf16 moments hold no amsgrad maximum; use moments='fp32'")
     n = param.numel()
     device = param.device
-    _check_step(param, grad, param_lp, stochastic, step=step, lr=lr, grad_scale=grad_scale,
-                found_inf=found_inf, clip_coef=clip_coef)
+    _check_step(param, grad, param_lp, stochastic, remainder, step=step, lr=lr,
+                grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
     _check("exp_avg", exp_avg, n, (torch.bfloat16,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.bfloat16,), device)
     if n == 0:
@@ -69,7 +69,8 @@ def adam_bf16_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, s
     block = max(16, min(1 << 17, triton.next_power_of_2(n))) if INTERPRET else 2048
     dummy = param  # never dereferenced: its branch is compiled out
     _adam_bf16_kernel[(triton.cdiv(n, block),)](
-        param, grad, exp_avg, exp_avg_sq, param_lp if param_lp is not None else dummy, step, lr,
+        param, grad, exp_avg, exp_avg_sq,
+        _second_half(param_lp, remainder, dummy), step, lr,
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
         clip_coef if clip_coef is not None else dummy,
@@ -77,5 +78,5 @@ def adam_bf16_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, s
         **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
         FIRST_MIX=(rounding.FIRST_STREAM * rounding.M1) & rounding.MASK32,
         SECOND_MIX=(rounding.SECOND_STREAM * rounding.M1) & rounding.MASK32,
-        **_param_flags(stochastic), BLOCK=block, num_warps=1 if INTERPRET else 8,
+        **_param_flags(stochastic, remainder), BLOCK=block, num_warps=1 if INTERPRET else 8,
     )

@@ -5,7 +5,14 @@ signature::
 
     step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
          beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-         grad_scale=None, found_inf=None, clip_coef=None)
+         grad_scale=None, found_inf=None, clip_coef=None,
+         stochastic=False, remainder=None, seed=0, index=0)
+
+``param`` is the fp32 master (or fp32 parameter; ``param_lp`` then receives its fp16/bf16
+rounding), or the bf16 parameter itself: rounded back stochastically with
+``stochastic`` (master_weights="stochastic", keyed by ``seed`` and ``index``), or with
+its int16 ``remainder`` the exact master's high half (master_weights="remainder",
+``zero_triton.kernels.remainder``).
 
 ``"torch"`` additionally takes ``scratch``: a float32 buffer of the shard's size, so
 that the step allocates nothing.
@@ -24,21 +31,27 @@ NAMES = ("auto", "triton", "cuda", "cpu", "torch")
 def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                grad_scale=None, found_inf=None, clip_coef=None, scratch=None,
-               stochastic=False, seed=0, index=0):
+               stochastic=False, remainder=None, seed=0, index=0):
     """The step in plain in-place torch ops on preallocated buffers (several passes
     over memory; the fallback when no kernel can run). Reads ``found_inf``, ``lr`` and
     ``step`` on the host: on CUDA tensors this path syncs once per step.
-    ``stochastic``: ``param`` is the bf16 parameter itself (master_weights="stochastic"),
-    stepped in float32 and rounded back stochastically, keyed by ``seed`` and ``index``."""
+    ``stochastic`` / ``remainder``: ``param`` is the bf16 parameter itself, stepped in
+    float32 and rounded back stochastically (keyed by ``seed`` and ``index``), or split
+    again with its remainder (see the module's docstring)."""
     if found_inf is not None and found_inf.item() != 0:
         return
-    if stochastic:
-        from zero_triton.kernels import rounding
-        master = param.float()
+    if stochastic or remainder is not None:
+        from zero_triton.kernels import remainder as remainders, rounding
+        master = param.float() if remainder is None else remainders.join(param, remainder)
         torch_step(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, None, step, lr,
                    beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
                    amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
                    clip_coef=clip_coef, scratch=scratch)
+        if remainder is not None:
+            high, low = remainders.split(master)
+            param.copy_(high)
+            remainder.copy_(low)
+            return
         t = int(float(step.item()) if isinstance(step, torch.Tensor) else step)
         bits = rounding.random_bits(rounding.key(seed, t, rounding.PARAM_STREAM), index,
                                     master.numel(), master.device)
@@ -80,7 +93,7 @@ def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step,
 def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
                     beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                     grad_scale=None, found_inf=None, clip_coef=None, scratch=None,
-                    stochastic=False, seed=0, index=0):
+                    stochastic=False, remainder=None, seed=0, index=0):
     """The step over int8 moments (``zero_triton.state.int8``) in torch ops: decode the
     blocks (``zero_triton.kernels.quant``), ``torch_step`` on them, encode them again
     with their new scales. Allocates the decoded moments (the fallback, not the fast path)."""
@@ -92,7 +105,7 @@ def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr
     torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
                weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
                grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch,
-               stochastic=stochastic, seed=seed, index=index)
+               stochastic=stochastic, remainder=remainder, seed=seed, index=index)
     quant.quantize(m, quant.FIRST, exp_avg, scales[:, 0])
     quant.quantize(v, quant.SECOND, exp_avg_sq, scales[:, 1])
 
@@ -100,7 +113,7 @@ def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr
 def torch_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                     beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                     grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
-                    scratch=None, stochastic=False):
+                    scratch=None, stochastic=False, remainder=None):
     """The step over bf16 moments (``zero_triton.state.bf16``) in torch ops: widen them,
     ``torch_step``, round them back stochastically (``zero_triton.kernels.rounding``:
     keyed by ``seed``, the step, the moment and ``index`` + element). Allocates."""
@@ -111,7 +124,7 @@ def torch_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, 
     torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
                weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
                grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch,
-               stochastic=stochastic, seed=seed, index=index)
+               stochastic=stochastic, remainder=remainder, seed=seed, index=index)
     t = int(float(step.item()) if isinstance(step, torch.Tensor) else step)
     for moment, x, stream in ((exp_avg, m, rounding.FIRST_STREAM), (exp_avg_sq, v, rounding.SECOND_STREAM)):
         bits = rounding.random_bits(rounding.key(seed, t, stream), index, x.numel(), x.device)
@@ -208,11 +221,11 @@ def _native_step():
     def native_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                     beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                     grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
-                    index=0):
+                    index=0, remainder=None):
         native(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr,
                float(beta1), float(beta2), float(eps), float(weight_decay),
                bool(adamw), bool(amsgrad), bool(maximize), grad_scale, found_inf, clip_coef,
-               bool(stochastic), int(seed), int(index))
+               bool(stochastic), int(seed), int(index), remainder)
     return native_step
 
 
@@ -223,10 +236,11 @@ def _native_step_int8():
     def native_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
                          beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                          grad_scale=None, found_inf=None, clip_coef=None, stochastic=False,
-                         seed=0, index=0):
+                         seed=0, index=0, remainder=None):
         native(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, float(beta1),
                float(beta2), float(eps), float(weight_decay), bool(adamw), bool(maximize),
-               grad_scale, found_inf, clip_coef, bool(stochastic), int(seed), int(index))
+               grad_scale, found_inf, clip_coef, bool(stochastic), int(seed), int(index),
+               remainder)
     return native_step_int8
 
 
@@ -237,10 +251,10 @@ def _native_step_bf16():
     def native_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
                          beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
                          grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
-                         stochastic=False):
+                         stochastic=False, remainder=None):
         native(param, grad, exp_avg, exp_avg_sq, param_lp, step, lr, float(beta1), float(beta2),
                float(eps), float(weight_decay), bool(adamw), bool(maximize), grad_scale,
-               found_inf, clip_coef, int(seed), int(index), bool(stochastic))
+               found_inf, clip_coef, int(seed), int(index), bool(stochastic), remainder)
     return native_step_bf16
 
 

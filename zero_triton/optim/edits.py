@@ -59,7 +59,7 @@ class UserEdits:
         for flat in flats:
             # A format whose export is a copy (int8) has no views to show: its entries
             # hold the step only, and state_dict() its moments.
-            views = flat.state_views() if flat.state.moments.live else {}
+            views = flat.state_views() if flat.state.live else {}
             table = self.tracked
             for i, p in enumerate(flat.params):
                 # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.

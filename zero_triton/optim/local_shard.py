@@ -31,7 +31,7 @@ import torch.distributed as dist
 from zero_triton.comm.grads import zero_in_place
 from zero_triton.comm.protocol import Comm
 from zero_triton.native import backends
-from zero_triton.optim.shard import LOW_PRECISION, FlatShard, one_kind
+from zero_triton.optim.shard import FlatShard, one_kind
 from zero_triton.state import watch
 from zero_triton.state.flat import FlatLayout
 from zero_triton.state.shards import ShardState
@@ -177,7 +177,8 @@ class LocalShard(FlatShard):
             _check_local(p, t, i)
         self.params = params
         self.dtype, self.device = locals_[0].dtype, locals_[0].device
-        self.has_master = self.dtype in LOW_PRECISION and not spec.stochastic
+        self.master_format = spec.master_format(self.dtype)  # zero_triton.state.master
+        self.has_master = self.master_format in ("fp32", "remainder")
         self.spec = spec
         if self.has_master and not spec.master_weights:
             raise ValueError(
@@ -197,15 +198,14 @@ class LocalShard(FlatShard):
         self.separate_shard = False  # the engine's gradients are stepped where they are
         self.buckets, self.hooks = [], []
         self.state = ShardState(self.param_parts, self.segments, self.layout,
-                                has_master=self.has_master, amsgrad=amsgrad, moments=spec.moments)
-        if not self.has_master:  # the engine's shards are their own master
-            self.state.master = None
+                                master=self.master_format, amsgrad=amsgrad, moments=spec.moments)
         self.versions = watch.ParamVersions(params)  # the DTensors' own writes, not ours
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
         self.backend = "torch" if self.dtype == torch.float64 else backends.resolve(spec.backend, self.device)
         self.step_fn = backends.step_function(self.backend, self.state.moments.format)
-        # one launch for all, or None (stochastic rounding keys each shard: one launch each)
-        self.step_list = None if spec.stochastic else \
+        # one launch for all, or None (a bf16 parameter stepped itself, rounded
+        # stochastically or split with its remainder: one launch each)
+        self.step_list = None if not self.state.master.plain else \
             backends.list_step_function(self.backend, self.state.moments.format)
         self.scratch = torch.empty(self.layout.shard_numel, dtype=self.state.dtype, device=self.device) \
             if self.backend == "torch" else None
@@ -237,6 +237,7 @@ class LocalShard(FlatShard):
             self.locals[i] = _local(self.params[i])
             self.param_parts[i] = self.locals[i].view(-1)
         if swapped:
+            self._slot_key = None  # the kernel's operands name the parameters' views
             self.reseed(swapped)
         return -1
 
@@ -288,15 +289,16 @@ class LocalShard(FlatShard):
 
     # -- the step -----------------------------------------------------------------------
     def _slots(self, amsgrad: bool) -> list:
-        """Per segment, the views of its state slot: (master or None, then the moments'
-        kernel operands for this step, ``MomentStore.operands``), made again only when a
-        state buffer is replaced (amsgrad switched on, a re-home) or amsgrad changes."""
+        """Per segment, the kernel's operands of its state slot: (its ``param``, its
+        ``param_lp``, the master's keywords: ``Master.operands``; then the moments',
+        ``MomentStore.operands``), made again only when a parameter's view or a state
+        buffer is replaced (amsgrad switched on, a re-home) or amsgrad changes."""
         st = self.state
         key = (st.master, st.moments, st.amsgrad, amsgrad)
         if self._slot_key is None or any(a is not b for a, b in zip(key, self._slot_key)):
-            self._slot_views = [(None if st.master is None else st.master[s0:s0 + hi - lo],
+            self._slot_views = [(*st.master.operands(s0, s0 + hi - lo, part),
                                  *st.moments.operands(s0, s0 + hi - lo, amsgrad))
-                                for lo, hi, s0 in self.segments]
+                                for part, (lo, hi, s0) in zip(self.param_parts, self.segments)]
             self._slot_key = key
         return self._slot_views
 
@@ -309,22 +311,19 @@ class LocalShard(FlatShard):
         kwargs, amsgrad, st = plan["kwargs"], plan["amsgrad"], self.state
         if self.step_list is None or len({grads[k].dtype for k in members}) > 1:
             for k in members:
-                master, *moments = slots[k]
-                param = self.param_parts[k]
+                param, param_lp, how, *moments = slots[k]
                 lo, hi, s0 = self.segments[k]
                 if self.scratch is not None:  # the torch backend's work space
                     kwargs = {**plan["kwargs"], "scratch": self.scratch[s0:s0 + hi - lo]}
-                if st.moments.keyed or self.spec.stochastic:  # the engine's placement
-                    kwargs = {**kwargs, "seed": self.key, "index": s0,
-                              **({"stochastic": True} if self.spec.stochastic else {})}
-                self.step_fn(param if master is None else master, grads[k], *moments,
-                             param if self.has_master else None, st.step_of(k), self.lr, **kwargs)
+                if st.moments.keyed or st.master.keyed:  # the engine's placement
+                    kwargs = {**kwargs, "seed": self.key, "index": s0}
+                self.step_fn(param, grads[k], *moments, param_lp, st.step_of(k), self.lr,
+                             **kwargs, **how)
             return
-        params = [self.param_parts[k] if slots[k][0] is None else slots[k][0] for k in members]
-        self.step_list(params, [grads[k] for k in members], [slots[k][1] for k in members],
-                       [slots[k][2] for k in members],
-                       [slots[k][3] for k in members] if amsgrad else None,
-                       [self.param_parts[k] for k in members] if self.has_master else None,
+        self.step_list([slots[k][0] for k in members], [grads[k] for k in members],
+                       [slots[k][3] for k in members], [slots[k][4] for k in members],
+                       [slots[k][5] for k in members] if amsgrad else None,
+                       [slots[k][1] for k in members] if self.has_master else None,
                        [st.step_of(k) for k in members], self.lr, **kwargs)
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:

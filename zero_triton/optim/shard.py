@@ -87,8 +87,10 @@ class FlatShard:
         self.params = params
         self.spec = spec
         self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
-        # master_weights="stochastic": bf16 parameters without a master (Spec.check_params)
-        self.has_master = self.dtype in LOW_PRECISION and not spec.stochastic
+        # How the parameters are stepped (zero_triton.state.master): an fp32 master beside
+        # fp16/bf16 ones (or its low half: "remainder"), none ("stochastic"), or their own.
+        self.master_format = spec.master_format(self.dtype)
+        self.has_master = self.master_format in ("fp32", "remainder")
         reduce_dtype = spec.reduce_dtype
         if bucket_numel is None:
             bucket_numel = spec.bucket_numel(self.dtype, sum(
@@ -131,7 +133,7 @@ class FlatShard:
         # (a sweep building one per trial): take them off when this buffer goes away.
         weakref.finalize(self, _remove_all, self.hooks)
         self.state = ShardState(self.param_parts, self.segments, self.layout,
-                                has_master=self.has_master, amsgrad=amsgrad, moments=spec.moments)
+                                master=self.master_format, amsgrad=amsgrad, moments=spec.moments)
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
         self.versions = watch.ParamVersions(params)
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
@@ -219,22 +221,21 @@ class FlatShard:
     @torch.no_grad()
     def reseed(self, indices) -> None:
         """The user wrote parameters ``indices`` (their version moved, or their .data was
-        replaced): seed this rank's part of their fp32 master again from them where they
-        differ from it, so the next step starts from what the user wrote (fp32
-        parameters are their own master). An element written with the value it had
-        (DDP's broadcast, an EMA swapped back, the same weights loaded) keeps its master's
-        extra precision."""
+        replaced): seed this rank's part of their master again from them where they
+        differ from it (``Master.reseed``), so the next step starts from what the user
+        wrote (fp32 parameters are their own master). An element written with the value
+        it had (DDP's broadcast, an EMA swapped back, the same weights loaded) keeps its
+        master's extra precision."""
         if not indices:
             return
         wanted = set(indices)
         if self.has_master:
-            master, layout = self.state.master, self.layout
+            layout = self.layout
             for part, (lo, hi, s0) in zip(self.param_parts, self.segments):
                 for i, a, b in layout.ranges_in(lo, hi):
                     if i in wanted:
                         x = layout.offsets[i] + a - lo
-                        m, p = master[s0 + x:s0 + x + b - a], part[x:x + b - a]
-                        m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
+                        self.state.master.reseed(s0 + x, s0 + x + b - a, part[x:x + b - a])
         self.versions.accept(wanted)
 
     def sync_grads(self):
@@ -285,17 +286,15 @@ class FlatShard:
         if self.backend == "torch":
             kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
         st = self.state
-        if st.moments.keyed or self.spec.stochastic:
+        if st.moments.keyed or st.master.keyed:
             # rounding keyed by the element's place in the canonical layout
             bucket = self.layout.buckets[k]
             index = bucket.canonical_start + self.segments[k][0] - bucket.start + a
-            kwargs = {**kwargs, "seed": self.key, "index": index,
-                      **({"stochastic": True} if self.spec.stochastic else {})}
-        param = self.param_parts[k][a:b]
-        master = st.master[s0 + a:s0 + b] if st.master is not None else param
-        self.step_fn(master, self.buckets[k].averaged()[a:b],
+            kwargs = {**kwargs, "seed": self.key, "index": index}
+        param, param_lp, how = st.master.operands(s0 + a, s0 + b, self.param_parts[k][a:b])
+        self.step_fn(param, self.buckets[k].averaged()[a:b],
                      *st.moments.operands(s0 + a, s0 + b, plan["amsgrad"]),
-                     param if self.has_master else None, st.step_of(i), self.lr, **kwargs)
+                     param_lp, st.step_of(i), self.lr, **kwargs, **how)
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
         """This rank's part of the gradient norm, in ``dtype``: the sum of |g|^norm_type

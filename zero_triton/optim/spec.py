@@ -22,13 +22,20 @@ from zero_triton.state import moments as moment_formats
 
 REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 STOCHASTIC = "stochastic"  # master_weights: no fp32 master, bf16 parameters rounded stochastically
+REMAINDER = "remainder"    # master_weights: the fp32 master's low half beside bf16 parameters
+MASTER_STRINGS = {
+    STOCHASTIC: "bfloat16 parameters without an fp32 master, stepped with stochastic rounding",
+    REMAINDER: "the low 16 bits of the fp32 master beside bfloat16 parameters: an exact "
+               "master for 2 bytes",
+}
 
 
 @dataclass(frozen=True)
 class Spec:
     """``backend``: "auto" or a backend name (``zero_triton.native.backends``);
-    ``master_weights``: keep an fp32 master of fp16/bf16 parameters (``"stochastic"``:
-    none, bf16 parameters updated in float32 and rounded back stochastically); ``reduce_dtype``: the
+    ``master_weights``: keep an fp32 master of fp16/bf16 parameters (``"remainder"``: its
+    low half beside bf16 parameters; ``"stochastic"``: none, bf16 parameters updated in
+    float32 and rounded back stochastically; ``zero_triton.state.master``); ``reduce_dtype``: the
     dtype gradients are averaged in (None: their own); ``bucket_cap_mb``: MiB of
     gradients per bucket at most (None: one bucket per flat buffer); ``stage``: 1 (state
     sharded) or 2 (gradients too); ``max_grad_norm``: clip by the global norm inside
@@ -50,12 +57,12 @@ class Spec:
         """The constructor's keywords, checked in the order the optimizers have always
         checked them (each error names the fix; nothing has changed yet)."""
         if isinstance(master_weights, str):
-            if master_weights != STOCHASTIC:
+            if master_weights not in MASTER_STRINGS:
+                kinds = "; ".join(f"{k!r} ({why})" for k, why in MASTER_STRINGS.items())
                 raise ValueError(f"master_weights must be True or False (None: True), or "
-                                 f"{STOCHASTIC!r} (bfloat16 parameters without an fp32 master, "
-                                 f"stepped with stochastic rounding), got {master_weights!r}")
+                                 f"{kinds}, got {master_weights!r}")
             if differentiable:
-                raise ValueError("master_weights='stochastic' cannot be used with "
+                raise ValueError(f"master_weights={master_weights!r} cannot be used with "
                                  "differentiable=True: autograd through the step needs torch's "
                                  "own float state; use master_weights=None")
         elif master_weights is not None:
@@ -102,20 +109,29 @@ class Spec:
         """bf16 parameters without an fp32 master, rounded back stochastically."""
         return self.master_weights == STOCHASTIC
 
+    def master_format(self, dtype: torch.dtype) -> str:
+        """How parameters of ``dtype`` are stepped (``zero_triton.state.master.FORMATS``)."""
+        if dtype not in (torch.float16, torch.bfloat16):
+            return "own"
+        return {STOCHASTIC: "none", REMAINDER: "remainder"}.get(self.master_weights, "fp32")
+
     def check_params(self, params, amsgrad: bool) -> None:
         """Refuse, with the fix and before anything is built, what the moments' format
         cannot step (amsgrad's maximum, float64 or complex parameters) and parameters
-        ``master_weights="stochastic"`` does not apply to (any but bfloat16)."""
-        if self.stochastic:
+        ``master_weights="stochastic"`` or ``"remainder"`` does not apply to (any but
+        bfloat16)."""
+        if isinstance(self.master_weights, str):
+            mode = self.master_weights
             for i, p in enumerate(params):
                 if p.dtype != torch.bfloat16:
                     fix = ("float32 and float64 parameters are their own master: use "
                            "master_weights=None" if p.dtype in (torch.float32, torch.float64)
-                           else "stochastic rounding is to bfloat16 only: use bfloat16 "
-                           "parameters, or master_weights=None (an fp32 master)")
-                    raise ValueError(f"master_weights='stochastic' drops the fp32 master of "
-                                     f"bfloat16 parameters; parameter {i} {tuple(p.shape)} is "
-                                     f"{p.dtype}: {fix}")
+                           else f"{mode!r} is for bfloat16 only (the top half of a float32): "
+                           "use bfloat16 parameters, or master_weights=None (an fp32 master)")
+                    what = ("drops the fp32 master of" if mode == STOCHASTIC else
+                            "keeps the fp32 master's low 16 bits beside")
+                    raise ValueError(f"master_weights={mode!r} {what} bfloat16 parameters; "
+                                     f"parameter {i} {tuple(p.shape)} is {p.dtype}: {fix}")
         if self.moments == "fp32":
             return
         if amsgrad:

@@ -185,8 +185,7 @@ def live_tensors(opt) -> list:
     out = []
     for _, flat in opt._all_flats():
         out.extend(flat.state.moments.storage())
-        if flat.state.has_master:
-            out.append(flat.state.master)
+        out.extend(flat.state.master.storage())
         out.append(flat.flat_param)
         out.extend(flat.param_parts)
     return out
@@ -291,9 +290,7 @@ def load_shard(flat, entries, step) -> None:
     # Zeros wherever the entries hold nothing; a running maximum from now on if one has it.
     has_max = entries is not None and any(e is not None and MAXIMUM in e for e in entries)
     state.reset(amsgrad=has_max or None)
-    if flat.has_master:
-        for master, part in zip(state.master_parts(), flat.param_parts):
-            master.copy_(part)
+    state.master.seed()
     if entries is None:
         return
     targets = state.buffers()
@@ -313,8 +310,7 @@ def load_shard(flat, entries, step) -> None:
     state.commit(targets)
     # Every rank decides this from the same state dict: the all-gather is collective.
     if flat.has_master and any(e is not None and MASTER in e for e in entries):
-        for master, part in zip(state.master_parts(), flat.param_parts):
-            part.copy_(master)
+        state.master.publish()
         for k, bucket in enumerate(flat.buckets):
             flat.gather_bucket(k)
             bucket.wait_gather()
@@ -396,7 +392,7 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
         for i in written:
             m = state_dict["state"][ids[id(flat.params[i])]][MASTER]
             p = flat.params[i].detach().to(m.device).reshape(m.shape)
-            m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
+            m.copy_(flat.state.master.rebase(m, p))
     return state_dict
 
 
@@ -494,7 +490,7 @@ def plan_user_state(flat, user):
                     reseed.append(i)
                 elif key == MAXIMUM:
                     copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
-                elif not flat.state.moments.live:
+                elif not flat.state.live:
                     pass  # never shown in opt.state (int8's codes): kept as they are
                 else:
                     raise ValueError(

@@ -4,8 +4,10 @@ A rank's shard of a flat buffer is its shard of every bucket, one after another
 (``FlatLayout.shard_segments``: (buffer lo, hi, state offset) per bucket). Its state
 lives here, contiguous, on the shard's device:
 
-- ``master``: the fp32 master of fp16/bf16 parameters; fp32 parameters are their own
-  master (then ``master`` is the shard itself when it is one segment, else None);
+- ``master``: how the parameters are stepped, a part of its own
+  (``zero_triton.state.master``): float32 parameters are their own master, fp16/bf16
+  ones keep an fp32 master (or, bf16, its low half beside them: ``"remainder"``, or
+  none: ``"none"``, rounded stochastically);
 - ``moments``: the Adam moments in a ``MomentStore`` of the format the optimizer was
   built with (``zero_triton.state.moments``; its kernels compute in float32, float64
   for float64 parameters);
@@ -15,12 +17,14 @@ lives here, contiguous, on the shard's device:
 
 ``FlatShard`` (zero_triton.optim.shard) owns one and hands its slices to the kernel;
 ``zero_triton.optim.state_dict`` and ``zero_triton.checkpoint`` read and write it through
-``buffers()`` (torch's format) and ``commit``, never by a moment's name.
+``buffers()`` (torch's format) and ``commit``, never by a moment's name nor the
+master's storage.
 """
 from __future__ import annotations
 
 import torch
 
+from .master import make as make_master
 from .moments import make as make_moments
 
 MASTER = "master_param"  # torch-format key of an fp32 master (fp16/bf16 parameters)
@@ -30,20 +34,12 @@ class ShardState:
     """``param_parts``: this rank's shard of the flat parameter buffer, one view per
     segment; ``layout``: the buffer's FlatLayout; ``segments``: this rank's."""
 
-    def __init__(self, param_parts, segments, layout, *, has_master: bool, amsgrad: bool,
+    def __init__(self, param_parts, segments, layout, *, master: str = "own", amsgrad: bool,
                  moments: str = "fp32"):
         self.param_parts, self.segments, self.layout = param_parts, segments, layout
-        self.has_master = has_master
         self.device = param_parts[0].device
         n = layout.shard_numel
-        if has_master:  # each segment's parameters at its state offset
-            self.master = torch.zeros(n, dtype=torch.float32, device=self.device)
-            for part, (lo, hi, s0) in zip(param_parts, segments):
-                self.master[s0:s0 + hi - lo].copy_(part)
-        else:  # fp32 (fp64) parameters are their own master; bf16 ones stepped without one
-            # (master_weights="stochastic") have none
-            own = len(param_parts) == 1 and param_parts[0].dtype in (torch.float32, torch.float64)
-            self.master = param_parts[0] if own else None
+        self.master = make_master(master, param_parts, segments, n, self.device)
         # float64 parameters keep float64 state (torch steps them in float64); every
         # other dtype float32.
         self.dtype = torch.float64 if param_parts[0].dtype == torch.float64 else torch.float32
@@ -56,6 +52,16 @@ class ShardState:
         self.one = torch.ones(1, **f32)  # step += one: a Python 1.0 would be wrapped in a new tensor
 
     # -- the buffers ----------------------------------------------------------------
+    @property
+    def has_master(self) -> bool:
+        """Whether an fp32 master is kept beside the parameters (torch's ``master_param``)."""
+        return self.master.exact
+
+    @property
+    def live(self) -> bool:
+        """Whether ``buffers()`` is the storage itself (``opt.state`` can show its views)."""
+        return self.moments.live and self.master.live
+
     @property
     def amsgrad(self) -> bool:
         """Whether the running maximum of the second moment is stored."""
@@ -77,37 +83,34 @@ class ShardState:
         ``commit``."""
         bufs = self.moments.export()
         if self.has_master:
-            bufs[MASTER] = self.master
+            bufs[MASTER] = self.master.export()
         return bufs
 
     def commit(self, bufs: dict) -> None:
         """Take back what was written into ``buffers()``'s tensors."""
         self.moments.commit({k: v for k, v in bufs.items() if k != MASTER})
+        if MASTER in bufs:
+            self.master.commit(bufs[MASTER])
 
     def views(self, bufs: dict | None = None) -> dict:
         """Per-parameter views of each buffer (world size 1: the shard is the whole
         buffer), of ``bufs`` if given (one ``buffers()``, to ``commit`` once written)."""
         return {k: self.layout.views(b) for k, b in (bufs or self.buffers()).items()}
 
-    def master_parts(self) -> list:
-        """The master of each segment (views)."""
-        if self.master is None:
-            return self.param_parts
-        return [self.master[s0:s0 + hi - lo] for lo, hi, s0 in self.segments]
-
     def checkpointed(self) -> dict:
-        """What a sharded checkpoint saves, float32 in state order (an fp32 master spread
-        over several segments is a copy)."""
-        master = self.master if self.master is not None else torch.cat(self.param_parts)
-        if master.dtype in (torch.float16, torch.bfloat16):  # no master: the parameters
-            master = master.float()
-        return {"master": master, **self.moments.export()}
+        """What a sharded checkpoint saves, float32 in state order (a master that is not
+        one tensor over the shard is a copy)."""
+        return {"master": self.master.checkpointed(), **self.moments.export()}
+
+    def restore(self, bufs: dict) -> None:
+        """Take back what was written into ``checkpointed()``'s tensors: the moments, the
+        master and the parameters from it."""
+        self.moments.commit({k: v for k, v in bufs.items() if k != "master"})
+        self.master.commit(bufs["master"])
+        self.master.publish()
 
     def nbytes(self) -> dict:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-        return {"master": size(self.master) if self.has_master else 0,
-                "moments": self.moments.nbytes()}
+        return {"master": self.master.nbytes(), "moments": self.moments.nbytes()}
 
     def carry_over(self, old: "ShardState") -> None:
         """Take ``old``'s state (the same parameters, re-homed to another device or
@@ -118,9 +121,7 @@ class ShardState:
         if old.steps is not None:
             self.steps = old.steps.to(self.device)
             self.history = list(old.history)
-        same = self.param_parts[0].dtype == old.param_parts[0].dtype
-        if self.has_master and old.has_master and same:
-            self.master.copy_(old.master)
+        self.master.carry_over(old.master)
 
     # -- the step count -------------------------------------------------------------
     def param_steps(self) -> list:

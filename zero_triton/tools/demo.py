@@ -101,8 +101,9 @@ def train(args, rank: int, world_size: int, device) -> dict:
         # The reference laid out like this flat buffer, so the shards line up.
         ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
                                      world_size=world_size, bucket_numel=flat.bucket_numel)
-        for (lo, hi, _), master in zip(flat.segments, flat.state.master_parts()):
-            diff = torch.maximum(diff, (master - ref_flat[lo:hi]).abs().max())
+        master = flat.state.master.checkpointed()  # float32, in state order
+        for lo, hi, s0 in flat.segments:
+            diff = torch.maximum(diff, (master[s0:s0 + hi - lo] - ref_flat[lo:hi]).abs().max())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     report = opt.memory_report()
     if rank == 0:

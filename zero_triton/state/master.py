@@ -1,0 +1,225 @@
+"""How one shard's parameters are stepped: the declared part that holds (or not) their
+fp32 master, so that a way of keeping it is a class here and a kernel mode, not a branch
+through the optimizer.
+
+- ``own``: float32 (float64) parameters are their own master; the kernel steps them.
+- ``fp32``: fp16/bf16 parameters with an fp32 master beside them (``master_weights=True``,
+  the default): the kernel steps the master and writes the parameter rounded to nearest
+  even. 4 bytes per parameter.
+- ``remainder``: bf16 parameters whose master is their own 16 bits and an int16 beside
+  them (``master_weights="remainder"``, ``zero_triton.kernels.remainder``): the master is
+  exact for 2 bytes; the parameter rounds ties away from zero.
+- ``none``: bf16 parameters without a master (``master_weights="stochastic"``): the kernel
+  steps the parameter in float32 and rounds it back stochastically.
+
+A master holds one rank's shard in state order, as the moment stores do
+(``zero_triton.state.protocol``), and sees the parameters through the shard's views of
+them, one per segment (``param_parts``, a list the owner may update in place):
+
+- ``operands(a, b, param)``: what the kernel takes for state elements [a, b) whose
+  parameters are ``param``: (its ``param`` argument, its ``param_lp``, its keywords);
+- ``export()``: the fp32 master over the shard (None where the parameters are all there
+  is); ``commit(master)``: take back what was written into it (a master that is not
+  the parameters, or a copy, takes the elements that changed); ``publish()``: the
+  parameters from the master (after a load);
+- ``seed()``: the master from the parameters as they are; ``reseed(a, b, part)``: the
+  same for elements the user wrote (``exact`` masters keep their extra precision where
+  the parameter still is its rounding);
+- ``rebase(master, param)``: the master a written ``param`` takes from the one it had
+  (for a state dict assembled from shards the owner has not re-seeded yet);
+- ``nbytes()``, ``storage()``, ``carry_over(old)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero_triton.kernels import remainder as remainders
+
+
+class _Master:
+    format: str
+    exact = False  # an fp32 master beside the parameters (torch's "master_param")
+    live = True    # export() is the storage itself, or there is nothing to export
+    keyed = False  # the step rounds the parameter by a generator keyed by element
+    plain = True   # the kernel steps a float32 buffer (the list kernel can)
+
+    def __init__(self, param_parts, segments, numel: int, device):
+        self.param_parts, self.segments = param_parts, segments
+        self.numel, self.device = numel, device
+
+    def _spans(self):
+        """(state slice, the parameters' view) per segment."""
+        return [(slice(s0, s0 + hi - lo), part)
+                for part, (lo, hi, s0) in zip(self.param_parts, self.segments)]
+
+    def parameters(self) -> torch.Tensor:
+        """The shard's parameters in state order (the view itself when one segment)."""
+        if len(self.param_parts) == 1 and self.param_parts[0].numel() == self.numel:
+            return self.param_parts[0]
+        out = torch.zeros(self.numel, dtype=self.param_parts[0].dtype, device=self.device)
+        for span, part in self._spans():
+            out[span].copy_(part)
+        return out
+
+    def export(self):
+        return None
+
+    def checkpointed(self) -> torch.Tensor:
+        """The master as a sharded checkpoint saves it: float32 over the shard."""
+        master = self.export()
+        return master if master is not None else self.parameters().float()
+
+    def commit(self, master: torch.Tensor) -> None:
+        for span, part in self._spans():
+            if part.data_ptr() != master[span].data_ptr():
+                part.copy_(master[span])
+
+    def publish(self) -> None:
+        pass
+
+    def seed(self) -> None:
+        pass
+
+    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def rebase(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        return param.float()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.storage())
+
+    def storage(self) -> list:
+        return []
+
+    def carry_over(self, old) -> None:
+        pass
+
+
+class OwnMaster(_Master):
+    """float32 and float64 parameters: the kernel steps the parameters themselves."""
+
+    format = "own"
+
+    def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
+        return param, None, {}
+
+    def checkpointed(self) -> torch.Tensor:
+        return self.parameters()
+
+
+class NoMaster(_Master):
+    """bf16 parameters stepped without a master, rounded back stochastically."""
+
+    format = "none"
+    keyed = True
+    plain = False
+
+    def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
+        return param, None, {"stochastic": True}
+
+
+class Fp32Master(_Master):
+    """An fp32 copy of fp16/bf16 parameters, which the parameters are the rounding of."""
+
+    format = "fp32"
+    exact = True
+
+    def __init__(self, param_parts, segments, numel: int, device):
+        super().__init__(param_parts, segments, numel, device)
+        self.master = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.seed()
+
+    def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
+        return self.master[a:b], param, {}
+
+    def export(self) -> torch.Tensor:
+        return self.master
+
+    def commit(self, master: torch.Tensor) -> None:
+        if master.data_ptr() != self.master.data_ptr():
+            self.master.copy_(master)
+
+    def publish(self) -> None:
+        for span, part in self._spans():
+            part.copy_(self.master[span])
+
+    def seed(self) -> None:
+        for span, part in self._spans():
+            self.master[span].copy_(part)
+
+    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
+        m = self.master[a:b]
+        m.copy_(self.rebase(m, part))
+
+    @staticmethod
+    def rebase(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Where ``param`` is no longer the master's rounding, the written value."""
+        return torch.where(param != master.to(param.dtype), param.float(), master)
+
+    def storage(self) -> list:
+        return [self.master]
+
+    def carry_over(self, old) -> None:
+        if isinstance(old, Fp32Master) and old.param_parts[0].dtype == self.param_parts[0].dtype:
+            self.master.copy_(old.master)
+
+
+class RemainderMaster(_Master):
+    """The low 16 bits of bf16 parameters' fp32 master, beside them (int16)."""
+
+    format = "remainder"
+    exact = True
+    live = False  # export() joins a copy
+    plain = False
+
+    def __init__(self, param_parts, segments, numel: int, device):
+        super().__init__(param_parts, segments, numel, device)
+        self.remainder = torch.zeros(numel, dtype=torch.int16, device=device)
+
+    def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
+        return param, None, {"remainder": self.remainder[a:b]}
+
+    def export(self) -> torch.Tensor:
+        return remainders.join(self.parameters(), self.remainder)
+
+    def commit(self, master: torch.Tensor) -> None:
+        """The elements of ``master`` that differ from the one the parameters and
+        remainders make now: an export written back unchanged changes nothing (not even
+        a parameter the user wrote since, which ``reseed`` has yet to pair)."""
+        high, low = remainders.split(master)
+        params = self.parameters()
+        changed = master.view(torch.int32) != remainders.join(params, self.remainder).view(torch.int32)
+        self.remainder.copy_(torch.where(changed, low, self.remainder))
+        for span, part in self._spans():
+            part.copy_(torch.where(changed[span], high[span], part))
+
+    def seed(self) -> None:
+        """A bf16 parameter is exactly the master whose low half is zero."""
+        self.remainder.zero_()
+
+    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
+        r = self.remainder[a:b]
+        r.copy_(remainders.consistent(part, r))
+
+    @staticmethod
+    def rebase(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The written ``param`` with the master's low half, where they still pair."""
+        _, low = remainders.split(master)
+        return remainders.join(param, remainders.consistent(param, low))
+
+    def storage(self) -> list:
+        return [self.remainder]
+
+    def carry_over(self, old) -> None:
+        if isinstance(old, RemainderMaster):
+            self.remainder.copy_(old.remainder)
+
+
+FORMATS = {cls.format: cls for cls in (OwnMaster, NoMaster, Fp32Master, RemainderMaster)}
+
+
+def make(format: str, param_parts, segments, numel: int, device):
+    """The master part of ``format`` for a shard of ``numel`` state elements."""
+    return FORMATS[format](param_parts, segments, numel, device)
