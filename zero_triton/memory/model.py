@@ -14,7 +14,9 @@ Plain fp32 training (``master_dtype="none"``): parameters 4P, gradients 4P, no
 master, moments 8P, so K = 8 and DDP is 16P again.
 
 bf16 training without a master (``master_dtype="stochastic"``, the optimizers'
-``master_weights="stochastic"``): parameters 2P, gradients 2P, no master.
+``master_weights="stochastic"``): parameters 2P, gradients 2P, no master. With the
+master's low half beside the parameters (``master_dtype="remainder"``, the optimizers'
+``master_weights="remainder"``): the master 2P, exact (``zero_triton.state.master``).
 
 The moments' format (``moments``, the optimizers' argument): ``"fp32"`` 8P; ``"bf16"``
 4P; ``"int8"``
@@ -58,6 +60,7 @@ PRECISIONS = {
     "fp32": (2, 2, 4, 8),  # fp16/bf16 params and grads, fp32 master and moments
     "none": (4, 4, 0, 8),  # plain fp32 training: the parameters are the master
     "stochastic": (2, 2, 0, 8),  # bf16 params and grads, no master (master_weights="stochastic")
+    "remainder": (2, 2, 2, 8),   # bf16 params and grads, the master's low 16 bits beside them
 }
 # moments format -> bytes per parameter of m + v
 MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256}
@@ -124,8 +127,9 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
     """The memory model as one JSON-ready dict.
 
     ``master_dtype``: ``"fp32"`` (fp16/bf16 params and grads, fp32 master, K = 12),
-    ``"none"`` (plain fp32 training, no separate master, K = 8) or ``"stochastic"`` (bf16
-    params and grads, no master: ``master_weights="stochastic"``). ``moments``: the
+    ``"none"`` (plain fp32 training, no separate master, K = 8), ``"stochastic"`` (bf16
+    params and grads, no master: ``master_weights="stochastic"``) or ``"remainder"`` (the
+    master's low 16 bits beside bf16 params, K = 10). ``moments``: the
     moments' format, ``"fp32"`` (8 bytes per parameter), ``"bf16"`` (4) or ``"int8"`` (2.03).
     Keys: ``params``, ``world_size``, ``master_dtype``, ``moments``, ``K``
     (optimizer-state bytes per parameter), ``stages`` (the list from ``stage_bytes``).
@@ -134,7 +138,8 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
         raise ValueError(f"master_dtype must be one of {sorted(PRECISIONS)}, got "
                          f"{master_dtype!r}; use 'fp32' for bf16/fp16 training with an "
                          f"fp32 master copy, 'none' for plain fp32 training, 'stochastic' "
-                         f"for bf16 training without a master")
+                         f"for bf16 training without a master, 'remainder' for an exact "
+                         f"master in 2 bytes beside bf16 parameters")
     if moments not in MOMENT_BYTES:
         raise ValueError(f"moments must be one of {sorted(MOMENT_BYTES)}, got {moments!r}")
     pb, gb, mb, _ = PRECISIONS[master_dtype]
