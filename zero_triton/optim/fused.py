@@ -19,7 +19,8 @@ from zero_triton.optim import clipping, owners
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.build import build_flats
-from zero_triton.optim.checks import (adam_hyperparameters, check_group_params,
+from zero_triton.optim import compact as compact_state
+from zero_triton.optim.checks import (adam_hyperparameters, check_flag, check_group_params,
                                       check_hyperparameters, check_params_argument, group_params,
                                       to_float, with_grads, without_meta)
 from zero_triton.optim.edits import UserEdits
@@ -453,21 +454,32 @@ class FusedAdam(torch.optim.Optimizer):
 
     # -- state dict (torch.optim.Adam format: zero_triton.optim.state_dict) ------------------
     @disable_dynamo
-    def state_dict(self) -> dict:
+    def state_dict(self, compact: bool = False) -> dict:
         """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
         ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
-        parameters. Tensors are views of the live state, as torch's are. State-dict
-        hooks registered on the optimizer run as torch runs them."""
+        parameters. Tensors are views of the live state, as torch's are (copies for
+        moments stored in low bits). ``compact=True``: the moments as the store keeps
+        them (int8 codes and their blocks' scales, or bfloat16), which
+        ``load_state_dict`` takes back bit for bit (``zero_triton.optim.compact``).
+        State-dict hooks registered on the optimizer run as torch runs them."""
+        check_flag("compact", compact)
         if self._differentiable:
+            if compact:
+                raise ValueError("state_dict(compact=True) holds the codes of a low-bit store; "
+                                 "a differentiable optimizer keeps torch's own state")
             return torch.optim.Optimizer.state_dict(self)
         self.wait_params()
+        if compact:
+            return adam_state.with_state_dict_hooks(
+                self, lambda: compact_state.compact(self, self._full_state_dict()))
         return adam_state.with_state_dict_hooks(self, self._full_state_dict)
 
     @disable_dynamo
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load torch.optim.Adam's format (ours or torch's). Everything is checked
-        before anything changes; without ``master_param`` the master is the current
-        parameter upcast. Load-state-dict hooks run as torch runs them."""
+        """Load torch.optim.Adam's format (ours or torch's), or the compact one of
+        ``state_dict(compact=True)``. Everything is checked before anything changes;
+        without ``master_param`` the master is the current parameter upcast.
+        Load-state-dict hooks run as torch runs them."""
         if self._differentiable:
             return torch.optim.Optimizer.load_state_dict(self, state_dict)
         self.wait_params()
@@ -477,7 +489,7 @@ class FusedAdam(torch.optim.Optimizer):
         return self._ranks.state_dict(self)
 
     def _load_full_state_dict(self, state_dict: dict) -> None:
-        self._ranks.load_state_dict(self, state_dict)
+        self._ranks.load_state_dict(self, compact_state.expand(state_dict))
 
 
 class FusedAdamW(FusedAdam):

@@ -22,10 +22,11 @@ from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from zero_triton.comm.group import GroupComm
 from zero_triton.native.compat import disable_dynamo
+from zero_triton.optim import compact as compact_state
 from zero_triton.optim import join, owners, sharded_state
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.checks import (adam_hyperparameters, check_no_dtensors, check_params_argument,
-                                      check_process_group)
+from zero_triton.optim.checks import (adam_hyperparameters, check_flag, check_no_dtensors,
+                                      check_params_argument, check_process_group)
 from zero_triton.optim.fused import FusedAdam
 from zero_triton.optim.ranks import AgreedRanks, OneRank
 from zero_triton.optim.spec import Spec
@@ -247,15 +248,17 @@ class ZeroAdam(FusedAdam, Joinable):
     _GATHER_CHUNK = adam_state.GATHER_CHUNK
 
     @disable_dynamo  # as torch.optim.Optimizer's
-    def state_dict(self) -> dict:
+    def state_dict(self, compact: bool = False) -> dict:
         """The full state in torch.optim.Adam's format, as CPU tensors, on the rank that
         calls it: on one rank alone (``if rank == 0: torch.save(opt.state_dict())``, HF
         Trainer's checkpoint) or on every rank. The other ranks' shards come from their
         shard servers (``zero_triton.comm.serve``), chunk by chunk, wherever those ranks
         are (a barrier, the next iteration). ``load_state_dict`` on any world size keeps
-        each rank's shard. For large models prefer ``zero_triton.checkpoint.save`` (each
-        rank writes only its shard). State-dict hooks run on the calling rank."""
-        return super().state_dict()
+        each rank's shard. ``compact=True``: low-bit moments as their store keeps them
+        (``zero_triton.optim.compact``). For large models prefer
+        ``zero_triton.checkpoint.save`` (each rank writes only its shard). State-dict
+        hooks run on the calling rank."""
+        return super().state_dict(compact)
 
     @disable_dynamo  # as torch.optim.Optimizer's
     def load_state_dict(self, state_dict: dict) -> None:
@@ -284,18 +287,22 @@ class ZeroAdam(FusedAdam, Joinable):
             return sharded_state.sharded_state_dict(self, self._current_flats())
         return adam_state.with_state_dict_hooks(self, build)
 
-    def consolidated_state_dict(self, to_rank: int | None = 0):
+    def consolidated_state_dict(self, to_rank: int | None = 0, *, compact: bool = False):
         """The full state in torch.optim.Adam's format (``FusedAdam.state_dict()``'s:
         per-parameter step, exp_avg, exp_avg_sq, [max_exp_avg_sq], master_param for
         fp16/bf16) on group rank ``to_rank`` (every rank for None), as CPU tensors; None
-        on the other ranks.
+        on the other ranks. ``compact=True``: low-bit moments as their store keeps them
+        (``zero_triton.optim.compact``).
 
         Collective. Gathered one chunk of one state of one flat buffer at a time, so the
         receiver's peak memory is one full copy plus ``world_size`` chunks (not
         ``world_size`` full copies, where torch's ZeroRedundancyOptimizer runs out)."""
+        check_flag("compact", compact)
         self.wait_params()
         self._enter("consolidated_state_dict")
-        return adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
+        state_dict = adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
+        return compact_state.compact(self, state_dict) if compact and state_dict is not None \
+            else state_dict
 
 
 def _describe(entry) -> str:

@@ -62,6 +62,33 @@ class Bf16Moments(NoMaximum):
     def storage(self) -> list:
         return [self.exp_avg, self.exp_avg_sq]
 
+    # -- the compact state dict (zero_triton.optim.compact) -------------------------
+    COMPACT = (FIRST, SECOND)
+
+    @staticmethod
+    def compact(first: torch.Tensor, second: torch.Tensor, shape, stride) -> dict:
+        """One parameter's moments (float32, flat in its memory order ``stride``) as the
+        compact state dict holds them: bfloat16, shaped and strided as the parameter
+        (the store's values exactly: they are bfloat16 already)."""
+        out = {}
+        for key, values in ((FIRST, first), (SECOND, second)):
+            t = torch.empty_strided(shape, stride, dtype=torch.bfloat16)
+            t.as_strided((values.numel(),), (1,)).copy_(values)
+            out[key] = t
+        return out
+
+    @staticmethod
+    def expand(entry: dict, where: str) -> dict:
+        """``compact``'s entry as torch's float32 moments."""
+        out = {}
+        for key in (FIRST, SECOND):
+            t = entry.get(key)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16:
+                raise ValueError(f"{where}: a compact bf16 entry holds {key} in bfloat16; this "
+                                 "one does not. Save it again with state_dict(compact=True)")
+            out[key] = t.float()
+        return out
+
     def carry_over(self, old) -> None:
         self.commit({k: v.to(self.device, torch.float32) for k, v in old.export().items()
                      if k in (FIRST, SECOND)})

@@ -34,6 +34,12 @@ BLOCK = quant.BLOCK
 ALIGN = BLOCK
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its memory without gaps or overlaps (``empty_like`` keeps
+    exactly those strides)."""
+    return t.is_contiguous() or torch.empty_like(t).stride() == t.stride()
+
+
 class Int8Moments(NoMaximum):
     """exp_avg and exp_avg_sq of a shard as block-scaled 8-bit codes."""
 
@@ -78,10 +84,50 @@ class Int8Moments(NoMaximum):
         """The tensors this store holds (what a loaded state dict might alias)."""
         return [self.exp_avg, self.exp_avg_sq, self.scales]
 
-    def compact(self) -> dict:
-        """The codes and scales as they are (the compact state dict's entries)."""
-        return {"exp_avg_codes": self.exp_avg, "exp_avg_sq_codes": self.exp_avg_sq,
-                "scales": self.scales}
+    # -- the compact state dict (zero_triton.optim.compact) -------------------------
+    COMPACT = ("exp_avg_codes", "exp_avg_sq_codes", "moment_scales")
+
+    @staticmethod
+    def compact(first: torch.Tensor, second: torch.Tensor, shape, stride) -> dict:
+        """One parameter's moments (float32, flat in its memory order ``stride``, whose
+        blocks are the store's: a parameter starts on a block boundary) as the compact
+        state dict holds them: the codes, shaped and strided as the parameter, and the
+        scales of its blocks, float32 [blocks, 2] (exp_avg's, exp_avg_sq's)."""
+        n = first.numel()
+        first_codes = torch.empty_strided(shape, stride, dtype=quant.FIRST.dtype)
+        second_codes = torch.empty_strided(shape, stride, dtype=quant.SECOND.dtype)
+        scales = torch.zeros(quant.blocks(n), 2, dtype=torch.float32)
+        quant.quantize(first, quant.FIRST, first_codes.as_strided((n,), (1,)), scales[:, 0])
+        quant.quantize(second, quant.SECOND, second_codes.as_strided((n,), (1,)), scales[:, 1])
+        return {"exp_avg_codes": first_codes, "exp_avg_sq_codes": second_codes,
+                "moment_scales": scales}
+
+    @staticmethod
+    def expand(entry: dict, where: str) -> dict:
+        """``compact``'s entry as torch's float32 moments (the codes' shape and strides);
+        ``where`` names the entry in the error for a malformed one."""
+        first, second, scales = (entry.get(k) for k in Int8Moments.COMPACT)
+        n = first.numel() if isinstance(first, torch.Tensor) else -1
+        ok = (isinstance(first, torch.Tensor) and first.dtype == quant.FIRST.dtype
+              and isinstance(second, torch.Tensor) and second.dtype == quant.SECOND.dtype
+              and second.shape == first.shape and second.stride() == first.stride()
+              and _dense(first)
+              and isinstance(scales, torch.Tensor) and scales.dtype == torch.float32
+              and tuple(scales.shape) == (quant.blocks(n), 2))
+        if not ok:
+            raise ValueError(
+                f"{where}: a compact int8 entry holds exp_avg_codes (int8) and "
+                "exp_avg_sq_codes (uint8) of the parameter's shape and moment_scales "
+                f"(float32 [ceil(numel / {BLOCK}), 2]); this one does not. Save it again "
+                "with state_dict(compact=True)")
+        out = {}
+        for key, codes, fmt, col in ((FIRST, first, quant.FIRST, 0), (SECOND, second, quant.SECOND, 1)):
+            values = torch.empty_strided(codes.shape, codes.stride(), dtype=torch.float32,
+                                         device=codes.device)
+            values.as_strided((n,), (1,)).copy_(
+                quant.decode(codes.as_strided((n,), (1,)), scales[:, col].to(codes.device), fmt))
+            out[key] = values
+        return out
 
     def carry_over(self, old) -> None:
         if isinstance(old, Int8Moments) and old.numel == self.numel:
