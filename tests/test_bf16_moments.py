@@ -10,6 +10,7 @@ from zero_triton.kernels import rounding
 from zero_triton.native import backends
 
 from dist_utils import run_ranks
+from lowbit_cases import mean_grads
 
 CPU = backends.why_not("cpu", torch.device("cpu")) is None
 TRITON = backends.why_not("triton", torch.device("cpu")) is None
@@ -93,13 +94,8 @@ def _job(rank, world_size, bucket_cap_mb, stage):
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
     opt = zt.ZeroAdamW(params, lr=1e-2, moments="bf16", bucket_cap_mb=bucket_cap_mb, stage=stage)
     for t in range(4):
-        share = 4 // world_size
-        per = []
-        for r in range(rank * share, (rank + 1) * share):
-            g = torch.Generator().manual_seed(t * 100 + r)
-            per.append([torch.randint(-16, 17, s, generator=g).float() * 2.0 ** -8 for s in SHAPES])
-        for i, p in enumerate(params):
-            p.grad = sum(x[i] for x in per) / share
+        for p, g in zip(params, mean_grads(rank, world_size, t, SHAPES)):
+            p.grad = g
         opt.step()
         opt.zero_grad()
     sd = opt.state_dict()

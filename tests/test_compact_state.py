@@ -12,6 +12,7 @@ import zero_triton as zt
 from zero_triton.optim import compact
 
 from dist_utils import run_ranks
+from lowbit_cases import mean_grads
 
 
 def _model(dtype=torch.float32):
@@ -143,13 +144,8 @@ def _job(rank, world_size, bucket_cap_mb, steps, save_to, load_from, consolidate
         opt.load_state_dict(saved["opt"])
         first = 3
     for t in range(first, first + steps):
-        share = 4 // world_size  # the same mean gradient at every world size
-        per = []
-        for r in range(rank * share, (rank + 1) * share):
-            g = torch.Generator().manual_seed(t * 100 + r)
-            per.append([torch.randint(-16, 17, s, generator=g).float() * 2.0 ** -8 for s in SHAPES])
-        for i, p in enumerate(params):
-            p.grad = sum(x[i] for x in per) / share
+        for p, g in zip(params, mean_grads(rank, world_size, t, SHAPES)):
+            p.grad = g
         opt.step()
         opt.zero_grad()
     if save_to:

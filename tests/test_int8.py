@@ -13,6 +13,7 @@ from zero_triton.native import backends
 from zero_triton.state.int8 import BLOCK
 
 from dist_utils import run_ranks
+from lowbit_cases import gpu_backends, held_isa
 
 HAS_CPU = backends.why_not("cpu", torch.device("cpu")) is None
 BACKENDS = ["torch"] + (["cpu"] if HAS_CPU else []) + (
@@ -107,16 +108,8 @@ def _against_definition(backend, n, lp_dtype, extras):
     (70_000, None, {"found_inf": 1.0}),
 ])
 def test_cpu_kernel_is_decode_fp32_step_encode(isa, n, lp_dtype, extras):
-    from zero_triton.native import ext
-    mod = ext.load()
-    try:
-        mod._set_cpu_isa(isa)
-    except Exception as exc:  # noqa: BLE001 (the CPU lacks it)
-        pytest.skip(f"this CPU cannot run the {isa} variant: {exc}")
-    try:
+    with held_isa(isa):
         _against_definition("cpu", n, lp_dtype, extras)
-    finally:
-        mod._set_cpu_isa("")
 
 
 @pytest.mark.parametrize("n,lp_dtype,extras", [
@@ -460,17 +453,8 @@ def test_memory_formula_takes_the_moments_format():
 
 
 # -- on a GPU (run by bench/gpu_check.sh; skipped here) ----------------------------------
-def _gpu_backends():
-    out = []
-    for name in ("triton", "cuda"):
-        if torch.cuda.is_available() and backends.why_not(name, torch.device("cuda")) is None:
-            out.append(name)
-    return out or [pytest.param("none", marks=pytest.mark.skip(
-        reason="needs an NVIDIA GPU with Triton or the CUDA extension"))]
-
-
 @pytest.mark.parametrize("fmt", ["int8", "bf16"])
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_backends())
 def test_low_bit_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
     """Five steps on CUDA tensors against the torch backend on CPU (not bitwise: the GPU
     contracts multiply-adds); and the same run split at a block boundary is bitwise the

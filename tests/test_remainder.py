@@ -4,6 +4,7 @@ moments format, is bitwise its backend's fp32-master step; the optimizers keep t
 master as master_weights=True, bit for bit, at every world size and bucket size, through
 checkpoints and state dicts of either kind; a parameter the user writes keeps its master
 where it still pairs with it; refusals with the fix."""
+import contextlib
 import os
 
 import pytest
@@ -14,6 +15,7 @@ from zero_triton.kernels import quant, remainder
 from zero_triton.native import backends
 
 from dist_utils import run_ranks
+from lowbit_cases import assert_same, bf16_zero_job, gpu_backends, held_isa, moment_operands
 
 BACKENDS = ["torch"] + [b for b in ("cpu", "triton")
                         if backends.why_not(b, torch.device("cpu")) is None]
@@ -55,20 +57,6 @@ def test_a_written_parameter_keeps_the_remainder_only_where_they_still_pair():
     assert not torch.isnan(remainder.join(p, kept)).any()
 
 
-def _moments(fmt, n):
-    gen = torch.Generator().manual_seed(1)
-    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-4
-    if fmt == "fp32":
-        return (m, v, None)
-    if fmt == "bf16":
-        return (m.bfloat16(), v.bfloat16(), None)
-    codes_m, codes_v = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
-    scales = torch.zeros(quant.blocks(n), 2)
-    quant.quantize(m, quant.FIRST, codes_m, scales[:, 0])
-    quant.quantize(v, quant.SECOND, codes_v, scales[:, 1])
-    return (codes_m, codes_v, scales)
-
-
 KERNELS = [b for b in BACKENDS if b != "cpu"] + (
     [f"cpu:{isa}" for isa in ("default", "avx2", "avx512")] if "cpu" in BACKENDS else [])
 
@@ -77,19 +65,8 @@ KERNELS = [b for b in BACKENDS if b != "cpu"] + (
 def kernel(request):
     """A backend's name, with the C++ kernel held to one instruction-set variant."""
     name, _, isa = request.param.partition(":")
-    if not isa:
+    with held_isa(isa) if isa else contextlib.nullcontext():
         yield name
-        return
-    from zero_triton.native import ext
-    mod = ext.load()
-    try:
-        mod._set_cpu_isa(isa)
-    except Exception as exc:  # noqa: BLE001 (the CPU lacks it)
-        pytest.skip(f"this CPU cannot run the {isa} variant: {exc}")
-    try:
-        yield name
-    finally:
-        mod._set_cpu_isa("")
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16"])
@@ -104,7 +81,7 @@ def test_each_kernel_is_the_fp32_master_step_split_again(kernel, fmt):
     gen = torch.Generator().manual_seed(0)
     g = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
     step, lr = torch.tensor([5.0]), torch.tensor([1e-3])
-    ops = _moments(fmt, n)
+    ops = moment_operands(fmt, n)
     want_ops = [o.clone() if o is not None else None for o in ops]
     keyed = {"seed": seed, "index": index} if fmt == "bf16" else {}
     want = master.clone()
@@ -228,40 +205,30 @@ def test_refused_before_anything_changes(kwargs, dtype, match):
     assert p.data_ptr() == storage
 
 
-SHAPES = [(37, 19), (300,), (5,), (64, 33)]
-
-
 def _job(rank, world_size, bucket_cap_mb, stage, master_weights, moments, steps, save_to,
          load_from):
-    gen = torch.Generator().manual_seed(1234)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in SHAPES]
-    opt = zt.ZeroAdamW(params, lr=1e-2, master_weights=master_weights, moments=moments,
-                       bucket_cap_mb=bucket_cap_mb, stage=stage)
-    first = 0
-    if load_from:
-        zt.checkpoint.load(load_from, opt)
-        first = 3
-    for t in range(first, first + steps):
-        share = 4 // world_size
-        per = []
-        for r in range(rank * share, (rank + 1) * share):
-            g = torch.Generator().manual_seed(t * 100 + r)
-            per.append([torch.randint(-16, 17, s, generator=g).float() * 2.0 ** -8 for s in SHAPES])
-        for i, p in enumerate(params):
-            p.grad = (sum(x[i] for x in per) / share).bfloat16()
-        opt.step()
-        opt.zero_grad()
-    if save_to:
-        zt.checkpoint.save(save_to, opt)
-    sd = opt.state_dict()
-    masters = torch.cat([e["master_param"].reshape(-1) for e in sd["state"].values()])
-    return masters.view(torch.int32).numpy().copy(), [p.detach().float().numpy().copy() for p in params]
+    return bf16_zero_job(rank, world_size, bucket_cap_mb, stage, master_weights, moments, steps,
+                         save_to, load_from)
 
 
-def _same(a, b, where):
-    assert (a[0] == b[0]).all(), where
-    for x, y in zip(a[1], b[1]):
-        assert (x == y).all(), where
+def _job_masters(result) -> torch.Tensor:
+    """The master_param bits of a ``bf16_zero_job`` result."""
+    return torch.cat([torch.from_numpy(e["master_param"]).reshape(-1)
+                      for _, e in sorted(result[1].items())]).view(torch.int32)
+
+
+def _job_disagree(rank, world_size):
+    p = torch.nn.Parameter(torch.randn(40).bfloat16())
+    try:
+        zt.ZeroAdamW([p], master_weights="remainder" if rank == 0 else None)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_on_master_weights_are_refused_on_every_rank():
+    for message in run_ranks(_job_disagree, 2):
+        assert message is not None and "master_weights=" in message and "['remainder', True]" in message
 
 
 @pytest.mark.parametrize("moments", ["int8", "fp32"])
@@ -270,9 +237,9 @@ def test_bitwise_the_fp32_master_at_every_world_size_and_bucket_size(moments):
     ranks (stage 1 and 2, one bucket or many)."""
     one = run_ranks(_job, 1, None, 1, "remainder", moments, 4, None, None)[0]
     exact = run_ranks(_job, 1, None, 1, True, moments, 4, None, None)[0]
-    assert (one[0] == exact[0]).all()
+    assert torch.equal(_job_masters(one), _job_masters(exact))
     for world_size, cap, stage in [(2, 0.002, 2), (4, 0.001, 1)]:
-        _same(run_ranks(_job, world_size, cap, stage, "remainder", moments, 4, None, None)[0],
+        assert_same(run_ranks(_job, world_size, cap, stage, "remainder", moments, 4, None, None)[0],
               one, f"{world_size} ranks")
 
 
@@ -283,18 +250,11 @@ def test_a_checkpoint_saved_at_two_resumes_at_one_and_four_bitwise(tmp_path):
     for world_size in (1, 4):
         resumed = run_ranks(_job, world_size, 0.001 if world_size > 1 else None, 1, "remainder",
                             "int8", 2, None, path)[0]
-        _same(resumed, straight, f"resumed at {world_size}")
-
-
-def _gpu_backends():
-    out = [b for b in ("triton", "cuda")
-           if torch.cuda.is_available() and backends.why_not(b, torch.device("cuda")) is None]
-    return out or [pytest.param("none", marks=pytest.mark.skip(
-        reason="needs an NVIDIA GPU with Triton or the CUDA extension"))]
+        assert_same(resumed, straight, f"resumed at {world_size}")
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16"])
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_backends())
 def test_remainder_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
     """Five steps on CUDA tensors against the torch backend on CPU (the GPU contracts
     multiply-adds, so a master may land an fp32 place apart on a few elements); the join
@@ -306,7 +266,7 @@ def test_remainder_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
         gen = torch.Generator().manual_seed(0)
         master = torch.randn(n, generator=gen).to(device)
         g = (torch.randn(n, generator=gen) * 1e-2).bfloat16().to(device)
-        ops = [o.to(device) if o is not None else None for o in _moments(fmt, n)]
+        ops = [o.to(device) if o is not None else None for o in moment_operands(fmt, n)]
         p, r = remainder.split(master)
         fn = backends.step_function(name, fmt)
         for t in range(1, 6):

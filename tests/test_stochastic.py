@@ -13,25 +13,12 @@ from zero_triton.kernels import quant, rounding
 from zero_triton.native import backends
 
 from dist_utils import run_ranks
+from lowbit_cases import assert_same, bf16_zero_job, gpu_backends, moment_operands
 
 BACKENDS = ["torch"] + [b for b in ("cpu", "triton")
                         if backends.why_not(b, torch.device("cpu")) is None]
 KW = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True, amsgrad=False,
           maximize=False)
-
-
-def _moments(fmt, n):
-    gen = torch.Generator().manual_seed(1)
-    m, v = torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-4
-    if fmt == "fp32":
-        return (m, v, None)
-    if fmt == "bf16":
-        return (m.bfloat16(), v.bfloat16(), None)
-    codes_m, codes_v = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
-    scales = torch.zeros(quant.blocks(n), 2)
-    quant.quantize(m, quant.FIRST, codes_m, scales[:, 0])
-    quant.quantize(v, quant.SECOND, codes_v, scales[:, 1])
-    return (codes_m, codes_v, scales)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16"])
@@ -42,7 +29,7 @@ def test_each_kernel_is_the_master_step_then_stochastic_rounding(backend, fmt):
     p = torch.randn(n, generator=gen).bfloat16()
     g = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
     step, lr = torch.tensor([5.0]), torch.tensor([1e-3])
-    ops = _moments(fmt, n)
+    ops = moment_operands(fmt, n)
     want_p, want_ops = p.clone(), [o.clone() if o is not None else None for o in ops]
     master = want_p.float()
     keyed = {"seed": seed, "index": index} if fmt == "bf16" else {}
@@ -108,48 +95,16 @@ def test_refused_before_anything_changes(kwargs, dtype, match):
     assert p.data_ptr() == storage
 
 
-SHAPES = [(37, 19), (300,), (5,), (64, 33)]
-
-
 def _job(rank, world_size, bucket_cap_mb, stage, moments, steps, save_to, load_from):
-    gen = torch.Generator().manual_seed(1234)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in SHAPES]
-    opt = zt.ZeroAdamW(params, lr=1e-2, master_weights="stochastic", moments=moments,
-                       bucket_cap_mb=bucket_cap_mb, stage=stage)
-    first = 0
-    if load_from:
-        zt.checkpoint.load(load_from, opt)
-        first = 3
-    for t in range(first, first + steps):
-        share = 4 // world_size
-        per = []
-        for r in range(rank * share, (rank + 1) * share):
-            g = torch.Generator().manual_seed(t * 100 + r)
-            per.append([torch.randint(-16, 17, s, generator=g).float() * 2.0 ** -8 for s in SHAPES])
-        for i, p in enumerate(params):
-            p.grad = (sum(x[i] for x in per) / share).bfloat16()
-        opt.step()
-        opt.zero_grad()
-    if save_to:
-        zt.checkpoint.save(save_to, opt)
-    sd = opt.state_dict()
-    return ([p.detach().float().numpy().copy() for p in params],
-            {k: {n: v.numpy().copy() for n, v in e.items()} for k, e in sd["state"].items()})
-
-
-def _same(a, b, where):
-    for x, y in zip(a[0], b[0]):
-        assert torch.equal(torch.from_numpy(x), torch.from_numpy(y)), where
-    for k in b[1]:
-        for n in b[1][k]:
-            assert torch.equal(torch.from_numpy(a[1][k][n]), torch.from_numpy(b[1][k][n])), (where, k, n)
+    return bf16_zero_job(rank, world_size, bucket_cap_mb, stage, "stochastic", moments, steps,
+                         save_to, load_from)
 
 
 @pytest.mark.parametrize("moments", ["int8", "fp32"])
 def test_bitwise_the_same_at_every_world_size_and_bucket_size(moments):
     one = run_ranks(_job, 1, None, 1, moments, 4, None, None)[0]
     for world_size, cap, stage in [(2, 0.002, 2), (4, 0.001, 1)]:
-        _same(run_ranks(_job, world_size, cap, stage, moments, 4, None, None)[0], one,
+        assert_same(run_ranks(_job, world_size, cap, stage, moments, 4, None, None)[0], one,
               f"{world_size} ranks")
 
 
@@ -160,18 +115,11 @@ def test_a_checkpoint_saved_at_two_resumes_at_one_and_four_bitwise(tmp_path):
     for world_size in (1, 4):
         resumed = run_ranks(_job, world_size, 0.001 if world_size > 1 else None, 1, "int8", 2,
                             None, path)[0]
-        _same(resumed, straight, f"resumed at {world_size}")
-
-
-def _gpu_backends():
-    out = [b for b in ("triton", "cuda")
-           if torch.cuda.is_available() and backends.why_not(b, torch.device("cuda")) is None]
-    return out or [pytest.param("none", marks=pytest.mark.skip(
-        reason="needs an NVIDIA GPU with Triton or the CUDA extension"))]
+        assert_same(resumed, straight, f"resumed at {world_size}")
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16"])
-@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("backend", gpu_backends())
 def test_stochastic_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
     """Five steps on CUDA tensors against the torch backend on CPU (the GPU contracts
     multiply-adds, so a rounding may land one bf16 place apart on a few elements); the
@@ -182,7 +130,7 @@ def test_stochastic_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
         gen = torch.Generator().manual_seed(0)
         p = torch.randn(n, generator=gen).bfloat16().to(device)
         g = (torch.randn(n, generator=gen) * 1e-2).bfloat16().to(device)
-        ops = [o.to(device) if o is not None else None for o in _moments(fmt, n)]
+        ops = [o.to(device) if o is not None else None for o in moment_operands(fmt, n)]
         fn = backends.step_function(name, fmt)
         for t in range(1, 6):
             step, lr = torch.tensor([float(t)], device=device), torch.tensor([1e-2], device=device)

@@ -129,7 +129,8 @@ class ZeroAdam(FusedAdam, Joinable):
             if not isinstance(g["params"], torch.Tensor):
                 g["params"] = list(g["params"])
         check_no_dtensors(groups, type(self).__name__)  # before any collective
-        self._check_same_model(comm, groups, spec.moments)
+        self._check_same_model(comm, groups, {"moments": spec.moments,
+                                              "master_weights": spec.master_weights})
         # How calls meet the other ranks (zero_triton.optim.ranks): agreed over the group,
         # with the side channel's shard server answering another rank's state_dict();
         # made after the model check, which every rank passes together.
@@ -165,14 +166,19 @@ class ZeroAdam(FusedAdam, Joinable):
         return self._comm.process_group
 
     @staticmethod
-    def _check_same_model(comm, groups, moments=None):
+    def _check_same_model(comm, groups, formats=None):
+        """Every rank built the same model, and (``formats``: {"moments": ..,
+        "master_weights": ..}) the same state formats: they decide the layout every rank
+        shards and what each shard holds."""
         mine = _signature(groups)
-        every = comm.all_gather_object((mine, moments))
-        formats = [m for _, m in every]
-        if moments is not None and any(m != moments for m in formats):
-            raise RuntimeError(
-                f"ZeroAdam: ranks disagree on moments= ({formats} by rank); the format decides "
-                "the layout every rank shards, so every rank must pass the same one")
+        every = comm.all_gather_object((mine, formats))
+        for key in formats or {}:
+            theirs = [f[key] for _, f in every]
+            if any(t != formats[key] for t in theirs):
+                raise RuntimeError(
+                    f"ZeroAdam: ranks disagree on {key}= ({theirs} by rank); it decides how "
+                    "every rank's shard of the state is laid out and stepped, so every rank "
+                    "must pass the same one")
         for rank, (theirs, _) in enumerate(every):
             mismatch = _first_mismatch(mine, theirs)
             if mismatch is not None:
