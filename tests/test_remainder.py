@@ -15,7 +15,8 @@ from zero_triton.kernels import quant, remainder
 from zero_triton.native import backends
 
 from dist_utils import run_ranks
-from lowbit_cases import assert_same, bf16_zero_job, gpu_backends, held_isa, moment_operands
+from lowbit_cases import (SHAPES, assert_same, bf16_zero_job, gpu_backends, held_isa, mean_grads,
+                          moment_operands)
 
 BACKENDS = ["torch"] + [b for b in ("cpu", "triton")
                         if backends.why_not(b, torch.device("cpu")) is None]
@@ -192,6 +193,20 @@ def test_state_dicts_move_between_remainder_and_an_fp32_master_exactly():
         assert torch.equal(_masters(other).view(torch.int32), _masters(straight).view(torch.int32))
 
 
+def test_opt_state_shows_the_live_moments_and_takes_what_is_assigned():
+    """The master is joined on demand (no view to show); fp32 moments are views, as
+    torch's, and a tensor assigned to one is stepped from."""
+    params, opt = _train("remainder", steps=1)
+    p = params[1]
+    assert sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq", "step"]
+    opt.state[p]["exp_avg_sq"] = torch.ones(p.shape)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.allclose(opt.state_dict()["state"][1]["exp_avg_sq"], torch.full(p.shape, 0.999))
+    _, int8 = _train("remainder", moments="int8", steps=1)
+    assert sorted(int8.state[int8.param_groups[0]["params"][0]]) == ["step"]
+
+
 @pytest.mark.parametrize("kwargs,dtype,match", [
     ({"master_weights": "remainder"}, torch.float32, "their own master"),
     ({"master_weights": "remainder"}, torch.float16, "bfloat16 only"),
@@ -251,6 +266,49 @@ def test_a_checkpoint_saved_at_two_resumes_at_one_and_four_bitwise(tmp_path):
         resumed = run_ranks(_job, world_size, 0.001 if world_size > 1 else None, 1, "remainder",
                             "int8", 2, None, path)[0]
         assert_same(resumed, straight, f"resumed at {world_size}")
+
+
+def _job_dcp(rank, world_size, path, save, optimizer_first):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    gen = torch.Generator().manual_seed(1234)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16())
+                                    for s in SHAPES])
+    opt = zt.ZeroAdamW(model.parameters(), lr=1e-2, master_weights="remainder", moments="int8",
+                       bucket_cap_mb=0.002 if world_size == 2 else 0.001)
+    steps = range(0, 3) if save else range(3, 5)
+    if not save:
+        sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=path)
+        if optimizer_first:  # the weights written after the master: the same values, kept
+            set_optimizer_state_dict(model, opt, sd["optim"])
+            model.load_state_dict(sd["model"])
+        else:
+            model.load_state_dict(sd["model"])
+            set_optimizer_state_dict(model, opt, sd["optim"])
+    for t in steps:
+        for p, g in zip(model, mean_grads(rank, world_size, t, SHAPES)):
+            p.grad = g.bfloat16()
+        opt.step()
+        opt.zero_grad()
+    if save:
+        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path)
+    sd = opt.state_dict()
+    return ([p.detach().float().numpy().copy() for p in model],
+            {k: {n: v.numpy().copy() for n, v in e.items()} for k, e in sd["state"].items()})
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_dcp_reshards_the_exact_master_from_two_ranks_to_four(tmp_path, optimizer_first):
+    """ZeroAdamW's sharded state (the joined master, dequantized moments) saved by DCP at
+    2 ranks loads at 4, the model's weights before or after the optimizer's state, and
+    continues exactly as one run of 5 steps."""
+    straight = run_ranks(_job, 1, None, 1, "remainder", "int8", 5, None, None)[0]
+    path = os.fspath(tmp_path / "dcp")
+    run_ranks(_job_dcp, 2, path, True, optimizer_first)
+    assert_same(run_ranks(_job_dcp, 4, path, False, optimizer_first)[0], straight, "DCP 2 -> 4")
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16"])

@@ -57,9 +57,9 @@ class UserEdits:
         if not self.views_state:
             return
         for flat in flats:
-            # A format whose export is a copy (int8) has no views to show: its entries
-            # hold the step only, and state_dict() its moments.
-            views = flat.state_views() if flat.state.live else {}
+            # A store whose export is a copy (int8 codes, a master joined from its
+            # remainder) has no views to show: state_dict() holds its values.
+            views = flat.state_views(flat.state.live_buffers())
             table = self.tracked
             for i, p in enumerate(flat.params):
                 # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.

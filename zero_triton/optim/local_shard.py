@@ -258,14 +258,15 @@ class LocalShard(FlatShard):
         return new
 
     # -- the state, as DTensors ---------------------------------------------------------
-    def state_views(self) -> dict:
-        """Per-parameter DTensors over each state buffer, with the parameter's mesh,
-        placements, shape and stride (their local tensors are views of the buffer)."""
+    def state_views(self, bufs: dict | None = None) -> dict:
+        """Per-parameter DTensors over each state buffer (of ``bufs`` if given), with the
+        parameter's mesh, placements, shape and stride (their local tensors are views of
+        the buffer)."""
         cls = dtensor_type()
         return {k: [cls.from_local(v, p.device_mesh, p.placements, run_check=False,
                                    shape=p.shape, stride=p.stride())
                     for v, p in zip(views, self.params)]
-                for k, views in self.state.views().items()}
+                for k, views in self.state.views(bufs).items()}
 
     def local_views(self, bufs: dict | None = None) -> dict:
         return self.state.views(bufs)

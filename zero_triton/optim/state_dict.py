@@ -490,7 +490,7 @@ def plan_user_state(flat, user):
                     reseed.append(i)
                 elif key == MAXIMUM:
                     copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
-                elif not flat.state.live:
+                elif not flat.state.moments.live:
                     pass  # never shown in opt.state (int8's codes): kept as they are
                 else:
                     raise ValueError(

@@ -57,10 +57,14 @@ class ShardState:
         """Whether an fp32 master is kept beside the parameters (torch's ``master_param``)."""
         return self.master.exact
 
-    @property
-    def live(self) -> bool:
-        """Whether ``buffers()`` is the storage itself (``opt.state`` can show its views)."""
-        return self.moments.live and self.master.live
+    def live_buffers(self) -> dict:
+        """The part of ``buffers()`` that is the storage itself: what ``opt.state`` shows
+        views of, as torch.optim.Adam's state (a store whose export is a copy shows
+        none: int8 codes, a master joined from its remainder)."""
+        bufs = self.moments.export() if self.moments.live else {}
+        if self.has_master and self.master.live:
+            bufs[MASTER] = self.master.export()
+        return bufs
 
     @property
     def amsgrad(self) -> bool:
@@ -95,7 +99,7 @@ class ShardState:
     def views(self, bufs: dict | None = None) -> dict:
         """Per-parameter views of each buffer (world size 1: the shard is the whole
         buffer), of ``bufs`` if given (one ``buffers()``, to ``commit`` once written)."""
-        return {k: self.layout.views(b) for k, b in (bufs or self.buffers()).items()}
+        return {k: self.layout.views(b) for k, b in (self.buffers() if bufs is None else bufs).items()}
 
     def checkpointed(self) -> dict:
         """What a sharded checkpoint saves, float32 in state order (a master that is not
