@@ -311,6 +311,38 @@ def test_dcp_reshards_the_exact_master_from_two_ranks_to_four(tmp_path, optimize
     assert_same(run_ranks(_job_dcp, 4, path, False, optimizer_first)[0], straight, "DCP 2 -> 4")
 
 
+def _job_fsdp2(rank, world_size, master_weights):
+    """FSDP2 DTensor parameters in bf16: the masters (joined, full) after 4 steps on
+    gradients that do not depend on the parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 300), torch.nn.Linear(300, 7)).bfloat16()
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = zt.FusedAdamW(model.parameters(), lr=1e-2, master_weights=master_weights,
+                        moments="int8")
+    for t in range(4):
+        gen = torch.Generator().manual_seed(t)
+        for p in model.parameters():
+            full = (torch.randn(p.shape, generator=gen) * 1e-2).bfloat16()
+            p.grad = torch.distributed.tensor.distribute_tensor(full, mesh, p.placements)
+        opt.step()
+    sd = opt.state_dict()
+    return [e["master_param"].full_tensor().view(torch.int32).numpy().copy()
+            for _, e in sorted(sd["state"].items())]
+
+
+def test_fsdp2_dtensor_parameters_keep_the_fp32_master_exactly():
+    pytest.importorskip("torch.distributed.fsdp")
+    exact = run_ranks(_job_fsdp2, 2, None, timeout=300)[0]
+    two = run_ranks(_job_fsdp2, 2, "remainder", timeout=300)[0]
+    for a, b in zip(exact, two):
+        assert (a == b).all()
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16"])
 @pytest.mark.parametrize("backend", gpu_backends())
 def test_remainder_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
