@@ -33,6 +33,7 @@ per parameter. Curves go to a PNG (with matplotlib), the table to a CSV and JSON
 
     python bench/lowbit_quality.py                  # 2,000 steps, about 10 minutes on 2 cores
     python bench/lowbit_quality.py --steps 300 --rows torch_fp32,zt_int8
+    python bench/lowbit_quality.py --seed 1 --rows torch_fp32,zt_int8,bnb_8bit --out seed1
 """
 from __future__ import annotations
 
@@ -155,10 +156,10 @@ def evaluate(model, val, args) -> float:
 
 def train(row: str, train_tokens, val, config, args) -> dict:
     model = build_gpt(config, dtype=torch.bfloat16 if row in BF16_PARAMS else torch.float32,
-                      seed=0)
+                      seed=args.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(row, params, args.lr, args.weight_decay)
-    it = batches(train_tokens, args.batch, args.seq, seed=1)
+    it = batches(train_tokens, args.batch, args.seq, seed=1 + args.seed)
     losses = []
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -226,6 +227,9 @@ def format_table(results) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the model's initial weights and the order of its batches (0: the "
+                             "published run); other seeds show how much one run's loss varies")
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"comma-separated, from {', '.join(ROWS)}")
     parser.add_argument("--batch", type=int, default=16)
