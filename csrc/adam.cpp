@@ -72,15 +72,15 @@ void check_no_overlap(const std::vector<std::pair<const char*, const at::Tensor*
 }
 
 // The checks every step shares, whatever its moments' format (each binding checks its
-// moments after these); returns the device type.
-at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
-                               const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
-                               const at::Tensor& lr, const std::optional<at::Tensor>& grad_scale,
-                               const std::optional<at::Tensor>& found_inf,
-                               const std::optional<at::Tensor>& clip_coef, double beta1,
-                               double beta2, double eps, double weight_decay,
-                               bool stochastic, int64_t index,
-                               const std::optional<at::Tensor>& remainder) {
+// moments after these).
+void check_step_args(const at::Tensor& param, const at::Tensor& grad,
+                     const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
+                     const at::Tensor& lr, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& clip_coef, double beta1,
+                     double beta2, double eps, double weight_decay,
+                     bool stochastic, int64_t index,
+                     const std::optional<at::Tensor>& remainder) {
   TORCH_CHECK(!(stochastic && remainder.has_value()), "stochastic=True and `remainder` are two "
               "ways of stepping a bfloat16 parameter without an fp32 master; pass one");
   if (stochastic || remainder) {  // the bf16 parameter itself, no fp32 master
@@ -124,24 +124,23 @@ at::DeviceType check_step_args(const at::Tensor& param, const at::Tensor& grad,
                     "`weight_decay` must be >= 0 and finite, got ", weight_decay);
   TORCH_CHECK_VALUE(index >= 0, "`index` must be >= 0 (the canonical index of element 0), got ",
                     index);
-  return dev;
 }
 
 // Refuses tensors a step writes that share memory with another of its tensors: `moments`
 // (the format's), with the parameter, its low-precision copy and the gradient.
-void check_writes(const at::Tensor& param, const at::Tensor& grad,
-                  const std::optional<at::Tensor>& param_lp,
-                  const std::optional<at::Tensor>& remainder,
+void check_writes(const AdamStep& s,
                   std::vector<std::pair<const char*, const at::Tensor*>> written) {
-  written.insert(written.begin(), {"param", &param});
-  if (param_lp) written.push_back({"param_lp", &*param_lp});
-  if (remainder) written.push_back({"remainder", &*remainder});
+  written.insert(written.begin(), {"param", &s.param});
+  if (s.param_lp) written.push_back({"param_lp", &*s.param_lp});
+  if (s.param_remainder) written.push_back({"remainder", &*s.param_remainder});
   auto all = written;
-  all.push_back({"grad", &grad});
+  all.push_back({"grad", &s.grad});
   check_no_overlap(written, all);
 }
 
-AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
+// The checked arguments every step shares (check_step_args), as a step without its
+// moments: each binding checks and adds its format's.
+AdamStep checked_step(const at::Tensor& param, const at::Tensor& grad,
                       const std::optional<at::Tensor>& param_lp, const at::Tensor& step,
                       const at::Tensor& lr, double beta1, double beta2, double eps,
                       double weight_decay, bool adamw, bool maximize,
@@ -149,6 +148,8 @@ AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
                       const std::optional<at::Tensor>& found_inf,
                       const std::optional<at::Tensor>& clip_coef, bool stochastic, int64_t seed,
                       int64_t index, const std::optional<at::Tensor>& remainder) {
+  check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf, clip_coef, beta1,
+                  beta2, eps, weight_decay, stochastic, index, remainder);
   AdamStep s;
   s.param = param;
   s.grad = grad;
@@ -171,7 +172,8 @@ AdamStep step_of(const at::Tensor& param, const at::Tensor& grad,
   return s;
 }
 
-void launch(const AdamStep& s, at::DeviceType dev) {
+void launch(const AdamStep& s) {
+  const auto dev = s.param.device().type();
 #ifdef ZERO_TRITON_WITH_CUDA
   if (dev == at::kCUDA) {
     adam_step_cuda(s);
@@ -189,9 +191,9 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
                std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
                std::optional<at::Tensor> clip_coef, bool stochastic, int64_t seed,
                int64_t index, std::optional<at::Tensor> remainder) {
-  const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index,
-                                   remainder);
+  AdamStep s = checked_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+                            adamw, maximize, grad_scale, found_inf, clip_coef, stochastic, seed,
+                            index, remainder);
   check_flat(exp_avg, "exp_avg", {at::kFloat}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kFloat}, param);
   if (amsgrad) {
@@ -207,16 +209,13 @@ void adam_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor
   std::vector<std::pair<const char*, const at::Tensor*>> moments = {
       {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
   if (amsgrad) moments.push_back({"max_exp_avg_sq", &*max_exp_avg_sq});
-  check_writes(param, grad, param_lp, remainder, moments);
+  check_writes(s, moments);
 
-  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index,
-                       remainder);
   s.exp_avg = exp_avg;
   s.exp_avg_sq = exp_avg_sq;
   s.max_exp_avg_sq = max_exp_avg_sq;
   s.amsgrad = amsgrad;
-  launch(s, dev);
+  launch(s);
 }
 
 // moments="int8": the same step over 8-bit codes and their blocks' scales (quant.h).
@@ -227,9 +226,9 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                 std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
                 std::optional<at::Tensor> clip_coef, bool stochastic, int64_t seed,
                 int64_t index, std::optional<at::Tensor> remainder) {
-  const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index,
-                                   remainder);
+  AdamStep s = checked_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+                            adamw, maximize, grad_scale, found_inf, clip_coef, stochastic, seed,
+                            index, remainder);
   check_flat(exp_avg_codes, "exp_avg_codes", {at::kChar}, param);
   check_flat(exp_avg_sq_codes, "exp_avg_sq_codes", {at::kByte}, param);
   const int64_t blocks = (param.numel() + 255) / 256;
@@ -239,16 +238,13 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
                    "second moment per block of 256), got ", describe(scales));
   TORCH_CHECK(scales.device() == param.device(), "`scales` is on ", scales.device(),
               " but `param` is on ", param.device());
-  check_writes(param, grad, param_lp, remainder,
+  check_writes(s,
                {{"exp_avg_codes", &exp_avg_codes}, {"exp_avg_sq_codes", &exp_avg_sq_codes},
                 {"scales", &scales}});
-  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index,
-                       remainder);
   s.exp_avg_codes = exp_avg_codes;
   s.exp_avg_sq_codes = exp_avg_sq_codes;
   s.scales = scales;
-  launch(s, dev);
+  launch(s);
 }
 
 // moments="bf16": the same step over bfloat16 moments, rounded stochastically by a
@@ -260,18 +256,15 @@ void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::T
                     std::optional<at::Tensor> found_inf, std::optional<at::Tensor> clip_coef,
                     int64_t seed, int64_t index, bool stochastic,
                     std::optional<at::Tensor> remainder) {
-  const auto dev = check_step_args(param, grad, param_lp, step, lr, grad_scale, found_inf,
-                                   clip_coef, beta1, beta2, eps, weight_decay, stochastic, index,
-                                   remainder);
+  AdamStep s = checked_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+                            adamw, maximize, grad_scale, found_inf, clip_coef, stochastic, seed,
+                            index, remainder);
   check_flat(exp_avg, "exp_avg", {at::kBFloat16}, param);
   check_flat(exp_avg_sq, "exp_avg_sq", {at::kBFloat16}, param);
-  check_writes(param, grad, param_lp, remainder, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
-  AdamStep s = step_of(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                       maximize, grad_scale, found_inf, clip_coef, stochastic, seed, index,
-                       remainder);
+  check_writes(s, {{"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}});
   s.exp_avg_bf16 = exp_avg;
   s.exp_avg_sq_bf16 = exp_avg_sq;
-  launch(s, dev);
+  launch(s);
 }
 
 // Index of the first parameter whose .grad is not its view of the flat grad buffer, or

@@ -98,3 +98,24 @@ def assert_same(a, b, where):
     for k in b[1]:
         for n in b[1][k]:
             assert torch.equal(torch.from_numpy(a[1][k][n]), torch.from_numpy(b[1][k][n])), (where, k, n)
+
+
+def assert_refused(kwargs: dict, dtype: torch.dtype, match: str) -> None:
+    """FusedAdamW(**kwargs) over a parameter of ``dtype`` raises ValueError matching
+    ``match``, and the parameter's storage was not moved into a flat buffer."""
+    p = torch.nn.Parameter(torch.randn(40, 3).to(dtype))
+    storage = p.data_ptr()
+    with pytest.raises(ValueError, match=match):
+        zt.FusedAdamW([p], **kwargs)
+    assert p.data_ptr() == storage
+
+
+def disagreeing_ranks_job(rank, world_size, dtype, first: dict, others: dict):
+    """ZeroAdamW built with ``first`` on rank 0 and ``others`` elsewhere: the message of
+    the RuntimeError each rank raised, or None."""
+    p = torch.nn.Parameter(torch.randn(40).to(dtype))
+    try:
+        zt.ZeroAdamW([p], **(first if rank == 0 else others))
+    except RuntimeError as exc:
+        return str(exc)
+    return None

@@ -13,7 +13,7 @@ from zero_triton.native import backends
 from zero_triton.state.int8 import BLOCK
 
 from dist_utils import run_ranks
-from lowbit_cases import gpu_backends, held_isa
+from lowbit_cases import disagreeing_ranks_job, gpu_backends, held_isa
 
 HAS_CPU = backends.why_not("cpu", torch.device("cpu")) is None
 BACKENDS = ["torch"] + (["cpu"] if HAS_CPU else []) + (
@@ -494,15 +494,7 @@ def test_low_bit_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
         assert (x is None and y is None) or torch.equal(x, y)
 
 
-def _job_disagree(rank, world_size):
-    p = torch.nn.Parameter(torch.randn(40))
-    try:
-        zt.ZeroAdamW([p], moments="int8" if rank == 0 else "fp32")
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
 def test_ranks_that_disagree_on_the_format_are_refused_on_every_rank():
-    for message in run_ranks(_job_disagree, 2):
+    for message in run_ranks(disagreeing_ranks_job, 2, torch.float32, {"moments": "int8"},
+                             {"moments": "fp32"}):
         assert message is not None and "moments=" in message and "['int8', 'fp32']" in message

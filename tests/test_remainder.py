@@ -15,8 +15,8 @@ from zero_triton.kernels import quant, remainder
 from zero_triton.native import backends
 
 from dist_utils import run_ranks
-from lowbit_cases import (SHAPES, assert_same, bf16_zero_job, gpu_backends, held_isa, mean_grads,
-                          moment_operands)
+from lowbit_cases import (SHAPES, assert_refused, assert_same, bf16_zero_job, disagreeing_ranks_job,
+                          gpu_backends, held_isa, mean_grads, moment_operands)
 
 BACKENDS = ["torch"] + [b for b in ("cpu", "triton")
                         if backends.why_not(b, torch.device("cpu")) is None]
@@ -213,11 +213,7 @@ def test_opt_state_shows_the_live_moments_and_takes_what_is_assigned():
     ({"master_weights": "remainder", "differentiable": True}, torch.bfloat16, "differentiable"),
 ])
 def test_refused_before_anything_changes(kwargs, dtype, match):
-    p = torch.nn.Parameter(torch.randn(40, 3).to(dtype))
-    storage = p.data_ptr()
-    with pytest.raises(ValueError, match=match):
-        zt.FusedAdamW([p], **kwargs)
-    assert p.data_ptr() == storage
+    assert_refused(kwargs, dtype, match)
 
 
 def _job(rank, world_size, bucket_cap_mb, stage, master_weights, moments, steps, save_to,
@@ -232,17 +228,9 @@ def _job_masters(result) -> torch.Tensor:
                       for _, e in sorted(result[1].items())]).view(torch.int32)
 
 
-def _job_disagree(rank, world_size):
-    p = torch.nn.Parameter(torch.randn(40).bfloat16())
-    try:
-        zt.ZeroAdamW([p], master_weights="remainder" if rank == 0 else None)
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
 def test_ranks_that_disagree_on_master_weights_are_refused_on_every_rank():
-    for message in run_ranks(_job_disagree, 2):
+    for message in run_ranks(disagreeing_ranks_job, 2, torch.bfloat16,
+                             {"master_weights": "remainder"}, {"master_weights": None}):
         assert message is not None and "master_weights=" in message and "['remainder', True]" in message
 
 
