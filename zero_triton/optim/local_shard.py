@@ -32,6 +32,7 @@ from zero_triton.comm.grads import zero_in_place
 from zero_triton.comm.protocol import Comm
 from zero_triton.native import backends
 from zero_triton.optim.shard import FlatShard, one_kind
+from zero_triton.state import master as master_formats
 from zero_triton.state import watch
 from zero_triton.state.flat import FlatLayout
 from zero_triton.state.shards import ShardState
@@ -178,7 +179,7 @@ class LocalShard(FlatShard):
         self.params = params
         self.dtype, self.device = locals_[0].dtype, locals_[0].device
         self.master_format = spec.master_format(self.dtype)  # zero_triton.state.master
-        self.has_master = self.master_format in ("fp32", "remainder")
+        self.has_master = master_formats.FORMATS[self.master_format].exact
         self.spec = spec
         if self.has_master and not spec.master_weights:
             raise ValueError(

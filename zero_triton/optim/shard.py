@@ -12,6 +12,7 @@ import torch
 from zero_triton.comm import buckets
 from zero_triton.comm.protocol import Comm
 from zero_triton.native import backends
+from zero_triton.state import master as master_formats
 from zero_triton.state import watch
 from zero_triton.state.flat import as_param, flatten_params, real_dtype
 from zero_triton.state.shards import ShardState
@@ -90,7 +91,7 @@ class FlatShard:
         # How the parameters are stepped (zero_triton.state.master): an fp32 master beside
         # fp16/bf16 ones (or its low half: "remainder"), none ("stochastic"), or their own.
         self.master_format = spec.master_format(self.dtype)
-        self.has_master = self.master_format in ("fp32", "remainder")
+        self.has_master = master_formats.FORMATS[self.master_format].exact
         reduce_dtype = spec.reduce_dtype
         if bucket_numel is None:
             bucket_numel = spec.bucket_numel(self.dtype, sum(
