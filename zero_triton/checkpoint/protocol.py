@@ -73,7 +73,11 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
     rank raises. Saves to one path are serialised: a second one waits up to
     ``lock_timeout`` seconds, then raises."""
     target = Target(optimizer)
-    comm = target.comm
+    # Agreed over every rank; written by the ranks of one copy of the shards (hybrid
+    # sharding's replica 0), the lead (its shard 0) starting, writing the model's files
+    # and committing.
+    comm = target.comm.everyone
+    lead = target.writes and target.rank == 0
     path = os.path.abspath(os.fspath(path))
     mine = {}
     untouched = f"the previous checkpoint at {path} is untouched"
@@ -95,8 +99,8 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
 
     try:
         _, started = agree(comm, "starting", f"save to {path}",
-                           start if comm.rank == 0 else (lambda: None), share=lambda v: v, after=untouched)
-        save_id, tmp = started[0]
+                           start if lead else (lambda: None), share=lambda v: v, after=untouched)
+        save_id, tmp = next(s for s in started if s is not None)
         _, records = agree(comm, "writing its files", f"save to {path}",
                            lambda: _write_files(tmp, save_id, target, mine.get("blobs", {})),
                            share=lambda v: v, after=untouched)
@@ -107,7 +111,7 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
                 files.update(part)
             manifest = {"format": mf.FORMAT, "version": mf.VERSION, "save_id": save_id,
                         "time": time.time(), "optimizer": type(optimizer).__name__,
-                        "world_size": comm.world_size, "params": target.param_entries(model),
+                        "world_size": target.world_size, "params": target.param_entries(model),
                         "flats": target.flat_entries(), "param_groups": target.hyperparameters(),
                         "model_extra": MODEL_EXTRA_FILE in files, "extra": EXTRA_FILE in files,
                         "files": files}
@@ -116,7 +120,7 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
             dirs.commit(tmp, path, save_id, mf.seal(manifest))
             mine["committed"] = True
 
-        agree(comm, "committing", f"save to {path}", finish if comm.rank == 0 else (lambda: None),
+        agree(comm, "committing", f"save to {path}", finish if lead else (lambda: None),
               after=untouched)
     finally:
         if "tmp" in mine and not mine.get("committed"):
@@ -126,7 +130,10 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
 
 
 def _write_files(tmp, save_id, target: Target, blobs: dict) -> dict:
-    """This rank's shard file (and rank 0's model files); returns their records."""
+    """This rank's shard file (and rank 0's model files); returns their records (none on
+    a replica's ranks: replica 0's hold the same shards)."""
+    if not target.writes:
+        return {}
     rank = target.rank
     segments = []
     with Writer(tmp, rank_file(rank), save_id) as w:
@@ -257,7 +264,7 @@ def load(path, optimizer, model=None):
     retries once. The checkpoint's hyperparameters replace the optimizer's (with a
     warning if they differ)."""
     target = Target(optimizer, "checkpoint.load")
-    comm = target.comm
+    comm = target.comm.everyone
     where = f"load from {os.fspath(path)}"
     for attempt in (0, 1):
         try:

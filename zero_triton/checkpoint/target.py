@@ -54,6 +54,7 @@ class Target:
         self.view = view
         self.comm = view.comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.writes = self.comm.replica == 0  # one copy of the shards is written
         optimizer.wait_params()  # all-gathers left in flight by overlap
         # Every rank is here (ZeroAdam), and the optimizer follows what the user changed:
         # parameters moved or written, opt.state edited.

@@ -352,10 +352,10 @@ class Reducer:
         bucket.reduce = start()
         if bucket.sharded:  # held until the wait; the next micro-batch stages into another
             self.staging.launched(bucket)
-        if self.comm.world_size > 1:
+        if self.comm.everyone.world_size > 1:
             self.in_flight.append(bucket)
         else:
-            bucket.wait_reduce()  # world size 1: a copy, done
+            bucket.wait_reduce()  # one rank: a copy, done
 
     # -- step -----------------------------------------------------------------------
     def changed_since_launch(self, grad_buffers) -> bool:
@@ -393,7 +393,7 @@ class Reducer:
                 self.launch(b)
         self.wait_reduces()
         self.pools.trim()  # buffers made beyond the limit go back
-        if self.seen is not None and self.comm.world_size > 1:
+        if self.seen is not None and self.comm.everyone.world_size > 1:
             self._learn()
         for b in self.buckets:
             b.reset()

@@ -173,6 +173,15 @@ class LocalComm:
     world_size = 1
     rank = 0
     group = None
+    replica, replicas, members = 0, 1, (0,)
+    wire: dict = {}
+
+    @property
+    def everyone(self):
+        return self
+
+    def reset_wire(self) -> None:
+        pass
 
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
         return 0
@@ -236,6 +245,21 @@ class GroupComm:
         self.rank = dist.get_rank(group)
         self.backend = dist.get_backend(group)
         self.global_ranks = dist.get_process_group_ranks(self.process_group)
+        # One group: every rank is in it, holding one copy of the shards.
+        self.everyone, self.replica, self.replicas = self, 0, 1
+        self.members = list(range(self.world_size))
+        # Bytes this rank sent per collective (what an optimal algorithm sends: (W-1)/W
+        # of a reduce-scatter's input or an all-gather's output, 2(W-1)/W of an
+        # all-reduce's tensor), under ``wire_prefix`` + the collective's name.
+        self.wire: dict = {}
+        self.wire_prefix = ""
+
+    def reset_wire(self) -> None:
+        self.wire.clear()
+
+    def _count(self, kind: str, nbytes: float) -> None:
+        key = self.wire_prefix + kind
+        self.wire[key] = self.wire.get(key, 0) + int(nbytes)
 
     def _failed(self, name: str, exc: BaseException) -> RuntimeError:
         return RuntimeError(
@@ -268,6 +292,8 @@ class GroupComm:
         it and freed at the wait."""
         if self.world_size == 1:
             return LocalComm.reduce_scatter_avg(self, out, inp, recv, async_op, name, accumulate)
+        self._count("reduce_scatter", inp.numel() // self.world_size * (self.world_size - 1)
+                    * inp.element_size())
         with self._collective(name, "reduce_scatter"):
             if self.backend == "gloo" and inp.device.type == "cpu":
                 pending = self._pairwise(out, inp, recv, name, accumulate)
@@ -347,6 +373,8 @@ class GroupComm:
         ``shard`` in rank order. On gloo, one broadcast per rank into its chunk, in
         place: gloo's all-gather receives into a temporary of ``flat``'s size and copies
         it out, a bucket-sized allocation per gather held while it is in flight."""
+        if self.world_size > 1:
+            self._count("all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
         if self.backend != "gloo" or not flat.is_contiguous():
             with self._collective(name, "all_gather"):
                 work = _all_gather(flat, shard, group=self.group, async_op=async_op)
@@ -364,6 +392,9 @@ class GroupComm:
         return pending
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        if self.world_size > 1:
+            self._count("all_reduce", 2 * (self.world_size - 1) / self.world_size
+                        * t.numel() * t.element_size())
         with self._collective("all_reduce"):
             dist.all_reduce(t, op=self._OPS[op], group=self.group)
 
@@ -375,6 +406,8 @@ class GroupComm:
 
     def gather(self, tensor: torch.Tensor, gather_list, dst: int, what: str = "gather") -> None:
         """``dist.gather`` to group rank ``dst`` (``gather_list`` only there)."""
+        if self.rank != dst:
+            self._count("gather", tensor.numel() * tensor.element_size())
         with self._collective(what):
             dist.gather(tensor, gather_list, dst=dist.get_global_rank(self.group, dst)
                         if self.group is not None else dst, group=self.group)

@@ -4,11 +4,18 @@
 use of a communicator: its rank and size, the rank-ordered average a ZeRO step
 reduce-scatters gradients with, the all-gather of parameters, the all-reduce of norms and
 flags, and two object collectives. ``Handle`` is what an async launch returns.
-Implementations: ``comm.group.LocalComm`` (one rank: copies) and ``comm.group.GroupComm``
-(a torch.distributed process group). A new way of talking (a 2-D mesh that reduces
-within a node and across nodes, compressed collectives) is a class of its own that
-implements ``Comm``; nothing that uses one changes. ``tests/test_comm_protocol.py``
-holds both implementations to it, signature by signature.
+Implementations: ``comm.group.LocalComm`` (one rank: copies), ``comm.group.GroupComm``
+(a torch.distributed process group) and ``comm.hybrid.HybridComm`` (a 2-D mesh of
+(replicate, shard) ranks: averages within a node, then across nodes). A new way of
+talking is a class of its own that implements ``Comm``; nothing that uses one changes.
+``tests/test_comm_protocol.py`` holds the implementations to it, signature by signature.
+
+``rank`` and ``world_size`` are the layout's: the state is sharded ``world_size`` ways
+and this rank steps shard ``rank``. Where several ranks hold each shard (hybrid
+sharding), ``replicas`` says how many and ``replica`` which copy this rank's is;
+``everyone`` is the communicator over every rank (flat ZeRO: the comm itself), what
+agreements, the model check and the side channel go over, and ``members`` are the
+ranks of this rank's shards as ``everyone`` numbers them, by shard.
 
 ``GradHolder`` is how a shard's gradients are held until the step: one class per ZeRO
 stage and one for gradients their engine keeps (DTensor).
@@ -39,6 +46,14 @@ class Comm(Protocol):
     rank: int
     world_size: int
     group: Any  # the torch.distributed group (None: the world group, or one rank)
+    replica: int   # which copy of the shards this rank holds (0 without replicas)
+    replicas: int  # how many copies of the shards there are
+    everyone: Any  # a Comm over every rank (the comm itself without replicas)
+    members: Any   # the ranks holding shards 0 .. world_size-1 of this copy, in everyone
+    wire: dict     # bytes this rank sent, per collective, since ``reset_wire``
+
+    def reset_wire(self) -> None:
+        """Start counting ``wire`` again."""
 
     def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
                            async_op: bool = False, name: str = "reduce_scatter",
@@ -60,13 +75,16 @@ class Comm(Protocol):
         ``shard`` in rank order."""
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
-        """``t`` becomes the sum (``op="max"``: the maximum) over the ranks, in place."""
+        """``t`` becomes, in place, the sum over the shards of a value each shard holds
+        (a replica holds the same and counts once), or (``op="max"``) the maximum over
+        every rank."""
 
     def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
-        """Every rank's picklable ``obj``, in rank order."""
+        """Every rank's picklable ``obj``, in ``everyone``'s rank order."""
 
     def gather(self, tensor: torch.Tensor, gather_list, dst: int, what: str = "gather") -> None:
-        """``tensor`` of every rank into ``gather_list`` on rank ``dst`` (only there)."""
+        """``tensor`` of every shard into ``gather_list`` on shard ``dst`` (only there;
+        with replicas, on each copy's)."""
 
 
 @runtime_checkable

@@ -223,8 +223,9 @@ class ShardServer:
         return host
 
     # -- asking -------------------------------------------------------------------------
-    def ask(self, ordinal: int, words: list) -> "Reply":
-        """Ask every peer for optimizer ``ordinal``'s shards (``words``: three ints the
+    def ask(self, ordinal: int, words: list, peers=None) -> "Reply":
+        """Ask every peer (``peers``: those ranks of the channel; hybrid sharding asks its
+        own copy's) for optimizer ``ordinal``'s shards (``words``: three ints the
         provider reads); returns a ``Reply`` to receive the answers with, read to its end
         (``Reply.drain``: ``with server.ask(...) as reply``), or the peers' sends wait."""
         if self.stopping:
@@ -241,7 +242,8 @@ class ShardServer:
             self.asked += 1
             tag = 1 + self.asked % (1 << 30)  # sends pair by (peer, tag): ours alone
             entry = _ENTRY.pack(ASK, ordinal, self.rank, tag, *words)
-            peers = [r for r in range(self.world_size) if r != self.rank]
+            peers = [r for r in (range(self.world_size) if peers is None else peers)
+                     if r != self.rank]
             for peer in peers:
                 self.inbox.push(peer, entry)
         except BaseException:

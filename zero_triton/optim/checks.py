@@ -254,6 +254,56 @@ def check_process_group(process_group) -> None:
                         "init_process_group")
 
 
+def check_device_mesh(device_mesh, process_group) -> None:
+    """ZeroAdam's ``device_mesh``: None, a 1-D DeviceMesh (its group, as
+    ``process_group``), or a 2-D one of (replicate, shard) dims over every rank, FSDP2's
+    HSDP convention; this rank in it; not both a mesh and a group."""
+    if device_mesh is None:
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed DeviceMesh (init_device_mesh("
+                        f"'cuda', (replicas, shards), mesh_dim_names=('replicate', 'shard'))) or "
+                        f"None, got {device_mesh!r}")
+    if process_group is not None:
+        raise ValueError("pass device_mesh or process_group, not both: a 1-D mesh is the "
+                         "group it holds (ZeroAdam(..., process_group=mesh.get_group()))")
+    if device_mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"device_mesh has {device_mesh.ndim} dims {device_mesh.mesh_dim_names}: ZeroAdam "
+            "shards over a 1-D mesh, or a 2-D (replicate, shard) one; pass the data-parallel "
+            "dims of a larger mesh, e.g. mesh['dp_replicate', 'dp_shard']")
+    if device_mesh.get_coordinate() is None:
+        raise ValueError(f"device_mesh does not cover the ranks: this rank ({dist.get_rank()}) "
+                         f"is not in it ({device_mesh.mesh.tolist()}); build the ZeroAdam on "
+                         "the mesh's ranks only")
+    if device_mesh.ndim == 1:
+        return
+    names = device_mesh.mesh_dim_names
+    if names is not None:
+        first, second = (n.lower() for n in names)
+        if "shard" in first and "replicate" in second:
+            raise ValueError(
+                f"device_mesh's dims are {names}: ZeroAdam (as FSDP2's HSDP) takes (replicate, "
+                "shard), the shard dim last, so that a shard group is a row of nearby ranks; "
+                "build it as init_device_mesh(device, (replicas, shards), "
+                "mesh_dim_names=('replicate', 'shard'))")
+        if "replicate" not in first or "shard" not in second:
+            raise ValueError(
+                f"device_mesh's dims are {names}: a 2-D mesh for ZeroAdam is (replicate, shard) "
+                "data parallelism (FSDP2's HSDP); name them ('replicate', 'shard') (or "
+                "('dp_replicate', 'dp_shard')), or pass the data-parallel sub-mesh of a "
+                "larger one")
+    world = dist.get_world_size()
+    if device_mesh.size() != world:
+        raise ValueError(
+            f"device_mesh does not cover the ranks: its {device_mesh.size()} ranks "
+            f"{device_mesh.mesh.tolist()} are not the {world} of the default group; a 2-D mesh "
+            "spans every rank (to shard over part of them, pass a 1-D mesh or a "
+            "process_group)")
+
+
 def without_meta(flats) -> list:
     """The flats to step when some are on the meta device: those have no data, so a
     gradient on one is refused (torch's error); without one they are not stepped."""

@@ -141,7 +141,7 @@ class FusedAdam(torch.optim.Optimizer):
     def _group_shards(self, params, amsgrad: bool, key: int) -> list:
         """The shards of a param group's trainable ``params``, numbered from ``key``
         (``zero_triton.optim.build``)."""
-        reducer = self._reducer if self._comm.world_size > 1 or self._spec.grads.sharded else None
+        reducer = self._reducer if self._comm.everyone.world_size > 1 or self._spec.grads.sharded else None
         return build_flats([p for p in params if p.requires_grad], self._comm, self._spec,
                            amsgrad=amsgrad, key=key, reducer=reducer)
 
@@ -266,7 +266,7 @@ class FusedAdam(torch.optim.Optimizer):
             self._reducer.complete_round()
         again = self._enter(entry, pairs, stale=stale)
         self._ranks.before_reduce(flats)
-        if self._comm.world_size > 1 or any(f.separate_shard for f in flats):
+        if self._comm.everyone.world_size > 1 or any(f.separate_shard for f in flats):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
                 self._reducer.finish(buffers, again)
         self._grads_reduced = True
@@ -343,7 +343,7 @@ class FusedAdam(torch.optim.Optimizer):
         Where the local gradients are not the averaged ones (ZeroAdam at several ranks, or
         stage 2), ``total_norm`` must be one ``total_grad_norm`` returned this step;
         another is refused with the fix, before anything changes."""
-        averaged = self._comm.world_size == 1 and not self._spec.grads.sharded
+        averaged = self._comm.everyone.world_size == 1 and not self._spec.grads.sharded
         self._clipping.clip_with(max_norm, total_norm, local_is_averaged=averaged)
 
     def step(self, closure=None):

@@ -92,8 +92,10 @@ class AgreedRanks:
         # many ZeroAdams this process built on this group before) is the same on all. The
         # channel lives while an optimizer on this group does, and until the group is
         # destroyed.
-        channel = side.channel(comm.process_group)
-        self.agreement = agreement.Agreement(comm, agreement.next_ordinal(comm.process_group),
+        # Over every rank (hybrid sharding: the whole mesh, not the shard group).
+        everyone = comm.everyone
+        channel = side.channel(everyone.process_group)
+        self.agreement = agreement.Agreement(everyone, agreement.next_ordinal(everyone.process_group),
                                              channel)
         self.server = channel.server
         channel.attach(opt)
@@ -105,7 +107,7 @@ class AgreedRanks:
         self.clip_args = None
         # Stage 2 refuses a DDP wrapper at step (a .grad written after backward handed
         # it over): no fingerprint needed there.
-        self.averaged_before = AlreadyAveraged(comm, needed=not spec.grads.sharded)
+        self.averaged_before = AlreadyAveraged(everyone, needed=not spec.grads.sharded)
 
     def built(self, opt) -> None:
         """The optimizer is built: backward's launches enter too, and the shard server

@@ -95,7 +95,7 @@ class FlatShard:
         reduce_dtype = spec.reduce_dtype
         if bucket_numel is None:
             bucket_numel = spec.bucket_numel(self.dtype, sum(
-                p.numel() * (2 if p.is_complex() else 1) for p in params), comm.world_size)
+                p.numel() * (2 if p.is_complex() else 1) for p in params), comm.everyone.world_size)
         if self.has_master and not spec.master_weights:  # before the parameters are re-homed
             raise ValueError(
                 f"master_weights=False with {self.dtype} parameters is not supported: Adam "
@@ -120,7 +120,7 @@ class FlatShard:
         # backward and let go after the step, unless it is too large to come back from
         # the C heap (``_keeps_averages``).
         wide = reduce_dtype is not None and reduce_dtype != self.dtype
-        self.separate_shard = comm.world_size > 1 or wide or sharded
+        self.separate_shard = comm.everyone.world_size > 1 or wide or sharded
         out_dtype = reduce_dtype if wide else self.dtype
         own = None if self.separate_shard else self.flat_grad
         local = None if sharded else self.grad_buffer

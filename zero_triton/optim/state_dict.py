@@ -370,7 +370,9 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
     flats = [flat for _, flat in opt._current_flats()]
     comm = opt._comm
     steps, loads = counts
-    with server.ask(ordinal, [steps, layout_digest(flats), loads]) as reply:
+    # The ranks holding this copy's shards (every rank but replicas'), by shard.
+    shard_of = {member: s for s, member in enumerate(comm.members)}
+    with server.ask(ordinal, [steps, layout_digest(flats), loads], comm.members) as reply:
         # What each peer that said yes sends: read to the end (``drain``) if this raises.
         reply.expect([(part.numel(), flat.state.dtype) for flat in flats
                       for part in shard_chunks([flat], chunk_elems)])
@@ -380,7 +382,7 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
 
         def pieces(part, rows):
             n = part.numel()
-            reply.receive({peer: rows[peer, :n] for peer in reply.sending})
+            reply.receive({peer: rows[shard_of[peer], :n] for peer in reply.sending})
             out = [rows[r, :n] for r in range(comm.world_size)]
             out[comm.rank] = part
             return out

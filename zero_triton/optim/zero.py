@@ -21,12 +21,14 @@ import torch
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from zero_triton.comm.group import GroupComm
+from zero_triton.comm.hybrid import HybridComm
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import compact as compact_state
 from zero_triton.optim import join, owners, sharded_state
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.checks import (adam_hyperparameters, check_flag, check_no_dtensors,
-                                      check_params_argument, check_process_group)
+from zero_triton.optim.checks import (adam_hyperparameters, check_device_mesh, check_flag,
+                                      check_no_dtensors, check_params_argument,
+                                      check_process_group)
 from zero_triton.optim.fused import FusedAdam
 from zero_triton.optim.ranks import AgreedRanks, OneRank
 from zero_triton.optim.spec import Spec
@@ -60,6 +62,12 @@ class ZeroAdam(FusedAdam, Joinable):
 
     Extra args:
         process_group: the group to shard over (default: the world group).
+        device_mesh: instead of ``process_group``, a DeviceMesh: 1-D, the group it holds;
+            2-D, hybrid sharding over (replicate, shard) dims (FSDP2's HSDP): the state
+            is sharded over each row (``mesh.get_group(1)``, within a node) and every row
+            holds a copy; gradients are averaged within the row, then across the rows on
+            1/S of them, and parameters all-gathered within the row
+            (``zero_triton.comm.hybrid``). The mesh spans every rank.
         reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
             grads); default the gradient's own dtype.
         moments: "fp32" (default) | "bf16" | "int8": the Adam moments' format, as
@@ -104,7 +112,7 @@ class ZeroAdam(FusedAdam, Joinable):
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
                  max_grad_norm=None, bucket_cap_mb=25, stage=1, moments="fp32", foreach=None,
-                 fused=None, capturable=False, differentiable=False):
+                 fused=None, capturable=False, differentiable=False, device_mesh=None):
         # torch.optim.Adam's order and messages: the hyperparameters, then the parameters;
         # all before the first collective (the model check), so a bad argument fails on
         # each rank alone.
@@ -116,11 +124,15 @@ class ZeroAdam(FusedAdam, Joinable):
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             f"Tensors or dicts, but got {torch.typename(params)}")
         check_process_group(process_group)
+        check_device_mesh(device_mesh, process_group)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
                           moments=moments)
-        comm = GroupComm(process_group)
+        if device_mesh is not None and device_mesh.ndim == 2:
+            comm = HybridComm(device_mesh)
+        else:
+            comm = GroupComm(device_mesh.get_group() if device_mesh is not None else process_group)
         params = list(params)
         if not params:
             raise ValueError("ZeroAdam got an empty parameter list")
@@ -129,12 +141,13 @@ class ZeroAdam(FusedAdam, Joinable):
             if not isinstance(g["params"], torch.Tensor):
                 g["params"] = list(g["params"])
         check_no_dtensors(groups, type(self).__name__)  # before any collective
+        _check_mesh_device(device_mesh, groups)
         self._check_same_model(comm, groups, {"moments": spec.moments,
                                               "master_weights": spec.master_weights})
         # How calls meet the other ranks (zero_triton.optim.ranks): agreed over the group,
         # with the side channel's shard server answering another rank's state_dict();
         # made after the model check, which every rank passes together.
-        ranks = AgreedRanks(self, comm, spec) if comm.world_size > 1 else OneRank()
+        ranks = AgreedRanks(self, comm, spec) if comm.everyone.world_size > 1 else OneRank()
         # torch's Join (uneven inputs): disabled outside a Join block.
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._build(groups, hyper, spec, comm, ranks)
@@ -163,7 +176,7 @@ class ZeroAdam(FusedAdam, Joinable):
 
     @property
     def join_process_group(self):
-        return self._comm.process_group
+        return self._comm.everyone.process_group
 
     @staticmethod
     def _check_same_model(comm, groups, formats=None):
@@ -211,7 +224,7 @@ class ZeroAdam(FusedAdam, Joinable):
         # the local gradients are not the averaged ones (several ranks), or there are none
         # (stage 2).
         owners.register(self, [p for f in self._flats[-1] for p in f.params],
-                        routes_clipping=self._comm.world_size > 1 or self._spec.grads.sharded)
+                        routes_clipping=self._comm.everyone.world_size > 1 or self._spec.grads.sharded)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -311,6 +324,20 @@ class ZeroAdam(FusedAdam, Joinable):
             else state_dict
 
 
+def _check_mesh_device(device_mesh, groups) -> None:
+    """The mesh's device type is the parameters' (its groups' backend moves them)."""
+    if device_mesh is None:
+        return
+    for g in groups:
+        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"]
+        for p in params:
+            if p.device.type != device_mesh.device_type:
+                raise ValueError(
+                    f"device_mesh is a {device_mesh.device_type!r} mesh and a parameter is on "
+                    f"{p.device}: build the mesh on the parameters' device type "
+                    f"(init_device_mesh({p.device.type!r}, ...)) or move the model there first")
+
+
 def _describe(entry) -> str:
     if isinstance(entry, tuple) and len(entry) == 5:
         gi, pi, shape, dtype, rg = entry
@@ -324,9 +351,10 @@ class ZeroAdamW(ZeroAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, master_weights=None, backend="auto",
                  process_group=None, reduce_dtype=None, max_grad_norm=None, bucket_cap_mb=25,
-                 stage=1, **torch_flags):
+                 stage=1, device_mesh=None, **torch_flags):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, master_weights=master_weights,
-                         backend=backend, process_group=process_group, reduce_dtype=reduce_dtype,
+                         backend=backend, process_group=process_group, device_mesh=device_mesh,
+                         reduce_dtype=reduce_dtype,
                          max_grad_norm=max_grad_norm, bucket_cap_mb=bucket_cap_mb, stage=stage,
                          **torch_flags)
