@@ -10,15 +10,16 @@ import torch
 from conftest import assert_signature, protocol_methods
 from dist_utils import run_ranks
 from zero_triton.comm.group import GroupComm, LocalComm
+from zero_triton.comm.hybrid import HybridComm
 from zero_triton.comm.protocol import Comm, Handle
 
-IMPLEMENTATIONS = [LocalComm, GroupComm]
+IMPLEMENTATIONS = [LocalComm, GroupComm, HybridComm]
 METHODS = protocol_methods(Comm)
 
 
 def test_the_protocol_names_the_collectives_the_step_uses():
     assert set(METHODS) == {"reduce_scatter_avg", "recv_numel", "needs_recv", "all_gather",
-                            "all_reduce", "all_gather_object", "gather"}
+                            "all_reduce", "all_gather_object", "gather", "reset_wire"}
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda c: c.__name__)
@@ -53,6 +54,33 @@ def test_a_group_is_a_comm_and_its_launches_are_handles():
     for is_comm, rs, ag, flat in run_ranks(_group, 2):
         assert is_comm and rs and ag
         assert flat == [0.5, 1.5, 2.5, 3.5]  # the average of (0..3) and (1..4), gathered
+
+
+def _hybrid(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    comm = HybridComm(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    out, inp = torch.zeros(3), torch.arange(6.0) * (rank + 1)
+    handle = comm.reduce_scatter_avg(out, inp, async_op=True)
+    handle.wait()
+    flat = torch.zeros(6)
+    gathered = comm.all_gather(flat, out, async_op=True)
+    gathered.wait()
+    flag = torch.tensor([float(rank)])
+    comm.all_reduce(flag, "max")
+    return (isinstance(comm, Comm), isinstance(handle, Handle), flat.tolist(), flag.item(),
+            comm.wire, (comm.rank, comm.world_size, comm.replica, comm.replicas, comm.members))
+
+
+def test_a_mesh_is_a_comm_averaging_over_every_rank_and_counting_its_bytes():
+    for rank, (is_comm, handle, flat, flag, wire, coords) in enumerate(run_ranks(_hybrid, 4)):
+        assert is_comm and handle
+        assert flat == [2.5 * k for k in range(6)]  # the mean of (1, 2, 3, 4) x (0..5)
+        assert flag == 3.0  # max: over every rank
+        assert coords == (rank % 2, 2, rank // 2, 2, [2 * (rank // 2), 2 * (rank // 2) + 1])
+        # 3 of 6 floats to the row's other rank; 2 floats (3 padded to 4) down the column,
+        # reduce-scattered and gathered back; 3 floats gathered within the row
+        assert wire == {"reduce_scatter": 12, "replicas.reduce_scatter": 8,
+                        "replicas.all_gather": 8, "all_gather": 12, "all_reduce": 6}, wire
 
 
 # How gradients are held (``GradHolder``): one class per ZeRO stage and the engine's.

@@ -106,6 +106,9 @@ def sharded_state_dict(opt, flats) -> dict:
                     "size), or take optimizer.state_dict() (the whole state on every rank)")
         everyone = [owned_ranges(layout, r) for r in range(comm.world_size)]
         mine = everyone[comm.rank]
+        # A placement names a global rank (of the group's shard r; hybrid sharding: this
+        # copy's, whose boxes DCP keeps once over the copies).
+        ranks = _global_ranks(comm)
         steps = flat.state.param_steps()
         buffers = flat.state.buffers()
         for i, p in enumerate(flat.params):
@@ -126,19 +129,27 @@ def sharded_state_dict(opt, flats) -> dict:
                 # tensor's far corner, where no other box starts: DCP keeps one chunk per
                 # (name, offsets), and would drop a real box that starts where it does.
                 empty, corner = (0,) * len(shape), shape
-                spread = [(r, off, size) for r in range(comm.world_size)
+                spread = [(ranks[r], off, size) for r in range(comm.world_size)
                           for off, size, _ in (boxes(shape, *everyone[r][i][:2]) if i in everyone[r]
                                                else [(corner, empty, 0)])]
                 for key, buf in buffers.items():
                     if i in mine:
                         a, b, o = mine[i]
                         local = [(buf[o + start - a:o + start - a + math.prod(size)].view(size),
-                                  comm.rank, off, size) for off, size, start in boxes(shape, a, b)]
+                                  ranks[comm.rank], off, size) for off, size, start in boxes(shape, a, b)]
                     else:
-                        local = [(buf[:0].view(empty), comm.rank, corner, empty)]
+                        local = [(buf[:0].view(empty), ranks[comm.rank], corner, empty)]
                     entry[key] = _sharded(local, spread, shape, buf.dtype, buf.device, comm.group)
             state[ids[id(p)]] = entry
     return {"state": state, "param_groups": groups}
+
+
+def _global_ranks(comm) -> list:
+    """The global rank of each shard of ``comm``'s group."""
+    if comm.group is None:
+        return list(range(comm.world_size))
+    import torch.distributed as dist
+    return dist.get_process_group_ranks(comm.group)
 
 
 def _is_sharded(value) -> bool:
