@@ -34,14 +34,17 @@ they are interleaved. Configurations:
                      the next forward, module by module
 
   zero_s1_int8       the buckets' configuration with moments="int8" (8-bit Adam state)
+  zero_s1_hsdp       the buckets' configuration sharded over a (2, N/2) (replicate, shard)
+                     mesh: hybrid sharding (device_mesh=); at 2 ranks the mesh is (1, 2)
 
-and the same four for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
-zero_s2_int8).
+and the same five for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
+zero_s2_int8, zero_s2_hsdp).
 The peers a user would pick instead:
 
   fsdp2              torch's FSDP2 (fully_shard per block and the root, reshard after
                      forward) + torch.optim.AdamW on the DTensors
   fsdp2_keep         the same without resharding after forward (ZeRO-2-like)
+  fsdp2_hsdp         FSDP2 over the same (2, N/2) mesh: HSDP
   ds_z1, ds_z2       DeepSpeed ZeRO-1 / ZeRO-2 (its AdamW, no clipping), and with
   ds_z1_overlap ...  overlap_comm; when deepspeed is installed (pip install -e '.[peers]')
 
@@ -93,7 +96,7 @@ MAX_CPU_RANKS = 64
 COLUMNS = ["world_size", "config", "label", "rounds", "median_ms", "min_ms", "max_ms", "x_ddp",
            "x_ddp_paired", "x_ddp_low", "x_ddp_high",
            "over_compute_pct", "exposed_comm_pct", "exposed_comm_ms", "hidden_comm_ms", "profiled_ms",
-           "peak_mb", "start_mb", "in_use_peak_mb", "in_use_start_mb", "kept_free_mb", "loss",
+           "wire_mb", "across_mb", "peak_mb", "start_mb", "in_use_peak_mb", "in_use_start_mb", "kept_free_mb", "loss",
            "status", "note"]
 
 
@@ -115,12 +118,30 @@ def zero_variants(bucket_cap_mb):
             (f"zero_s{s}_overlap", {**st, "bucket_cap_mb": cap},
              f"ZeroAdamW (ZeRO-{s}, buckets + overlap())", True),
             (f"zero_s{s}_int8", {**st, "bucket_cap_mb": cap, "moments": "int8"},
-             f"ZeroAdamW (ZeRO-{s}, buckets, int8 moments)", False)]
+             f"ZeroAdamW (ZeRO-{s}, buckets, int8 moments)", False),
+            (f"zero_s{s}_hsdp", {**st, "bucket_cap_mb": cap, "device_mesh": HSDP},
+             f"ZeroAdamW (ZeRO-{s}, buckets, 2-D mesh)", False)]
     return variants
 
 
+HSDP = "hsdp"  # a variant's device_mesh: the (replicate, shard) mesh of ``hsdp_shape``
+
+
+def hsdp_shape(world: int) -> tuple:
+    """The hybrid configurations' mesh: two replicas where the ranks split in two pairs
+    or more, else one."""
+    return (2, world // 2) if world >= 4 and world % 2 == 0 else (1, world)
+
+
+def hsdp_mesh(device):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, hsdp_shape(dist.get_world_size()),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 PEERS = [("fsdp2", "FSDP2 (reshard after forward) + AdamW"),
-         ("fsdp2_keep", "FSDP2 (no reshard after forward) + AdamW")]
+         ("fsdp2_keep", "FSDP2 (no reshard after forward) + AdamW"),
+         ("fsdp2_hsdp", "FSDP2 HSDP (2-D mesh) + AdamW")]
 DEEPSPEED = [(f"ds_z{s}{'_overlap' if o else ''}", f"DeepSpeed ZeRO-{s}{', overlap_comm' if o else ''}")
              for s in (1, 2) for o in (False, True)]
 COMPUTE = ("compute", "compute alone (fwd, bwd, 1/N of the step; no comm)")
@@ -180,11 +201,11 @@ class _ComputeAlone:
         self.model.zero_grad(set_to_none=True)
 
 
-def _fsdp2(model, reshard):
+def _fsdp2(model, reshard, mesh=None):
     from torch.distributed.fsdp import fully_shard
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
+    fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
 
 
 def _deepspeed(key, model, args):
@@ -220,6 +241,9 @@ def build(key, args, device):
     if key in zero:
         import zero_triton
         kwargs, label, overlap = zero[key]
+        if kwargs.get("device_mesh") == HSDP:
+            kwargs = {**kwargs, "device_mesh": hsdp_mesh(device)}
+            label = label.replace("2-D mesh", "mesh {} x {}".format(*hsdp_shape(dist.get_world_size())))
         opt = zero_triton.ZeroAdamW(model.parameters(), lr=LR, betas=BETAS,
                                     weight_decay=WEIGHT_DECAY, **kwargs)
         if overlap:
@@ -227,7 +251,8 @@ def build(key, args, device):
         return model, opt, f"{label}, backend {opt._flats[0][0].backend}"
     labels = dict(PEERS + DEEPSPEED + [COMPUTE])
     if key.startswith("fsdp2"):
-        _fsdp2(model, reshard=key == "fsdp2")
+        _fsdp2(model, reshard=key != "fsdp2_keep",
+               mesh=hsdp_mesh(device) if key == "fsdp2_hsdp" else None)
         opt, how = torch_adamw(model.parameters())
         return model, opt, labels[key].replace("AdamW", f"AdamW({how.split(' ')[0]})")
     if key.startswith("ds_"):
@@ -325,8 +350,13 @@ def detail_rank(args, rank, world, device) -> dict:
     probe = MemoryProbe(device)
     states = []  # ZeroAdamW's bytes where it holds the most: averaged, not yet stepped
     report = (lambda: states.append(opt.memory_report())) if hasattr(opt, "memory_report") else None
+    from zero_triton.optim.interface import internals
+    view = internals(opt)  # ZeroAdamW's communicator counts the bytes it sends
+    if view is not None:
+        view.comm.reset_wire()
     with probe.phase("iteration"):
         iteration(net, opt, batches[1], after_backward=report)
+    wire = dict(view.comm.wire) if view is not None else None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -366,7 +396,7 @@ def detail_rank(args, rank, world, device) -> dict:
     return {"start": start["current"], "peak": memory["peak"], "memory_how": probe.how,
             "in_use_start": start.get("in_use"), "in_use_peak": memory.get("in_use_peak"),
             "kept_free": memory.get("kept_free"),
-            "states": states, "iteration_ms": s.iteration_ms, "rows": s.rows, "hidden": s.hidden,
+            "states": states, "wire": wire, "iteration_ms": s.iteration_ms, "rows": s.rows, "hidden": s.hidden,
             "exposed_ms": sum(s.rows[k] for k in timeline.KINDS),
             "hidden_ms": sum(s.hidden.values())}
 
@@ -442,6 +472,11 @@ def measure(world, args, say) -> list:
                    in_use_peak_mb=_mb(max(r["in_use_peak"] or 0 for r in ranks) or None),
                    in_use_start_mb=_mb(max(r["in_use_start"] or 0 for r in ranks) or None),
                    kept_free_mb=_mb(max(r["kept_free"] or 0 for r in ranks) or None))
+        wires = [r["wire"] for r in ranks if r.get("wire") is not None]
+        if wires:  # the rank that sent the most
+            wire = max(wires, key=lambda w: sum(w.values()))
+            row.update(wire_mb=_mb(sum(wire.values())),
+                       across_mb=_mb(sum(v for k, v in wire.items() if k.startswith("replicas."))))
         row["ranks"] = ranks
     return list(rows.values())
 
@@ -512,6 +547,22 @@ def format_phases(rows, world) -> str:
     return "\n".join(lines)
 
 
+def format_wire(rows, world) -> str:
+    """ZeroAdamW's bytes on the wire per rank over one iteration, per collective, as its
+    communicator counted them (``replicas.``: between the copies of a 2-D mesh's shards,
+    across nodes); the largest rank."""
+    ours = [r for r in rows if r.get("ranks") and r["ranks"][0].get("wire") is not None]
+    if not ours:
+        return ""
+    lines = [f"bytes sent per rank per iteration (MiB; world size {world}), counted by ZeroAdamW's "
+             "communicator; 'replicas.': between the mesh's replicas (across nodes)"]
+    for r in ours:
+        wire = max((x["wire"] for x in r["ranks"]), key=lambda w: sum(w.values()))
+        parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(wire.items()) if v)
+        lines.append(f"  {r['config']:<16} total {sum(wire.values()) / 2**20:7.2f}  ({parts})")
+    return "\n".join(lines)
+
+
 def format_states(rows, world, args) -> str:
     """ZeroAdamW's own bytes per rank (its ``memory_report()`` between backward and the
     step, where it holds its averaged shard too; largest rank) beside
@@ -526,8 +577,9 @@ def format_states(rows, world, args) -> str:
     with torch.device("meta"):
         params = GPT(model_config(args)).num_params()
     master = "none" if args.dtype == "fp32" else "fp32"
-    formulas = {m: {row["stage"]: row for row in memory_table(params, world, master, m)["stages"]}
-                for m in ("fp32", "int8")}
+    # The hybrid rows shard over the mesh's shard dim: the formula at that world size.
+    formulas = {(m, w): {row["stage"]: row for row in memory_table(params, w, master, m)["stages"]}
+                for m in ("fp32", "int8") for w in {world, hsdp_shape(world)[1]}}
     mib = 2**20
     lines = [f"ZeroAdamW's bytes per rank (memory_report() after backward, MiB) against `python -m zero_triton "
              f"memory --params {params} --world-size {world}"
@@ -535,7 +587,8 @@ def format_states(rows, world, args) -> str:
     for r in zero:
         states = max((x["states"] for x in r["ranks"]), key=lambda st: sum(
             v for k, v in st.items() if k != "optimizer_state"))
-        f = formulas["int8" if r["config"].endswith("_int8") else "fp32"][
+        shards = hsdp_shape(world)[1] if r["config"].endswith("_hsdp") else world
+        f = formulas["int8" if r["config"].endswith("_int8") else "fp32", shards][
             f"zero{2 if '_s2' in r['config'] else 1}"]
         held = states["params"] + states["grads"] + states["master"] + states["moments"]
         lines.append(
@@ -747,6 +800,9 @@ def main(argv=None) -> int:
             breakdown = format_states(got, world, args)
             if breakdown:
                 print(breakdown, flush=True)
+            wire = format_wire(got, world)
+            if wire:
+                print(wire, flush=True)
             phases = format_phases(got, world)
             if phases:
                 print("\n" + phases, flush=True)
