@@ -204,6 +204,13 @@ class LocalComm:
             flat.copy_(shard)
         return DONE if async_op else None
 
+    def gather_params(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                      name: str = "all_gather"):
+        return self.all_gather(flat, shard, async_op, name)
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         pass
 
@@ -390,6 +397,20 @@ class GroupComm:
             pending.wait()
             return None
         return pending
+
+    def gather_params(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                      name: str = "all_gather"):
+        """The parameters' all-gather: exact here (``all_gather``)."""
+        return self.all_gather(flat, shard, async_op, name)
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """What ``gather_params`` writes for ``shard``: ``shard`` itself."""
+        return shard
+
+    def all_gather_average(self, flat: torch.Tensor, part: torch.Tensor, async_op: bool = False,
+                           name: str = "all_gather"):
+        """An averaged ``part`` gathered back (hybrid sharding's replicas): exact here."""
+        return self.all_gather(flat, part, async_op, name)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         if self.world_size > 1:

@@ -85,12 +85,14 @@ class Chain:
 class HybridComm:
     """ZeroAdam over a (replicate, shard) mesh (``comm.protocol.Comm``)."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, wrap=lambda comm: comm):
+        """``wrap``: what each dim's ``GroupComm`` becomes (``comm.compressed.Int8Comm``:
+        both averages, and the row's parameter gathers, sent compressed)."""
         import torch.distributed as dist
         self.mesh = mesh
         replicate, shard = mesh.get_group(0), mesh.get_group(1)
-        self.shard = GroupComm(shard)
-        self.replicate = GroupComm(replicate)
+        self.shard = wrap(GroupComm(shard))
+        self.replicate = wrap(GroupComm(replicate))
         # Every rank of the mesh: the default group (the mesh covers it: checked).
         self.everyone = GroupComm(None)
         self.group = self.shard.group
@@ -104,7 +106,8 @@ class HybridComm:
         self.queue: collections.deque = collections.deque()
         # Per-collective bytes this rank sent (``GroupComm.wire``), the column's average
         # under its own name.
-        self.shard.wire_prefix, self.replicate.wire_prefix = "", "replicas."
+        for comm, prefix in ((self.shard, ""), (self.replicate, "replicas.")):
+            getattr(comm, "inner", comm).wire_prefix = prefix
 
     # -- the gradient average ----------------------------------------------------------
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
@@ -132,7 +135,7 @@ class HybridComm:
         column = f"{name} (replicas)"
         pending = Chain(self, first, (
             lambda: self.replicate.reduce_scatter_avg(part, tmp, None, async_op=True, name=column),
-            lambda: self.replicate.all_gather(tmp, part, async_op=True, name=column)),
+            lambda: self.replicate.all_gather_average(tmp, part, async_op=True, name=column)),
             tmp, out, accumulate)
         self.queue.append(pending)
         if inp.device.type != "cpu":  # the stream orders the two: no host wait
@@ -159,6 +162,13 @@ class HybridComm:
     def all_gather(self, flat, shard, async_op: bool = False, name: str = "all_gather"):
         """Within the row: the parameters (every replica holds the same shards)."""
         return self.shard.all_gather(flat, shard, async_op, name)
+
+    def gather_params(self, flat, shard, async_op: bool = False, name: str = "all_gather"):
+        """Within the row, as the row's comm sends parameters (compressed or not)."""
+        return self.shard.gather_params(flat, shard, async_op, name)
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        return self.shard.gathered(shard)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """``sum``: over the row (a shard's value, the same on every replica, counts

@@ -74,6 +74,17 @@ class Comm(Protocol):
         """``flat`` (``world_size`` chunks of ``shard``'s size) receives every rank's
         ``shard`` in rank order."""
 
+    def gather_params(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                      name: str = "all_gather") -> Optional[Handle]:
+        """The parameters' all-gather: ``all_gather``'s, except that a compressing comm
+        may send them lossily (``comm.compressed``), every rank, the owner too, writing
+        the same values; ``all_gather`` itself is always exact (state, fingerprints)."""
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """What ``gather_params`` writes for this rank's ``shard`` (``shard`` itself
+        when it is exact): what a parameter the optimizer wrote holds, told apart from
+        one the user wrote."""
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """``t`` becomes, in place, the sum over the shards of a value each shard holds
         (a replica holds the same and counts once), or (``op="max"``) the maximum over

@@ -233,11 +233,25 @@ class FlatShard:
         if self.has_master:
             layout = self.layout
             for part, (lo, hi, s0) in zip(self.param_parts, self.segments):
-                for i, a, b in layout.ranges_in(lo, hi):
-                    if i in wanted:
-                        x = layout.offsets[i] + a - lo
-                        self.state.master.reseed(s0 + x, s0 + x + b - a, part[x:x + b - a])
+                ranges = [(i, a, b) for i, a, b in layout.ranges_in(lo, hi) if i in wanted]
+                if ranges:
+                    part = self.unwritten(part, s0)
+                for i, a, b in ranges:
+                    x = layout.offsets[i] + a - lo
+                    self.state.master.reseed(s0 + x, s0 + x + b - a, part[x:x + b - a])
         self.versions.accept(wanted)
+
+    def unwritten(self, part: torch.Tensor, s0: int) -> torch.Tensor:
+        """``part`` (this rank's parameters of one segment, its state at ``s0``) with
+        what our own gather wrote there (``Comm.gathered``: compressed gathers write the
+        master's rounding, quantized) put back to the master's rounding, so that only
+        the user's writes differ from it."""
+        master = self.state.master.export()
+        if master is None:
+            return part
+        rounded = master[s0:s0 + part.numel()].to(part.dtype)
+        ours = self.comm.gathered(rounded)
+        return part if ours is rounded else torch.where(part == ours, rounded, part)
 
     def sync_grads(self):
         """Decide which parameters have a gradient at this step (``self.stepped``: None
@@ -315,7 +329,7 @@ class FlatShard:
     def gather_bucket(self, k: int) -> None:
         """Start gathering every rank's updated shard of bucket ``k``."""
         b = self.buckets[k]
-        b.gather = self.comm.all_gather(b.param_full, b.param_shard, async_op=True,
+        b.gather = self.comm.gather_params(b.param_full, b.param_shard, async_op=True,
                                         name=b.name("all_gather"))
         if self.reducer is not None and self.reducer.overlapped:  # it outlives step(): watch writes
             b.versions = [p._version for p, _ in b.members]

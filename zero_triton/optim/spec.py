@@ -21,6 +21,9 @@ from zero_triton.optim.checks import check_flag
 from zero_triton.state import moments as moment_formats
 
 REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
+CODECS = ("int8",)  # compressed collectives (zero_triton.comm.compressed)
+FEEDBACK = {True: torch.bfloat16, False: None, torch.bfloat16: torch.bfloat16,
+            torch.float32: torch.float32}
 STOCHASTIC = "stochastic"  # master_weights: no fp32 master, bf16 parameters rounded stochastically
 REMAINDER = "remainder"    # master_weights: the fp32 master's low half beside bf16 parameters
 MASTER_STRINGS = {
@@ -40,7 +43,11 @@ class Spec:
     gradients per bucket at most (None: one bucket per flat buffer); ``stage``: 1 (state
     sharded) or 2 (gradients too); ``max_grad_norm``: clip by the global norm inside
     ``step()`` (None: no); ``differentiable``: torch's differentiable step, no flat
-    buffers; ``moments``: the moments' format (``zero_triton.state.moments.FORMATS``)."""
+    buffers; ``moments``: the moments' format (``zero_triton.state.moments.FORMATS``);
+    ``gather_codec``: how the parameters' all-gather is sent (None: in their dtype;
+    "int8"); ``reduce_codec``: how the gradients' average is sent (None: in
+    ``reduce_dtype``; "int8", summed in float32); ``error_feedback``: the dtype of the
+    int8 average's error buffers (None: none)."""
 
     backend: str = "auto"
     master_weights: bool | str = True
@@ -50,10 +57,14 @@ class Spec:
     max_grad_norm: float | None = None
     differentiable: bool = False
     moments: str = "fp32"
+    gather_codec: str | None = None
+    reduce_codec: str | None = None
+    error_feedback: torch.dtype | None = None
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
-              stage=1, max_grad_norm=None, differentiable=False, moments="fp32") -> "Spec":
+              stage=1, max_grad_norm=None, differentiable=False, moments="fp32",
+              gather_dtype=None, error_feedback=True) -> "Spec":
         """The constructor's keywords, checked in the order the optimizers have always
         checked them (each error names the fix; nothing has changed yet)."""
         if isinstance(master_weights, str):
@@ -82,9 +93,29 @@ class Spec:
         if stage not in grads.HOLDERS or not isinstance(stage, int) or isinstance(stage, bool):
             raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (gradients too), "
                              f"got {stage!r}")
+        reduce_codec = reduce_dtype if isinstance(reduce_dtype, str) else None
+        if reduce_codec is not None and reduce_codec in CODECS:
+            reduce_dtype = torch.float32  # the codes are summed, and the average held, in fp32
         if reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be None (the gradients' own dtype), "
-                             f"torch.float32, torch.float16 or torch.bfloat16, got {reduce_dtype!r}")
+                             f"torch.float32, torch.float16, torch.bfloat16 or 'int8' (int8 "
+                             f"blocks on the wire, summed in float32), got {reduce_dtype!r}")
+        if gather_dtype is not None and gather_dtype not in CODECS:
+            raise ValueError(f"gather_dtype must be None (the parameters' own dtype) or 'int8' "
+                             f"(int8 blocks on the wire), got {gather_dtype!r}")
+        if isinstance(error_feedback, bool) or error_feedback in (torch.float32, torch.bfloat16):
+            feedback = FEEDBACK[error_feedback]
+        else:
+            raise ValueError(f"error_feedback must be True (bfloat16 error buffers), False, "
+                             f"torch.bfloat16 or torch.float32, got {error_feedback!r}")
+        if reduce_codec is None and error_feedback is not True:
+            raise ValueError("error_feedback applies to reduce_dtype='int8' (what its "
+                             "quantization drops, sent again the next step); leave it out "
+                             "or pass reduce_dtype='int8'")
+        if (reduce_codec or gather_dtype) and differentiable:
+            raise ValueError("compressed collectives (reduce_dtype='int8', gather_dtype='int8') "
+                             "cannot be used with differentiable=True: autograd through the "
+                             "step needs exact gradients and parameters; leave them out")
         if not isinstance(moments, str) or moments not in moment_formats.FORMATS:
             raise ValueError(f"moments must be one of {tuple(moment_formats.FORMATS)} (the Adam "
                              f"moments' storage format), got {moments!r}")
@@ -97,7 +128,9 @@ class Spec:
         return cls(backend=backend, master_weights=master,
                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
-                   differentiable=bool(differentiable), moments=moments)
+                   differentiable=bool(differentiable), moments=moments,
+                   gather_codec=gather_dtype, reduce_codec=reduce_codec,
+                   error_feedback=feedback if reduce_codec else None)
 
     @property
     def align(self) -> int:
@@ -132,6 +165,7 @@ class Spec:
                             "keeps the fp32 master's low 16 bits beside")
                     raise ValueError(f"master_weights={mode!r} {what} bfloat16 parameters; "
                                      f"parameter {i} {tuple(p.shape)} is {p.dtype}: {fix}")
+        self._check_compressed(params)
         if self.moments == "fp32":
             return
         if amsgrad:
@@ -145,6 +179,32 @@ class Spec:
                                  f"parameters (parameter {i}, {tuple(p.shape)}): its codes hold "
                                  "float32 state of real parameters; step them with an "
                                  "optimizer built with moments='fp32'")
+
+    def _check_compressed(self, params) -> None:
+        """int8 parameter gathers need an fp32 master beside fp16/bf16 parameters (the
+        parameters become the master's quantized rounding); int8 averages, real
+        parameters of at most float32."""
+        for i, p in enumerate(params):
+            where = f"parameter {i} {tuple(p.shape)} is {p.dtype}"
+            if self.reduce_codec and (p.dtype == torch.float64 or p.is_complex()):
+                raise ValueError(f"reduce_dtype='int8' averages real gradients of float32 or "
+                                 f"narrower in float32; {where}: use reduce_dtype=None for it "
+                                 "(another optimizer or param group)")
+            if not self.gather_codec:
+                continue
+            if p.dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(
+                    f"gather_dtype='int8' sends fp16/bf16 parameters as int8 blocks, every "
+                    f"rank then holding their dequantized values while the fp32 master stays "
+                    f"exact; {where}, which is its own master and would lose its precision: "
+                    "train in bf16 (model.to(torch.bfloat16)) with master_weights=None, or "
+                    "leave gather_dtype out")
+            if self.master_format(p.dtype) != "fp32":
+                raise ValueError(
+                    f"gather_dtype='int8' keeps an fp32 master beside the parameters, which "
+                    f"become its quantized rounding; master_weights={self.master_weights!r} "
+                    "keeps none (or keeps its low half beside the parameter's bits, which "
+                    "the gather replaces): use master_weights=None with gather_dtype='int8'")
 
     @property
     def grads(self) -> type:

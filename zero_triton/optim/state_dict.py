@@ -391,11 +391,35 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
     ids = packed_groups(opt)[1]
     for flat in flats:
         written = flat.versions.written() if flat.state.has_master else ()
+        if written:
+            masters = [state_dict["state"][ids[id(p)]][MASTER] for p in flat.params]
+            seen = _unwritten_params(flat, comm, masters)
         for i in written:
-            m = state_dict["state"][ids[id(flat.params[i])]][MASTER]
-            p = flat.params[i].detach().to(m.device).reshape(m.shape)
+            m = masters[i]
+            p = seen[i].to(m.device).reshape(m.shape)
             m.copy_(flat.state.master.rebase(m, p))
     return state_dict
+
+
+def _unwritten_params(flat, comm, masters: list) -> list:
+    """``flat``'s parameters as the user sees them, with what our own (compressed)
+    gathers wrote from ``masters`` put back to the masters' rounding: every rank's
+    shard of every bucket, as ``FlatShard.unwritten`` does for this rank's."""
+    params = [p.detach() for p in flat.params]
+    probe = masters[0].new_zeros(0).to(flat.dtype)
+    if comm.gathered(probe) is probe:  # exact gathers: nothing of ours to tell apart
+        return params
+    layout = flat.layout
+    fm = torch.zeros(layout.padded_numel, dtype=torch.float32)
+    for view, m in zip(layout.views(fm), masters):
+        view.copy_(m.reshape(view.shape))
+    rounded = fm.to(flat.dtype)
+    ours = rounded.clone()
+    for r in range(layout.world_size):
+        for lo, hi, _ in layout.shard_segments(r):
+            ours[lo:hi] = comm.gathered(rounded[lo:hi])
+    return [torch.where(p.cpu() == o, r_, p.cpu()) for p, o, r_ in
+            zip(params, layout.views(ours), layout.views(rounded))]
 
 
 def _refusal(peer: int, header: list, rank: int, counts: list, reason: str | None = None) -> str:

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.algorithms.join import Joinable, _JoinConfig
 
 from zero_triton.comm.group import GroupComm
+from zero_triton.comm.compressed import Int8Comm
 from zero_triton.comm.hybrid import HybridComm
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import compact as compact_state
@@ -70,6 +71,14 @@ class ZeroAdam(FusedAdam, Joinable):
             (``zero_triton.comm.hybrid``). The mesh spans every rank.
         reduce_dtype: dtype to average gradients in (e.g. torch.float32 for bf16
             grads); default the gradient's own dtype.
+        reduce_dtype="int8": the average sent as int8 blocks (one fp32 scale per 256
+            elements), dequantized and summed in float32 in rank order
+            (``zero_triton.comm.compressed``), with error feedback: what quantization
+            dropped is sent again at the next step (``error_feedback``: True, bf16
+            buffers of the local gradients' size; torch.float32; False: none).
+        gather_dtype: None (default) or "int8": the parameters all-gathered as int8
+            blocks (fp16/bf16 parameters with an fp32 master, which stays exact); every
+            rank, the owner too, then holds the same dequantized parameters.
         moments: "fp32" (default) | "bf16" | "int8": the Adam moments' format, as
             FusedAdam's; int8's blocks and bf16's rounding are keyed by the layout, so the
             result does not depend on the world size or the bucket size (bitwise).
@@ -112,7 +121,8 @@ class ZeroAdam(FusedAdam, Joinable):
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
                  max_grad_norm=None, bucket_cap_mb=25, stage=1, moments="fp32", foreach=None,
-                 fused=None, capturable=False, differentiable=False, device_mesh=None):
+                 fused=None, capturable=False, differentiable=False, device_mesh=None,
+                 gather_dtype=None, error_feedback=True):
         # torch.optim.Adam's order and messages: the hyperparameters, then the parameters;
         # all before the first collective (the model check), so a bad argument fails on
         # each rank alone.
@@ -128,11 +138,14 @@ class ZeroAdam(FusedAdam, Joinable):
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
-                          moments=moments)
+                          moments=moments, gather_dtype=gather_dtype,
+                          error_feedback=error_feedback)
+        compress = _compressing(spec)
         if device_mesh is not None and device_mesh.ndim == 2:
-            comm = HybridComm(device_mesh)
+            comm = HybridComm(device_mesh, wrap=compress)
         else:
-            comm = GroupComm(device_mesh.get_group() if device_mesh is not None else process_group)
+            comm = compress(GroupComm(device_mesh.get_group() if device_mesh is not None
+                                      else process_group))
         params = list(params)
         if not params:
             raise ValueError("ZeroAdam got an empty parameter list")
@@ -142,8 +155,10 @@ class ZeroAdam(FusedAdam, Joinable):
                 g["params"] = list(g["params"])
         check_no_dtensors(groups, type(self).__name__)  # before any collective
         _check_mesh_device(device_mesh, groups)
-        self._check_same_model(comm, groups, {"moments": spec.moments,
-                                              "master_weights": spec.master_weights})
+        self._check_same_model(comm, groups, {
+            "moments": spec.moments, "master_weights": spec.master_weights,
+            "reduce_dtype": str(spec.reduce_codec or spec.reduce_dtype),
+            "gather_dtype": spec.gather_codec, "error_feedback": str(spec.error_feedback)})
         # How calls meet the other ranks (zero_triton.optim.ranks): agreed over the group,
         # with the side channel's shard server answering another rank's state_dict();
         # made after the model check, which every rank passes together.
@@ -322,6 +337,15 @@ class ZeroAdam(FusedAdam, Joinable):
         state_dict = adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
         return compact_state.compact(self, state_dict) if compact and state_dict is not None \
             else state_dict
+
+
+def _compressing(spec):
+    """The communicator a group's ``GroupComm`` becomes: itself, or an ``Int8Comm`` over it
+    when anything is sent compressed (``zero_triton.comm.compressed``)."""
+    if spec.gather_codec is None and spec.reduce_codec is None:
+        return lambda comm: comm
+    return lambda comm: Int8Comm(comm, gather=spec.gather_codec, reduce=spec.reduce_codec,
+                                 feedback=spec.error_feedback)
 
 
 def _check_mesh_device(device_mesh, groups) -> None:

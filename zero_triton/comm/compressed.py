@@ -1,0 +1,292 @@
+"""Compressed collectives: int8 blocks on the wire (ZeRO++'s qwZ and qgZ).
+
+``Int8Comm`` wraps a ``GroupComm`` (``comm.protocol.Comm``) and sends what it is told to
+compress as int8 codes with one float32 scale per block of ``BLOCK`` elements (absmax /
+127, rounded to nearest), the blocks starting at each rank's chunk, so a chunk of any
+size is sent compressed (the last block is short): nothing falls back to the full-width
+collective.
+
+- **Parameters** (``gather="int8"``, ``gather_params``): each rank quantizes its shard,
+  the int8 payloads are all-gathered, and every rank, the owner included, writes the
+  dequantized values: every rank's parameters stay bit for bit the same. The fp32
+  master is not touched (the step reads it, not the parameter), so it stays exact;
+  ``gathered`` tells the optimizer what its own gather made of a shard, so that a
+  parameter equal to that is not taken for one the user wrote (which would seed the
+  master from dequantized values: DeepSpeed's hpZ-after-load class of bug).
+- **Gradients** (``reduce="int8"``, ``reduce_scatter_avg``): each rank quantizes the
+  chunks it sends (its own chunk stays exact: it does not travel), sends them pairwise
+  (gloo) or as one all-to-all, and each rank dequantizes what it received and sums it
+  with its own chunk in float32 in rank order, then divides by the world size. With
+  error feedback (``feedback``: the dtype of the error buffers, or None) what
+  quantization dropped from a chunk is kept per rank and bucket and added to that
+  chunk before it is quantized the next time (1-bit Adam's and LoCo's worker-side
+  compensation), so the error does not accumulate over the steps.
+
+Everything else (objects, flags, norms, the state dicts' gathers) passes through exact.
+Bytes per element on the wire: 1 + 4 / BLOCK (1.016) where the parameters' dtype takes
+2 and float32 4.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .group import AllOf, _tags, _TAGS
+
+BLOCK = 256
+CODECS = ("int8",)
+
+
+def blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def payload_bytes(n: int) -> int:
+    """Bytes of ``n`` elements compressed: the scales, then the codes."""
+    return 4 * blocks(n) + n
+
+
+def quantize(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (uint8, ``payload_bytes(x.numel())``) takes ``x`` (float) as float32 scales
+    (absmax / 127 per block) then int8 codes (round to nearest, ties to even)."""
+    n = x.numel()
+    nb = blocks(n)
+    scales = out[:4 * nb].view(torch.float32)
+    codes = out[4 * nb:].view(torch.int8)
+    x = x.float()
+    pad = nb * BLOCK - n
+    full = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    rows = full.view(nb, BLOCK)
+    absmax = rows.abs().amax(dim=1)
+    scales.copy_(absmax / 127.0)
+    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    q = (rows * inv[:, None]).round_().clamp_(-127, 127)
+    codes.copy_(q.view(-1)[:n])
+
+
+def dequantize(payload: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (``n`` elements, any float dtype) takes the values ``payload`` holds."""
+    nb = blocks(n)
+    scales = payload[:4 * nb].view(torch.float32)
+    codes = payload[4 * nb:4 * nb + n].view(torch.int8).float()
+    pad = nb * BLOCK - n
+    full = torch.nn.functional.pad(codes, (0, pad)) if pad else codes
+    values = (full.view(nb, BLOCK) * scales[:, None]).view(-1)[:n]
+    out.copy_(values)
+    return out
+
+
+def roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """What ``x`` becomes through ``quantize`` and ``dequantize``, in its dtype."""
+    buf = torch.empty(payload_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    quantize(x, buf)
+    return dequantize(buf, x.numel(), torch.empty_like(x))
+
+
+class _Gathered:
+    """An int8 all-gather in flight (``handle``); ``wait`` dequantizes every rank's
+    payload into ``flat`` (this rank's too)."""
+
+    __slots__ = ("handle", "comm", "buf", "flat", "n")
+
+    def __init__(self, handle, comm, buf, flat, n):
+        self.handle, self.comm, self.buf, self.flat, self.n = handle, comm, buf, flat, n
+
+    def landed(self) -> bool:
+        return self.flat is None or self.handle.landed()
+
+    def wait(self) -> None:
+        if self.flat is None:
+            return
+        self.handle.wait()
+        w = self.comm.world_size
+        rows = self.buf.view(w, -1)
+        chunks = self.flat.view(w, -1)
+        for r in range(w):
+            dequantize(rows[r], self.n, chunks[r])
+        self.buf = self.flat = None
+
+
+class _Summed(AllOf):
+    """An int8 reduce-scatter in flight; ``wait`` sums the dequantized chunks and this
+    rank's own (exact) in float32 in rank order into ``out``, divided by the world size."""
+
+    __slots__ = ("payloads", "own", "out", "accumulate", "n")
+
+    def __init__(self, works, comm, name, payloads, own, out, accumulate, n):
+        super().__init__(works, comm, name)
+        self.payloads, self.own, self.out, self.accumulate, self.n = payloads, own, out, accumulate, n
+
+    def wait(self) -> None:
+        if self.out is None:
+            return
+        super().wait()
+        total = torch.zeros(self.n, dtype=torch.float32, device=self.out.device)
+        scratch = torch.empty_like(total)
+        for r, payload in enumerate(self.payloads):
+            total.add_(self.own if payload is None else dequantize(payload, self.n, scratch))
+        total.div_(self.comm.world_size)
+        if self.accumulate:
+            self.out.add_(total)
+        else:
+            self.out.copy_(total)
+        self.payloads = self.own = self.out = None
+
+
+class Int8Comm:
+    """``inner`` (a ``GroupComm``) with the parameters' all-gather (``gather``) and the
+    gradients' average (``reduce``) sent as int8 blocks; ``feedback``: the dtype of the
+    gradients' error buffers (None: no error feedback)."""
+
+    def __init__(self, inner, gather: str | None = None, reduce: str | None = None,
+                 feedback: torch.dtype | None = torch.bfloat16):
+        self.inner = inner
+        self.gather_codec, self.reduce_codec, self.feedback = gather, reduce, feedback
+        for name in ("rank", "world_size", "group", "process_group", "backend", "global_ranks",
+                     "replica", "replicas", "members"):
+            setattr(self, name, getattr(inner, name))
+        self.errors: dict = {}  # (name, numel) -> this rank's error buffer of that input
+
+    @property
+    def everyone(self):
+        return self.inner.everyone
+
+    @property
+    def wire(self) -> dict:
+        return self.inner.wire
+
+    def reset_wire(self) -> None:
+        self.inner.reset_wire()
+
+    def error_bytes(self) -> int:
+        """The error buffers' bytes (the price of error feedback)."""
+        return sum(e.numel() * e.element_size() for e in self.errors.values())
+
+    # -- the gradients ---------------------------------------------------------------
+    def recv_numel(self, numel: int, into_out: bool = True) -> int:
+        return self.inner.recv_numel(numel, into_out) if self.reduce_codec is None else 0
+
+    def needs_recv(self, out, inp, accumulate: bool = False) -> bool:
+        return self.inner.needs_recv(out, inp, accumulate) if self.reduce_codec is None else False
+
+    def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
+                           async_op: bool = False, name: str = "reduce_scatter",
+                           accumulate: bool = False):
+        if self.reduce_codec is None or self.world_size == 1:
+            return self.inner.reduce_scatter_avg(out, inp, recv, async_op, name, accumulate)
+        w, r = self.world_size, self.rank
+        n = inp.numel() // w
+        x = inp.float()
+        if self.feedback is not None:
+            key = (name, inp.numel())
+            error = self.errors.get(key)
+            if error is None:
+                error = self.errors[key] = torch.zeros(inp.numel(), dtype=self.feedback,
+                                                       device=inp.device)
+            x = x + error if x.data_ptr() == inp.data_ptr() else x.add_(error)
+        chunks = x.view(w, n)
+        p = payload_bytes(n)
+        send = torch.empty(w, p, dtype=torch.uint8, device=inp.device)
+        for k in range(w):
+            if k != r:
+                quantize(chunks[k], send[k])
+        if self.feedback is not None:
+            # What this rank's quantization dropped, sent again next time (its own chunk
+            # did not travel: nothing dropped).
+            kept = torch.empty(n, dtype=torch.float32, device=inp.device)
+            errs = error.view(w, n)
+            for k in range(w):
+                if k == r:
+                    errs[k].zero_()
+                else:
+                    errs[k].copy_(chunks[k] - dequantize(send[k], n, kept))
+        own = chunks[r]  # read at the wait (``inp`` is busy until then)
+        self.inner._count("reduce_scatter", (w - 1) * p)
+        with self.inner._collective(name, "reduce_scatter"):
+            if self.backend == "gloo" and inp.device.type == "cpu":
+                recv = torch.empty(w, p, dtype=torch.uint8, device=inp.device)
+                tag = _tags[self.group] = _tags.get(self.group, 0) % _TAGS + 1
+                peers = [k for k in range(w) if k != r]
+                gr = self.global_ranks
+                works = [dist.isend(send[k], dst=gr[k], group=self.group, tag=tag) for k in peers]
+                works += [dist.irecv(recv[k], src=gr[k], group=self.group, tag=tag) for k in peers]
+            else:
+                recv = torch.empty_like(send)
+                works = [dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group,
+                                                async_op=True)]
+        payloads = [None if k == r else recv[k] for k in range(w)]
+        pending = _Summed(works, self, name, payloads, own, out, accumulate, n)
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
+
+    def all_gather_average(self, flat: torch.Tensor, part: torch.Tensor, async_op: bool = False,
+                           name: str = "all_gather"):
+        """Hybrid sharding's second half of an average across the replicas: every rank's
+        averaged ``part`` into ``flat``, as int8 blocks that every rank (this one too)
+        dequantizes, so the replicas hold the same bits; with error feedback, what this
+        rank's quantization dropped from its part is added to it next time (the
+        owner's compensation, as 1-bit Adam's server side)."""
+        if self.reduce_codec is None or self.world_size == 1:
+            return self.inner.all_gather(flat, part, async_op, name)
+        n = part.numel()
+        p = payload_bytes(n)
+        buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=part.device)
+        mine = buf.view(self.world_size, p)[self.rank]
+        x = part
+        if self.feedback is not None:
+            key = (name + " (gathered)", n)
+            error = self.errors.get(key)
+            if error is None:
+                error = self.errors[key] = torch.zeros(n, dtype=self.feedback, device=part.device)
+            x = part.float() + error
+        quantize(x, mine)
+        if self.feedback is not None:
+            error.copy_(x - dequantize(mine, n, torch.empty_like(x)))
+        pending = _Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,
+                            buf, flat, n)
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
+
+    # -- the parameters --------------------------------------------------------------
+    def gather_params(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                      name: str = "all_gather"):
+        if self.gather_codec is None or self.world_size == 1:
+            return self.inner.gather_params(flat, shard, async_op, name)
+        n = shard.numel()
+        p = payload_bytes(n)
+        buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=shard.device)
+        mine = buf.view(self.world_size, p)[self.rank]
+        quantize(shard, mine)
+        pending = _Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,
+                            buf, flat, n)
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """What ``gather_params`` writes for ``shard``."""
+        if self.gather_codec is None or self.world_size == 1:
+            return shard
+        return roundtrip(shard)
+
+    # -- exact ------------------------------------------------------------------------
+    def all_gather(self, flat, shard, async_op: bool = False, name: str = "all_gather"):
+        return self.inner.all_gather(flat, shard, async_op, name)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        self.inner.all_reduce(t, op)
+
+    def all_gather_object(self, obj, what: str = "all_gather_object"):
+        return self.inner.all_gather_object(obj, what)
+
+    def gather(self, tensor, gather_list, dst: int, what: str = "gather") -> None:
+        self.inner.gather(tensor, gather_list, dst, what)
+
+    def _failed(self, name, exc):
+        return self.inner._failed(name, exc)
+
