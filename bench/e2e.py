@@ -36,6 +36,9 @@ they are interleaved. Configurations:
   zero_s1_int8       the buckets' configuration with moments="int8" (8-bit Adam state)
   zero_s1_hsdp       the buckets' configuration sharded over a (2, N/2) (replicate, shard)
                      mesh: hybrid sharding (device_mesh=); at 2 ranks the mesh is (1, 2)
+  zero_s1_q          the buckets' configuration with int8 collectives: reduce_dtype="int8"
+                     (error feedback on), and gather_dtype="int8" with --dtype bf16/fp16
+  zero_s1_hsdp_q     the 2-D mesh with int8 collectives (both hops of the average)
 
 and the same five for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
 zero_s2_int8, zero_s2_hsdp).
@@ -47,6 +50,10 @@ The peers a user would pick instead:
   fsdp2_hsdp         FSDP2 over the same (2, N/2) mesh: HSDP
   ds_z1, ds_z2       DeepSpeed ZeRO-1 / ZeRO-2 (its AdamW, no clipping), and with
   ds_z1_overlap ...  overlap_comm; when deepspeed is installed (pip install -e '.[peers]')
+  ds_z3, ds_z3_hpz   DeepSpeed ZeRO-3, and ZeRO++'s hpZ (a secondary copy of the weights
+                     over N/2 ranks). ZeRO++'s qwZ and qgZ do not run on CPU: DeepSpeed
+                     0.19.8 raises "This op had not been implemented on CPU backend" (its
+                     quantizer op) at the first step
 
 and the limit beside them:
 
@@ -121,7 +128,15 @@ def zero_variants(bucket_cap_mb):
              f"ZeroAdamW (ZeRO-{s}, buckets, int8 moments)", False),
             (f"zero_s{s}_hsdp", {**st, "bucket_cap_mb": cap, "device_mesh": HSDP},
              f"ZeroAdamW (ZeRO-{s}, buckets, 2-D mesh)", False)]
+    quantized = {"stage": 1, "bucket_cap_mb": cap, "reduce_dtype": "int8", "gather_dtype": GATHER}
+    variants += [
+        ("zero_s1_q", quantized, "ZeroAdamW (ZeRO-1, buckets, int8 wire)", False),
+        ("zero_s1_hsdp_q", {**quantized, "device_mesh": HSDP},
+         "ZeroAdamW (ZeRO-1, buckets, 2-D mesh, int8 wire)", False)]
     return variants
+
+
+GATHER = "int8 where it applies"  # gather_dtype="int8" for fp16/bf16 parameters only
 
 
 HSDP = "hsdp"  # a variant's device_mesh: the (replicate, shard) mesh of ``hsdp_shape``
@@ -143,7 +158,8 @@ PEERS = [("fsdp2", "FSDP2 (reshard after forward) + AdamW"),
          ("fsdp2_keep", "FSDP2 (no reshard after forward) + AdamW"),
          ("fsdp2_hsdp", "FSDP2 HSDP (2-D mesh) + AdamW")]
 DEEPSPEED = [(f"ds_z{s}{'_overlap' if o else ''}", f"DeepSpeed ZeRO-{s}{', overlap_comm' if o else ''}")
-             for s in (1, 2) for o in (False, True)]
+             for s in (1, 2) for o in (False, True)] + [
+    ("ds_z3", "DeepSpeed ZeRO-3"), ("ds_z3_hpz", "DeepSpeed ZeRO++ hpZ (ZeRO-3, weights over N/2)")]
 COMPUTE = ("compute", "compute alone (fwd, bwd, 1/N of the step; no comm)")
 
 
@@ -224,7 +240,9 @@ def _deepspeed(key, model, args):
               "steps_per_print": 2**62, "bf16": {"enabled": args.dtype == "bf16"},
               "zero_optimization": {"stage": int(key[4]), "overlap_comm": key.endswith("overlap"),
                                     "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                    "contiguous_gradients": True},
+                                    "contiguous_gradients": True,
+                                    **({"zero_hpz_partition_size": hsdp_shape(dist.get_world_size())[1]}
+                                       if key.endswith("_hpz") else {})},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS),
                                                         "weight_decay": WEIGHT_DECAY,
                                                         "torch_adam": True}}}
@@ -241,6 +259,13 @@ def build(key, args, device):
     if key in zero:
         import zero_triton
         kwargs, label, overlap = zero[key]
+        if kwargs.get("gather_dtype") == GATHER:
+            kwargs = dict(kwargs)
+            if DTYPES[args.dtype] in (torch.float16, torch.bfloat16):
+                kwargs["gather_dtype"] = "int8"
+            else:  # fp32 parameters are their own master: gathered in full
+                del kwargs["gather_dtype"]
+                label = label.replace("int8 wire", "int8 average")
         if kwargs.get("device_mesh") == HSDP:
             kwargs = {**kwargs, "device_mesh": hsdp_mesh(device)}
             label = label.replace("2-D mesh", "mesh {} x {}".format(*hsdp_shape(dist.get_world_size())))

@@ -21,6 +21,16 @@ _positive_int = whole_number(1)
 _seconds = positive_number("number of seconds", "300")
 
 
+def _mesh(text: str) -> tuple:
+    try:
+        r, s = (int(t) for t in str(text).split(","))
+    except ValueError:
+        r = s = 0
+    if r < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass the mesh as R,S (replicas, shards), e.g. 2,2")
+    return (r, s)
+
+
 def _stage(text: str) -> int:
     if str(text).strip() not in ("1", "2", "3"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a ZeRO stage; pass 1 or 2")
@@ -58,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="zero_triton.overlap(model, opt), as users train: parameter "
                           "all-gathers waited by the next forward (default; --no-overlap waits "
                           "in step(); the reduce-scatters overlap backward in any case)")
+    run.add_argument("--mesh", type=_mesh, default=None, metavar="R,S",
+                     help="ZeroAdamW over a 2-D (replicate, shard) mesh of R x S ranks: hybrid "
+                          "sharding (default: flat over every rank)")
+    run.add_argument("--reduce-dtype", choices=("int8",), default=None,
+                     help="ZeroAdamW's gradients averaged as int8 blocks (error feedback on)")
+    run.add_argument("--gather-dtype", choices=("int8",), default=None,
+                     help="ZeroAdamW's parameters all-gathered as int8 blocks (--dtype bf16)")
     run.add_argument("--no-ddp", dest="ddp", action="store_false",
                      help="skip the DDP + torch.optim.AdamW baseline")
     run.add_argument("--timeout", type=_seconds, default=300.0,
@@ -114,6 +131,12 @@ def parse_args(argv) -> argparse.Namespace:
                  f"gets width / heads channels: pass e.g. --width {args.heads * max(1, round(args.width / args.heads))}")
     _check_stage_and_overlap(ap, args)
     _check_device(ap, args, launch.under_torchrun())
+    if args.mesh is not None and args.mesh[0] * args.mesh[1] != args.world_size:
+        ap.error(f"--mesh {args.mesh[0]},{args.mesh[1]} holds {args.mesh[0] * args.mesh[1]} ranks, "
+                 f"the run {args.world_size}: pass --world-size {args.mesh[0] * args.mesh[1]}")
+    if args.gather_dtype and args.dtype != "bf16":
+        ap.error("--gather-dtype int8 sends bf16 parameters beside their fp32 master: pass "
+                 "--dtype bf16 (fp32 parameters are their own master)")
     check_out_dir(ap, args)
     return args
 

@@ -102,14 +102,24 @@ def _build(name, args, device):
     dtype = DTYPES[args.dtype]
     model = build_gpt(model_config(args), device=device, dtype=dtype, seed=0)
     if name == "zero":
+        wire_options = {k: v for k, v in (("reduce_dtype", getattr(args, "reduce_dtype", None)),
+                                          ("gather_dtype", getattr(args, "gather_dtype", None))) if v}
+        mesh = getattr(args, "mesh", None)
+        if mesh is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+            wire_options["device_mesh"] = init_device_mesh(device.type, tuple(mesh),
+                                                           mesh_dim_names=("replicate", "shard"))
         opt = ZeroAdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
-                        backend=args.backend, **zero_options(args))
+                        backend=args.backend, **zero_options(args), **wire_options)
         backend = opt.backend
+        extra = "".join(f", {k}={v!r}" for k, v in wire_options.items() if k != "device_mesh")
+        if mesh is not None:
+            extra += f", mesh {mesh[0]} x {mesh[1]}"
         if args.overlap:
             import zero_triton
             zero_triton.overlap(model, opt)
         return model, model, opt, (f"ZeroAdamW (ZeRO-{args.stage}{', overlap' if args.overlap else ''}"
-                                   f", backend {backend})")
+                                   f"{extra}, backend {backend})")
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
     opt, how = torch_adamw(model.parameters())
@@ -236,6 +246,9 @@ def _memory_iteration(name, model, net, opt, batch, world, device):
     (read after the step, before zero_grad frees DDP's gradients)."""
     probe = MemoryProbe(device)
     idx, targets = batch
+    comm = internals(opt).comm if name == "zero" else None
+    if comm is not None:  # the bytes this rank sends over the iteration, per collective
+        comm.reset_wire()
     probe.phases["before"] = {"current": probe.snapshot()["current"], "peak": None}
     with probe.phase("forward"):
         _, loss = net(idx, targets)
@@ -243,10 +256,12 @@ def _memory_iteration(name, model, net, opt, batch, world, device):
         loss.backward()
     with probe.phase("optimizer"):
         opt.step()
-    states = _model_states(name, model, opt, world)
+    opt.wait_params() if comm is not None else None
+    sent = dict(comm.wire) if comm is not None else None
+    states = _model_states(name, model, opt, opt.world_size if name == "zero" else world)
     with probe.phase("zero_grad"):
         opt.zero_grad()
-    return {"how": probe.how, "phases": probe.phases}, states, float(loss.detach().float())
+    return {"how": probe.how, "phases": probe.phases, "sent": sent}, states, float(loss.detach().float())
 
 
 def _zero_figures(opt, splits, world, device, args) -> dict:

@@ -107,6 +107,9 @@ def format_text(report: dict) -> str:
     if "wire" in report:
         out.append(wire_text(report["wire"]))
         out.append("")
+    if "zero" in configs and configs["zero"]["ranks"][0]["memory"].get("sent") is not None:
+        out.append(sent_text(configs["zero"]))
+        out.append("")
     if "zero" in configs:
         out.append(adam_text(configs["zero"]))
         out.append("")
@@ -148,6 +151,20 @@ def wire_text(w: dict) -> str:
                        "which moves (N-1)/N*B. bus GB/s = formula bytes / time."))
     if gloo:
         lines.append(_wrap("note: " + w["note"]))
+    return "\n".join(lines)
+
+
+def sent_text(zero: dict) -> str:
+    """The bytes each rank sent over one iteration, per collective, as ZeroAdamW's
+    communicator counted them ("replicas.": between a 2-D mesh's replicas, across nodes)."""
+    sent = [r["memory"]["sent"] for r in zero["ranks"]]
+    names = sorted({k for s in sent for k in s})
+    lines = [_wrap("bytes each rank sent over one iteration, counted per collective by "
+                   "ZeroAdamW's communicator (replicas.: between the replicas of a 2-D mesh)"),
+             f"{'rank':<6}" + "".join(f"{n:>26}" for n in names) + f"{'total':>14}"]
+    for r, s in enumerate(sent):
+        lines.append(f"{r:<6}" + "".join(f"{s.get(n, 0):>26,}" for n in names)
+                     + f"{sum(s.values()):>14,}")
     return "\n".join(lines)
 
 
