@@ -189,6 +189,10 @@ class HybridComm:
             return
         self.shard.gather(tensor, gather_list, dst, what)
 
+    def error_bytes(self) -> int:
+        """The compressed averages' error buffers, both hops (``comm.compressed``)."""
+        return sum(getattr(c, "error_bytes", lambda: 0)() for c in (self.shard, self.replicate))
+
     @property
     def wire(self) -> dict:
         """Bytes this rank sent, per collective (``GroupComm.wire``)."""
