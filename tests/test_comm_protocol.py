@@ -19,7 +19,7 @@ METHODS = protocol_methods(Comm)
 
 def test_the_protocol_names_the_collectives_the_step_uses():
     assert set(METHODS) == {"reduce_scatter_avg", "recv_numel", "needs_recv", "all_gather",
-                            "all_reduce", "all_gather_object", "gather", "reset_wire",
+                            "all_reduce", "all_gather_object", "gather", "reset_wire", "held_bytes",
                             "gather_params", "gathered"}
 
 

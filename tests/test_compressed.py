@@ -194,6 +194,12 @@ def _job_bytes(rank, world, dtype, kw):
     opt._comm.reset_wire()
     model(x).float().square().mean().backward()
     opt.step()
+    held = opt.memory_report()["comm"]
+    if kw.get("reduce_dtype") == "int8":  # error feedback: bf16 of every local gradient
+        from zero_triton.optim.interface import internals
+        assert held == 2 * sum(f.layout.padded_numel for _, f in internals(opt).flat_shards()), held
+    else:
+        assert held == 0
     return sum(v for k, v in opt._comm.wire.items() if "reduce_scatter" in k or "all_gather" in k)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from dist_utils import run_ranks
 
-STEPS = {2: [3, 6], 3: [2, 5, 3]}  # batches per rank
+STEPS = {2: [3, 6], 3: [2, 5, 3], 4: [4, 2, 5, 3]}  # batches per rank
 
 
 def _model():
@@ -29,7 +29,12 @@ def _uneven(rank, world, case):
     stage, cap = case.get("stage", 1), case.get("bucket_cap_mb", 0.0005)
     micro, clip = case.get("micro", 1), case.get("clip")
     model, ref = _model(), _model()
-    opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=cap)
+    mesh = {}
+    if case.get("mesh"):  # hybrid sharding: Join's all-reduces and ours over every rank
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh["device_mesh"] = init_device_mesh("cpu", case["mesh"],
+                                               mesh_dim_names=("replicate", "shard"))
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, bucket_cap_mb=cap, **mesh)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.7)
@@ -120,6 +125,12 @@ def test_a_rank_out_of_inputs_shadows_the_others_under_join(name):
 
 def test_three_ranks_joining_at_different_iterations():
     diffs = run_ranks(_uneven, 3, dict(overlap=True, clip=0.05), timeout=180, pg_timeout_s=60)
+    assert max(diffs) < 1e-5, diffs
+
+
+def test_four_ranks_of_a_2x2_mesh_joining_at_different_iterations():
+    diffs = run_ranks(_uneven, 4, dict(mesh=(2, 2), stage=2, clip=0.05), timeout=180,
+                      pg_timeout_s=60)
     assert max(diffs) < 1e-5, diffs
 
 

@@ -158,7 +158,7 @@ class Int8Comm:
     def reset_wire(self) -> None:
         self.inner.reset_wire()
 
-    def error_bytes(self) -> int:
+    def held_bytes(self) -> int:
         """The error buffers' bytes (the price of error feedback)."""
         return sum(e.numel() * e.element_size() for e in self.errors.values())
 

@@ -183,6 +183,9 @@ class LocalComm:
     def reset_wire(self) -> None:
         pass
 
+    def held_bytes(self) -> int:
+        return 0
+
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
         return 0
 
@@ -263,6 +266,9 @@ class GroupComm:
 
     def reset_wire(self) -> None:
         self.wire.clear()
+
+    def held_bytes(self) -> int:
+        return 0
 
     def _count(self, kind: str, nbytes: float) -> None:
         key = self.wire_prefix + kind

@@ -189,9 +189,9 @@ class HybridComm:
             return
         self.shard.gather(tensor, gather_list, dst, what)
 
-    def error_bytes(self) -> int:
+    def held_bytes(self) -> int:
         """The compressed averages' error buffers, both hops (``comm.compressed``)."""
-        return sum(getattr(c, "error_bytes", lambda: 0)() for c in (self.shard, self.replicate))
+        return self.shard.held_bytes() + self.replicate.held_bytes()
 
     @property
     def wire(self) -> dict:

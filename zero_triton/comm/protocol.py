@@ -55,6 +55,9 @@ class Comm(Protocol):
     def reset_wire(self) -> None:
         """Start counting ``wire`` again."""
 
+    def held_bytes(self) -> int:
+        """Bytes the communicator keeps between steps (error feedback's buffers)."""
+
     def reduce_scatter_avg(self, out: torch.Tensor, inp: torch.Tensor, recv=None,
                            async_op: bool = False, name: str = "reduce_scatter",
                            accumulate: bool = False) -> Optional[Handle]:

@@ -445,9 +445,10 @@ class FusedAdam(torch.optim.Optimizer):
         under ZeRO, the averaged shard, held from the average in backward to the step's
         kernel; on CPUs a bucket's shard above 32 MiB is kept between steps), fp32 master,
         moments, padding (elements that belong to no parameter, params and grads),
-        scratch, and the buckets in flight (the reduce-scatters' receive buffers)."""
+        scratch, the buckets in flight (the reduce-scatters' receive buffers), and what the
+        communicator keeps between steps (``comm``: int8 averages' error feedback)."""
         total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0,
-                 "buckets": self._reducer.bytes}
+                 "buckets": self._reducer.bytes, "comm": self._comm.held_bytes()}
         for _, flat in self._all_flats():
             for k, v in flat.nbytes().items():
                 total[k] += v
