@@ -46,33 +46,61 @@ def payload_bytes(n: int) -> int:
     return 4 * blocks(n) + n
 
 
-def quantize(x: torch.Tensor, out: torch.Tensor) -> None:
+def _rows(t: torch.Tensor, n: int):
+    """The first ``n`` elements of ``t`` as whole blocks (a [k, BLOCK] view) and the short
+    last block (a [1, n % BLOCK] view, or None)."""
+    k = n // BLOCK
+    tail = t[k * BLOCK:n].view(1, -1) if n % BLOCK else None
+    return t[:k * BLOCK].view(k, BLOCK), tail
+
+
+def quantize(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` (uint8, ``payload_bytes(x.numel())``) takes ``x`` (float) as float32 scales
-    (absmax / 127 per block) then int8 codes (round to nearest, ties to even)."""
+    (absmax / 127 per block) then int8 codes (round to nearest, ties to even). Returns
+    the values the codes stand for (what ``dequantize`` gives, in float32), in
+    ``scratch`` (float32, at least ``x.numel()``; made when None): no tensor of ``x``'s
+    size is allocated per call, whose first touch costs more than the arithmetic."""
     n = x.numel()
     nb = blocks(n)
     scales = out[:4 * nb].view(torch.float32)
-    codes = out[4 * nb:].view(torch.int8)
-    x = x.float()
-    pad = nb * BLOCK - n
-    full = torch.nn.functional.pad(x, (0, pad)) if pad else x
-    rows = full.view(nb, BLOCK)
-    absmax = rows.abs().amax(dim=1)
-    scales.copy_(absmax / 127.0)
-    inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-    q = (rows * inv[:, None]).round_().clamp_(-127, 127)
-    codes.copy_(q.view(-1)[:n])
+    codes = out[4 * nb:4 * nb + n].view(torch.int8)
+    s = (torch.empty(n, dtype=torch.float32, device=x.device) if scratch is None
+         else scratch[:n])
+    if x.dtype != torch.float32:
+        s.copy_(x)
+        x = s
+    at = 0
+    for rows, work in zip(_rows(x, n), _rows(s, n)):
+        if rows is None or rows.numel() == 0:
+            continue
+        k = rows.shape[0]
+        torch.abs(rows, out=work)
+        absmax = work.amax(dim=1)
+        scale = scales[at:at + k]
+        torch.div(absmax, 127.0, out=scale)
+        inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        torch.mul(rows, inv[:, None], out=work)
+        work.round_().clamp_(-127, 127)
+        codes[at * BLOCK:at * BLOCK + work.numel()].copy_(work.view(-1))
+        work.mul_(scale[:, None])
+        at += k
+    return s
 
 
 def dequantize(payload: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (``n`` elements, any float dtype) takes the values ``payload`` holds."""
+    """``out`` (``n`` elements, any float dtype) takes the values ``payload`` holds: each
+    code times its block's scale, computed in float32 and rounded once to ``out``'s dtype."""
     nb = blocks(n)
     scales = payload[:4 * nb].view(torch.float32)
-    codes = payload[4 * nb:4 * nb + n].view(torch.int8).float()
-    pad = nb * BLOCK - n
-    full = torch.nn.functional.pad(codes, (0, pad)) if pad else codes
-    values = (full.view(nb, BLOCK) * scales[:, None]).view(-1)[:n]
-    out.copy_(values)
+    codes = payload[4 * nb:4 * nb + n].view(torch.int8)
+    out.copy_(codes)  # small integers: exact in any float dtype
+    at = 0
+    for rows in _rows(out, n):
+        if rows is None or rows.numel() == 0:
+            continue
+        k = rows.shape[0]
+        rows.mul_(scales[at:at + k, None])
+        at += k
     return out
 
 
@@ -81,6 +109,23 @@ def roundtrip(x: torch.Tensor) -> torch.Tensor:
     buf = torch.empty(payload_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     quantize(x, buf)
     return dequantize(buf, x.numel(), torch.empty_like(x))
+
+
+class Scratch:
+    """Float32 buffers reused call after call, one per role, grown to the largest
+    asked: a fresh tensor of a bucket's size costs its first touch (page faults), more
+    than the quantization's arithmetic on CPUs. A role is used within one call (the
+    launch's, or the wait's, which run one at a time on the host, or in one stream's
+    order on a GPU), never across a collective in flight."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def get(self, role: str, n: int, device) -> torch.Tensor:
+        buf = self.buffers.get((role, device))
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[(role, device)] = torch.empty(n, dtype=torch.float32, device=device)
+        return buf[:n]
 
 
 class _Gathered:
@@ -121,15 +166,21 @@ class _Summed(AllOf):
         if self.out is None:
             return
         super().wait()
-        total = torch.zeros(self.n, dtype=torch.float32, device=self.out.device)
-        scratch = torch.empty_like(total)
+        out, n, device = self.out, self.n, self.out.device
+        scratch = self.comm.scratch
+        direct = not self.accumulate and out.dtype == torch.float32
+        total = out if direct else scratch.get("total", n, device)
         for r, payload in enumerate(self.payloads):
-            total.add_(self.own if payload is None else dequantize(payload, self.n, scratch))
+            if r == 0:
+                total.copy_(self.own) if payload is None else dequantize(payload, n, total)
+            else:
+                total.add_(self.own if payload is None
+                           else dequantize(payload, n, scratch.get("received", n, device)))
         total.div_(self.comm.world_size)
         if self.accumulate:
-            self.out.add_(total)
-        else:
-            self.out.copy_(total)
+            out.add_(total)
+        elif not direct:
+            out.copy_(total)
         self.payloads = self.own = self.out = None
 
 
@@ -146,6 +197,7 @@ class Int8Comm:
                      "replica", "replicas", "members"):
             setattr(self, name, getattr(inner, name))
         self.errors: dict = {}  # (name, numel) -> this rank's error buffer of that input
+        self.scratch = Scratch()
 
     @property
     def everyone(self):
@@ -176,31 +228,31 @@ class Int8Comm:
             return self.inner.reduce_scatter_avg(out, inp, recv, async_op, name, accumulate)
         w, r = self.world_size, self.rank
         n = inp.numel() // w
-        x = inp.float()
+        device = inp.device
+        chunks = inp.view(w, n)
+        error = None
         if self.feedback is not None:
             key = (name, inp.numel())
             error = self.errors.get(key)
             if error is None:
                 error = self.errors[key] = torch.zeros(inp.numel(), dtype=self.feedback,
-                                                       device=inp.device)
-            x = x + error if x.data_ptr() == inp.data_ptr() else x.add_(error)
-        chunks = x.view(w, n)
+                                                       device=device)
+            error = error.view(w, n)
         p = payload_bytes(n)
-        send = torch.empty(w, p, dtype=torch.uint8, device=inp.device)
+        send = torch.empty(w, p, dtype=torch.uint8, device=device)
+        x = self.scratch.get("sent", n, device)
         for k in range(w):
-            if k != r:
-                quantize(chunks[k], send[k])
-        if self.feedback is not None:
-            # What this rank's quantization dropped, sent again next time (its own chunk
-            # did not travel: nothing dropped).
-            kept = torch.empty(n, dtype=torch.float32, device=inp.device)
-            errs = error.view(w, n)
-            for k in range(w):
-                if k == r:
-                    errs[k].zero_()
-                else:
-                    errs[k].copy_(chunks[k] - dequantize(send[k], n, kept))
-        own = chunks[r]  # read at the wait (``inp`` is busy until then)
+            if k == r:
+                continue
+            x.copy_(chunks[k])
+            if error is not None:
+                x.add_(error[k])
+            sent = quantize(x, send[k], self.scratch.get("codes", n, device))
+            if error is not None:  # what quantization dropped, sent again next time
+                error[k].copy_(x.sub_(sent))
+        # This rank's own chunk does not travel: read exact, from ``inp`` (busy until the
+        # wait), at the wait; nothing of it is dropped, so its error stays zero.
+        own = chunks[r]
         self.inner._count("reduce_scatter", (w - 1) * p)
         with self.inner._collective(name, "reduce_scatter"):
             if self.backend == "gloo" and inp.device.type == "cpu":
@@ -234,16 +286,18 @@ class Int8Comm:
         p = payload_bytes(n)
         buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=part.device)
         mine = buf.view(self.world_size, p)[self.rank]
-        x = part
+        x = self.scratch.get("sent", n, part.device)
+        x.copy_(part)
+        error = None
         if self.feedback is not None:
             key = (name + " (gathered)", n)
             error = self.errors.get(key)
             if error is None:
                 error = self.errors[key] = torch.zeros(n, dtype=self.feedback, device=part.device)
-            x = part.float() + error
-        quantize(x, mine)
-        if self.feedback is not None:
-            error.copy_(x - dequantize(mine, n, torch.empty_like(x)))
+            x.add_(error)
+        sent = quantize(x, mine, self.scratch.get("codes", n, part.device))
+        if error is not None:
+            error.copy_(x.sub_(sent))
         pending = _Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,
                             buf, flat, n)
         if not async_op:
@@ -260,7 +314,7 @@ class Int8Comm:
         p = payload_bytes(n)
         buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=shard.device)
         mine = buf.view(self.world_size, p)[self.rank]
-        quantize(shard, mine)
+        quantize(shard, mine, self.scratch.get("codes", n, shard.device))
         pending = _Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,
                             buf, flat, n)
         if not async_op:
