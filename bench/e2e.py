@@ -612,7 +612,7 @@ def format_states(rows, world, args) -> str:
     for r in zero:
         states = max((x["states"] for x in r["ranks"]), key=lambda st: sum(
             v for k, v in st.items() if k != "optimizer_state"))
-        shards = hsdp_shape(world)[1] if r["config"].endswith("_hsdp") else world
+        shards = hsdp_shape(world)[1] if "_hsdp" in r["config"] else world
         f = formulas["int8" if r["config"].endswith("_int8") else "fp32", shards][
             f"zero{2 if '_s2' in r['config'] else 1}"]
         held = states["params"] + states["grads"] + states["master"] + states["moments"]

@@ -224,15 +224,9 @@ def format_table(results) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0,
-                        help="the model's initial weights and the order of its batches (0: the "
-                             "published run); other seeds show how much one run's loss varies")
-    parser.add_argument("--rows", default=",".join(ROWS),
-                        help=f"comma-separated, from {', '.join(ROWS)}")
-    parser.add_argument("--batch", type=int, default=16)
+def add_training_args(parser, batch: int, batch_help: str) -> None:
+    """The model, the text and the schedule (shared with ``bench/wire_quality.py``)."""
+    parser.add_argument("--batch", type=int, default=batch, help=batch_help)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)
@@ -244,17 +238,34 @@ def parse_args(argv):
     parser.add_argument("--val-batches", type=int, default=50)
     parser.add_argument("--val-frac", type=float, default=0.1)
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                      "results", "lowbit"))
+
+
+def parsed(parser, argv, known) -> argparse.Namespace:
+    """``argv`` parsed, ``--rows`` split and checked against ``known``, the steps against
+    the tail (shared with ``bench/wire_quality.py``)."""
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
-    bad = [r for r in rows if r not in ROWS]
+    bad = [r for r in rows if r not in known]
     if bad:
-        parser.error(f"unknown rows {bad}; choose from {', '.join(ROWS)}")
+        parser.error(f"unknown rows {bad}; choose from {', '.join(known)}")
     if args.steps < args.tail:
         parser.error(f"--steps ({args.steps}) must be at least --tail ({args.tail})")
     args.rows = rows
     return args
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the model's initial weights and the order of its batches (0: the "
+                             "published run); other seeds show how much one run's loss varies")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"comma-separated, from {', '.join(ROWS)}")
+    add_training_args(parser, batch=16, batch_help="sequences per step")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                      "results", "lowbit"))
+    return parsed(parser, argv, ROWS)
 
 
 def main(argv=None) -> int:
@@ -278,18 +289,24 @@ def main(argv=None) -> int:
     print(f"\n{args.steps} steps, batch {args.batch} x {args.seq} bytes, "
           f"{tokens.numel():,} bytes of text ({cut:,} train)")
     print(format_table(results))
+    write_outputs(args, results, ["row", "train_loss", "val_loss", "state_bytes_per_param",
+                                  "seconds"], write_png)
+    return 0
+
+
+def write_outputs(args, results, columns, png) -> None:
+    """quality.csv (``columns`` of each result), quality.json and quality.png (``png``)
+    in ``args.out`` (shared with ``bench/wire_quality.py``)."""
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "quality.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["row", "train_loss", "val_loss", "state_bytes_per_param", "seconds"])
+        w.writerow(columns)
         for r in results:
-            w.writerow([r["row"], r["train_loss"], r["val_loss"], r["state_bytes_per_param"],
-                        r["seconds"]])
+            w.writerow([r[c] for c in columns])
     with open(os.path.join(args.out, "quality.json"), "w") as f:
         json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f)
-    why = write_png(results, os.path.join(args.out, "quality.png"), args)
+    why = png(results, os.path.join(args.out, "quality.png"), args)
     print(f"wrote {args.out}/quality.csv, .json" + (f"; no PNG: {why}" if why else ", .png"))
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ CSV, JSON and PNG to ``--out`` (bench/results/wire).
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import os
 import sys
@@ -42,7 +40,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lowbit_quality import batches, corpus, evaluate  # noqa: E402
+from lowbit_quality import (add_training_args, batches, corpus, evaluate, parsed,  # noqa: E402
+                            write_outputs)
 from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 from zero_triton.tools.profiling import launch  # noqa: E402
 
@@ -163,30 +162,11 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {', '.join(ROWS)}")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank (4: 16 in all)")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--tail", type=int, default=100, help="steps the final loss averages")
-    parser.add_argument("--val-batches", type=int, default=50)
-    parser.add_argument("--val-frac", type=float, default=0.1)
-    parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
+    add_training_args(parser, batch=4, batch_help="sequences per rank (4: 16 in all)")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "results", "wire"))
-    args = parser.parse_args(argv)
-    rows = [r for r in args.rows.split(",") if r]
-    bad = [r for r in rows if r not in ROWS]
-    if bad:
-        parser.error(f"unknown rows {bad}; choose from {', '.join(ROWS)}")
-    if args.steps < args.tail:
-        parser.error(f"--steps ({args.steps}) must be at least --tail ({args.tail})")
-    args.rows = rows
-    return args
+    return parsed(parser, argv, ROWS)
 
 
 def main(argv=None) -> int:
@@ -199,17 +179,8 @@ def main(argv=None) -> int:
               f"{r['bytes_per_step'] / 2**20:.3f} MB sent per step ({r['seconds']:.0f} s)", flush=True)
     print(f"\n{args.steps} steps at {WORLD} ranks, batch {args.batch} x {args.seq} bytes per rank")
     print(format_table(results))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "quality.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["row", "train_loss", "val_loss", "bytes_per_step", "error_bytes", "seconds"])
-        for r in results:
-            w.writerow([r["row"], r["train_loss"], r["val_loss"], r["bytes_per_step"],
-                        r["error_bytes"], r["seconds"]])
-    with open(os.path.join(args.out, "quality.json"), "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f)
-    why = write_png(results, os.path.join(args.out, "quality.png"), args)
-    print(f"wrote {args.out}/quality.csv, .json" + (f"; no PNG: {why}" if why else ", .png"))
+    write_outputs(args, results, ["row", "train_loss", "val_loss", "bytes_per_step",
+                                  "error_bytes", "seconds"], write_png)
     return 0
 
 

@@ -40,3 +40,20 @@ def test_quality_bench_writes_its_table(tmp_path):
         assert len(r["losses"]) == 12 and r["losses"][-1] < r["losses"][0]  # it trains
     assert rows["zt_int8"]["state_bytes_per_param"] < 2.2
     assert "x ref" in proc.stdout
+
+
+def test_wire_quality_bench_trains_each_row_at_four_ranks_and_counts_its_bytes(tmp_path):
+    """bench/wire_quality.py: ZeroAdamW at 4 gloo ranks, exact and int8 rows side by side."""
+    proc = run_python([REPO / "bench" / "wire_quality.py", "--steps", "8", "--tail", "4",
+                       "--warmup", "2", "--val-batches", "2", "--corpus-bytes", "200000",
+                       "--rows", "exact,int8_both,hsdp_int8_both", "--out", tmp_path],
+                      env=ENV, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "quality.json").read_text())
+    rows = {r["row"]: r for r in data["results"]}
+    for r in rows.values():
+        assert len(r["losses"]) == 8 and r["losses"][-1] < r["losses"][0]  # it trains
+    # int8 blocks both ways: about half of the bf16 bytes the exact row sends
+    assert 0.45 < rows["int8_both"]["bytes_per_step"] / rows["exact"]["bytes_per_step"] < 0.55
+    assert rows["int8_both"]["error_bytes"] > 0 and rows["exact"]["error_bytes"] == 0
+    assert "x exact" in proc.stdout

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .group import AllOf, _tags, _TAGS
+from .group import AllOf, _tags, _TAGS, settled
 
 BLOCK = 256
 CODECS = ("int8",)
@@ -64,11 +64,10 @@ def quantize(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = 
     nb = blocks(n)
     scales = out[:4 * nb].view(torch.float32)
     codes = out[4 * nb:4 * nb + n].view(torch.int8)
+    if x.dtype != torch.float32:  # read as float32 (not in ``scratch``: it is overwritten)
+        x = x.float()
     s = (torch.empty(n, dtype=torch.float32, device=x.device) if scratch is None
          else scratch[:n])
-    if x.dtype != torch.float32:
-        s.copy_(x)
-        x = s
     at = 0
     for rows, work in zip(_rows(x, n), _rows(s, n)):
         if rows is None or rows.numel() == 0:
@@ -230,13 +229,8 @@ class Int8Comm:
         n = inp.numel() // w
         device = inp.device
         chunks = inp.view(w, n)
-        error = None
-        if self.feedback is not None:
-            key = (name, inp.numel())
-            error = self.errors.get(key)
-            if error is None:
-                error = self.errors[key] = torch.zeros(inp.numel(), dtype=self.feedback,
-                                                       device=device)
+        error = self._error(name, inp.numel(), device)
+        if error is not None:
             error = error.view(w, n)
         p = payload_bytes(n)
         send = torch.empty(w, p, dtype=torch.uint8, device=device)
@@ -267,11 +261,7 @@ class Int8Comm:
                 works = [dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group,
                                                 async_op=True)]
         payloads = [None if k == r else recv[k] for k in range(w)]
-        pending = _Summed(works, self, name, payloads, own, out, accumulate, n)
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
+        return settled(_Summed(works, self, name, payloads, own, out, accumulate, n), async_op)
 
     def all_gather_average(self, flat: torch.Tensor, part: torch.Tensor, async_op: bool = False,
                            name: str = "all_gather"):
@@ -282,45 +272,47 @@ class Int8Comm:
         owner's compensation, as 1-bit Adam's server side)."""
         if self.reduce_codec is None or self.world_size == 1:
             return self.inner.all_gather(flat, part, async_op, name)
-        n = part.numel()
+        error = self._error(name + " (gathered)", part.numel(), part.device)
+        return self._gather_quantized(flat, part, async_op, name, error)
+
+    def _error(self, name: str, n: int, device):
+        """This rank's error buffer of the input ``name`` of ``n`` elements (None without
+        error feedback)."""
+        if self.feedback is None:
+            return None
+        key = (name, n)
+        error = self.errors.get(key)
+        if error is None:
+            error = self.errors[key] = torch.zeros(n, dtype=self.feedback, device=device)
+        return error
+
+    def _gather_quantized(self, flat, values, async_op, name, error=None):
+        """Every rank's ``values`` into ``flat`` as int8 blocks, every rank (this one too)
+        writing the dequantized values; ``error``: what this rank's quantization drops,
+        kept and added to its values the next time."""
+        n = values.numel()
         p = payload_bytes(n)
-        buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=part.device)
+        buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=values.device)
         mine = buf.view(self.world_size, p)[self.rank]
-        x = self.scratch.get("sent", n, part.device)
-        x.copy_(part)
-        error = None
-        if self.feedback is not None:
-            key = (name + " (gathered)", n)
-            error = self.errors.get(key)
-            if error is None:
-                error = self.errors[key] = torch.zeros(n, dtype=self.feedback, device=part.device)
+        x = values
+        if error is not None:
+            x = self.scratch.get("sent", n, values.device)
+            x.copy_(values)
             x.add_(error)
-        sent = quantize(x, mine, self.scratch.get("codes", n, part.device))
+        sent = quantize(x, mine, self.scratch.get("codes", n, values.device))
         if error is not None:
             error.copy_(x.sub_(sent))
-        pending = _Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,
-                            buf, flat, n)
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
+        return settled(_Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,
+                                 buf, flat, n), async_op)
 
     # -- the parameters --------------------------------------------------------------
     def gather_params(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                       name: str = "all_gather"):
         if self.gather_codec is None or self.world_size == 1:
             return self.inner.gather_params(flat, shard, async_op, name)
-        n = shard.numel()
-        p = payload_bytes(n)
-        buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=shard.device)
-        mine = buf.view(self.world_size, p)[self.rank]
-        quantize(shard, mine, self.scratch.get("codes", n, shard.device))
-        pending = _Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,
-                            buf, flat, n)
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
+        x = self.scratch.get("sent", shard.numel(), shard.device)
+        x.copy_(shard)  # float32, read by the quantizer
+        return self._gather_quantized(flat, x, async_op, name)
 
     def gathered(self, shard: torch.Tensor) -> torch.Tensor:
         """What ``gather_params`` writes for ``shard``."""

@@ -92,6 +92,14 @@ class Pending:
 DONE = Pending()
 
 
+def settled(pending, async_op: bool):
+    """A launch's answer: ``pending`` itself (``async_op``), or None once waited for."""
+    if async_op:
+        return pending
+    pending.wait()
+    return None
+
+
 class AllOf(Pending):
     """Several collectives in flight, waited in the order they started."""
 
@@ -321,10 +329,7 @@ class GroupComm:
                 work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
                 pending = OrderedSum([work], self, name, list(recv.view(self.world_size, -1).unbind()),
                                      out, accumulate)
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
+        return settled(pending, async_op)
 
     def _pairwise(self, out, inp, recv, name, accumulate) -> OrderedSum:
         """gloo: each peer's chunk sent from ``inp`` in place, and this rank's chunk
@@ -399,10 +404,7 @@ class GroupComm:
             works = [dist.broadcast(chunk, src=self.global_ranks[r], group=self.group, async_op=True)
                      for r, chunk in enumerate(chunks)]
         pending = AllOf(works, self, name)
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
+        return settled(pending, async_op)
 
     def gather_params(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                       name: str = "all_gather"):

@@ -34,7 +34,7 @@ import collections
 
 import torch
 
-from .group import GroupComm
+from .group import GroupComm, settled
 
 
 class Chain:
@@ -140,10 +140,7 @@ class HybridComm:
         self.queue.append(pending)
         if inp.device.type != "cpu":  # the stream orders the two: no host wait
             self.advance(until=pending)
-        if not async_op:
-            pending.wait()
-            return None
-        return pending
+        return settled(pending, async_op)
 
     def advance(self, until=None) -> None:
         """Launch the next collectives of the averages in flight whose last one landed,
