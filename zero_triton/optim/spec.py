@@ -10,6 +10,7 @@ to every constructor on the way down.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ MASTER_STRINGS = {
     REMAINDER: "the low 16 bits of the fp32 master beside bfloat16 parameters: an exact "
                "master for 2 bytes",
 }
+
+
+_COMPRESSED_DIFFERENTIABLE = (
+    "compressed collectives (reduce_dtype='int8', gather_dtype='int8') cannot be used with "
+    "differentiable=True: autograd through the step needs exact gradients and parameters; "
+    "leave them out")
 
 
 @dataclass(frozen=True)
@@ -63,8 +70,7 @@ class Spec:
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
-              stage=1, max_grad_norm=None, differentiable=False, moments="fp32",
-              gather_dtype=None, error_feedback=True) -> "Spec":
+              stage=1, max_grad_norm=None, differentiable=False, moments="fp32") -> "Spec":
         """The constructor's keywords, checked in the order the optimizers have always
         checked them (each error names the fix; nothing has changed yet)."""
         if isinstance(master_weights, str):
@@ -100,22 +106,8 @@ class Spec:
             raise ValueError(f"reduce_dtype must be None (the gradients' own dtype), "
                              f"torch.float32, torch.float16, torch.bfloat16 or 'int8' (int8 "
                              f"blocks on the wire, summed in float32), got {reduce_dtype!r}")
-        if gather_dtype is not None and gather_dtype not in CODECS:
-            raise ValueError(f"gather_dtype must be None (the parameters' own dtype) or 'int8' "
-                             f"(int8 blocks on the wire), got {gather_dtype!r}")
-        if isinstance(error_feedback, bool) or error_feedback in (torch.float32, torch.bfloat16):
-            feedback = FEEDBACK[error_feedback]
-        else:
-            raise ValueError(f"error_feedback must be True (bfloat16 error buffers), False, "
-                             f"torch.bfloat16 or torch.float32, got {error_feedback!r}")
-        if reduce_codec is None and error_feedback is not True:
-            raise ValueError("error_feedback applies to reduce_dtype='int8' (what its "
-                             "quantization drops, sent again the next step); leave it out "
-                             "or pass reduce_dtype='int8'")
-        if (reduce_codec or gather_dtype) and differentiable:
-            raise ValueError("compressed collectives (reduce_dtype='int8', gather_dtype='int8') "
-                             "cannot be used with differentiable=True: autograd through the "
-                             "step needs exact gradients and parameters; leave them out")
+        if reduce_codec and differentiable:
+            raise ValueError(_COMPRESSED_DIFFERENTIABLE)
         if not isinstance(moments, str) or moments not in moment_formats.FORMATS:
             raise ValueError(f"moments must be one of {tuple(moment_formats.FORMATS)} (the Adam "
                              f"moments' storage format), got {moments!r}")
@@ -129,8 +121,27 @@ class Spec:
                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                    differentiable=bool(differentiable), moments=moments,
-                   gather_codec=gather_dtype, reduce_codec=reduce_codec,
-                   error_feedback=feedback if reduce_codec else None)
+                   reduce_codec=reduce_codec,
+                   error_feedback=FEEDBACK[True] if reduce_codec else None)
+
+    def with_wire(self, gather_dtype=None, error_feedback=True) -> "Spec":
+        """This spec with ZeroAdam's parameter gathers (``gather_dtype``) and the int8
+        average's error buffers (``error_feedback``), checked (``zero_triton.comm.compressed``)."""
+        if gather_dtype is not None and gather_dtype not in CODECS:
+            raise ValueError(f"gather_dtype must be None (the parameters' own dtype) or 'int8' "
+                             f"(int8 blocks on the wire), got {gather_dtype!r}")
+        if not (isinstance(error_feedback, bool) or error_feedback in (torch.float32, torch.bfloat16)):
+            raise ValueError(f"error_feedback must be True (bfloat16 error buffers), False, "
+                             f"torch.bfloat16 or torch.float32, got {error_feedback!r}")
+        if self.reduce_codec is None and error_feedback is not True:
+            raise ValueError("error_feedback applies to reduce_dtype='int8' (what its "
+                             "quantization drops, sent again the next step); leave it out "
+                             "or pass reduce_dtype='int8'")
+        if gather_dtype and self.differentiable:
+            raise ValueError(_COMPRESSED_DIFFERENTIABLE)
+        return dataclasses.replace(
+            self, gather_codec=gather_dtype,
+            error_feedback=FEEDBACK[error_feedback] if self.reduce_codec else None)
 
     @property
     def align(self) -> int:

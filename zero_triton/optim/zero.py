@@ -138,8 +138,7 @@ class ZeroAdam(FusedAdam, Joinable):
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
-                          moments=moments, gather_dtype=gather_dtype,
-                          error_feedback=error_feedback)
+                          moments=moments).with_wire(gather_dtype, error_feedback)
         compress = _compressing(spec)
         if device_mesh is not None and device_mesh.ndim == 2:
             comm = HybridComm(device_mesh, wrap=compress)
