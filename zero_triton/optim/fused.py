@@ -213,6 +213,7 @@ class FusedAdam(torch.optim.Optimizer):
         and the parameters from them: the parameters' writes are ours, and ``opt.state``
         views the new state (one rank)."""
         for flat in flats:
+            flat.published()
             flat.versions.accept()
         self._edits.expose(*flats)
         self._ranks.loaded()

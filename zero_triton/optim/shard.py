@@ -241,6 +241,16 @@ class FlatShard:
                     self.state.master.reseed(s0 + x, s0 + x + b - a, part[x:x + b - a])
         self.versions.accept(wanted)
 
+    @torch.no_grad()
+    def published(self) -> None:
+        """The master was just published into this rank's shard of the parameters (a
+        checkpoint's load, whose model file holds the other ranks' shards as the gathers
+        left them): hold there what our own gather would write (``Comm.gathered``)."""
+        for part in self.param_parts:
+            ours = self.comm.gathered(part)
+            if ours is not part:
+                part.copy_(ours)
+
     def unwritten(self, part: torch.Tensor, s0: int) -> torch.Tensor:
         """``part`` (this rank's parameters of one segment, its state at ``s0``) with
         what our own gather wrote there (``Comm.gathered``: compressed gathers write the
