@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from zero_triton.comm import buckets, grads
+from zero_triton.comm.compressed import CODECS  # what can be sent compressed
 from zero_triton.native import backends
 from zero_triton.optim.checks import check_flag
 from zero_triton.state import moments as moment_formats
 
 REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
-CODECS = ("int8",)  # compressed collectives (zero_triton.comm.compressed)
 FEEDBACK = {True: torch.bfloat16, False: None, torch.bfloat16: torch.bfloat16,
             torch.float32: torch.float32}
 STOCHASTIC = "stochastic"  # master_weights: no fp32 master, bf16 parameters rounded stochastically
