@@ -154,15 +154,15 @@ def evaluate(model, val, args) -> float:
     return total / args.val_batches
 
 
-def train(row: str, train_tokens, val, config, args) -> dict:
-    model = build_gpt(config, dtype=torch.bfloat16 if row in BF16_PARAMS else torch.float32,
-                      seed=args.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(row, params, args.lr, args.weight_decay)
-    it = batches(train_tokens, args.batch, args.seq, seed=1 + args.seed)
+def train_steps(model, opt, it, args, before_step=None):
+    """``args.steps`` steps of ``model`` on the batches of ``it`` (linear warm-up of the
+    lr, then constant; stopped at a non-finite loss): (losses, seconds).
+    ``before_step(step)`` runs first in each (shared with ``bench/wire_quality.py``)."""
     losses = []
     t0 = time.perf_counter()
     for step in range(args.steps):
+        if before_step is not None:
+            before_step(step)
         idx, tgt = next(it)
         lr = args.lr * min(1.0, (step + 1) / args.warmup)  # linear warm-up, then constant
         for g in opt.param_groups:
@@ -177,7 +177,16 @@ def train(row: str, train_tokens, val, config, args) -> dict:
         losses.append(loss.float().item())
         if not math.isfinite(losses[-1]):
             break
-    seconds = time.perf_counter() - t0
+    return losses, time.perf_counter() - t0
+
+
+def train(row: str, train_tokens, val, config, args) -> dict:
+    model = build_gpt(config, dtype=torch.bfloat16 if row in BF16_PARAMS else torch.float32,
+                      seed=args.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(row, params, args.lr, args.weight_decay)
+    it = batches(train_tokens, args.batch, args.seq, seed=1 + args.seed)
+    losses, seconds = train_steps(model, opt, it, args)
     n = sum(p.numel() for p in params)
     tail = losses[-args.tail:]
     return {"row": row, "label": LABELS[row], "losses": losses, "seconds": seconds,

@@ -30,10 +30,8 @@ CSV, JSON and PNG to ``--out`` (bench/results/wire).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import time
 
 import torch
 
@@ -41,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lowbit_quality import (add_training_args, batches, corpus, evaluate, parsed,  # noqa: E402
-                            write_outputs)
+                            train_steps, write_outputs)
 from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 from zero_triton.tools.profiling import launch  # noqa: E402
 
@@ -80,22 +78,9 @@ def train_rank(args, rank, world, device) -> dict:
     opt = ZeroAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, **kw)
     comm = internals(opt).comm
     it = batches(train_tokens, args.batch, args.seq, seed=1 + args.seed + 1000 * rank)
-    losses = []
-    t0 = time.perf_counter()
-    for step in range(args.steps):
-        if step == 1:
-            comm.reset_wire()
-        idx, tgt = next(it)
-        for g in opt.param_groups:
-            g["lr"] = args.lr * min(1.0, (step + 1) / args.warmup)
-        _, loss = model(idx, tgt)
-        loss.float().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.float().item())
-        if not math.isfinite(losses[-1]):
-            break
-    seconds = time.perf_counter() - t0
+    # the bytes of every step but the first (which learns the buckets' order)
+    losses, seconds = train_steps(model, opt, it, args,
+                                  lambda step: comm.reset_wire() if step == 1 else None)
     sent = sum(v for k, v in comm.wire.items() if "reduce_scatter" in k or "all_gather" in k)
     val_loss = evaluate(model, val, args)
     dist.barrier()
