@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
 
 BACKENDS = ("torch", "triton", "cpu")
@@ -157,3 +158,19 @@ def snapshot(opt, params):
         s = opt.state.get(p, {})
         out += [v.detach().clone() for v in s.values() if isinstance(v, torch.Tensor)]
     return out
+
+
+def spelled(fn):
+    """Step function ``fn`` (``fn(ops, args)``: ``zero_triton.kernels.args``) called with
+    its arguments spelled out, for tests that build them one by one: ``(param, grad,
+    m1, m2, m3, param_lp, step, lr, *, remainder=None, scratch=None, **StepArgs)``, where
+    ``m1, m2, m3`` are the moment store's operands."""
+    def call(param, grad, m1, m2, m3, param_lp, step, lr, *, remainder=None, scratch=None, **kw):
+        return fn(Operands(param, grad, (m1, m2, m3), param_lp, step, lr, remainder, scratch),
+                  StepArgs(**kw))
+    return call
+
+
+def spelled_step(name: str, fmt: str = "fp32"):
+    """``backends.step_function(name, fmt)``, ``spelled``."""
+    return spelled(backends.step_function(name, fmt))

@@ -8,7 +8,7 @@ from torch import nn
 from zero_triton import FusedAdam
 from zero_triton.native import backends
 
-from adam_cases import (assert_bitwise, LAUNCH_KW, launcher_args, make_params, SHAPES)
+from adam_cases import (assert_bitwise, LAUNCH_KW, launcher_args, make_params, SHAPES, spelled)
 
 
 # -- bad input: a clear error, nothing changed ----------------------------------------------------
@@ -101,7 +101,7 @@ def test_launcher_refuses_cpu_tensors_without_interpreter(monkeypatch):
     monkeypatch.setattr(kadam, "INTERPRET", False)
     args = launcher_args(8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1.*backend='cpu' or 'torch'"):
-        kadam.adam_step(*args, **LAUNCH_KW)
+        spelled(kadam.adam_step)(*args, **LAUNCH_KW)
 
 
 def test_parameter_in_two_groups():

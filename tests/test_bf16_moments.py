@@ -9,6 +9,7 @@ import zero_triton as zt
 from zero_triton.kernels import rounding
 from zero_triton.native import backends
 
+from adam_cases import spelled_step
 from dist_utils import run_ranks
 from lowbit_cases import mean_grads
 
@@ -56,9 +57,9 @@ def test_each_kernel_is_widen_fp32_step_round(backend, n, lp_dtype):
               maximize=False)
     step, lr = torch.tensor([5.0]), torch.tensor([1e-3])
     want = [t.clone() if t is not None else None for t in (p, m, v, lp)]
-    _composed(backends.step_function(backend, "fp32"), want[0], g, want[1], want[2], want[3],
+    _composed(spelled_step(backend, "fp32"), want[0], g, want[1], want[2], want[3],
               step, lr, seed=11, index=2 ** 33 + 5, **kw)
-    backends.step_function(backend, "bf16")(p, g, m, v, None, lp, step, lr, seed=11,
+    spelled_step(backend, "bf16")(p, g, m, v, None, lp, step, lr, seed=11,
                                             index=2 ** 33 + 5, **kw)
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "param_lp"), (p, m, v, lp), want):
         assert (a is None and b is None) or torch.equal(a, b), name

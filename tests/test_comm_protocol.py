@@ -9,18 +9,19 @@ import torch
 
 from conftest import assert_signature, protocol_methods
 from dist_utils import run_ranks
+from zero_triton.comm.compressed import Int8Comm
 from zero_triton.comm.group import GroupComm, LocalComm
 from zero_triton.comm.hybrid import HybridComm
 from zero_triton.comm.protocol import Comm, Handle
 
-IMPLEMENTATIONS = [LocalComm, GroupComm, HybridComm]
+IMPLEMENTATIONS = [LocalComm, GroupComm, HybridComm, Int8Comm]
 METHODS = protocol_methods(Comm)
 
 
 def test_the_protocol_names_the_collectives_the_step_uses():
     assert set(METHODS) == {"reduce_scatter_avg", "recv_numel", "needs_recv", "all_gather",
                             "all_reduce", "all_gather_object", "gather", "reset_wire", "held_bytes",
-                            "gather_params", "gathered"}
+                            "gather_params", "gathered", "all_gather_average", "exchange"}
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda c: c.__name__)
@@ -38,6 +39,32 @@ def test_one_rank_is_a_comm_and_its_launches_are_handles():
     flat = torch.zeros(4)
     assert isinstance(comm.all_gather(flat, inp, async_op=True), Handle)
     assert torch.equal(flat, inp)
+
+
+def test_int8_over_one_rank_is_a_comm_and_passes_through():
+    comm = Int8Comm(LocalComm(), gather="int8", reduce="int8")
+    assert isinstance(comm, Comm)
+    out, inp = torch.zeros(4), torch.arange(4.0)
+    comm.reduce_scatter_avg(out, inp)
+    assert torch.equal(out, inp)
+
+
+def _int8(rank, world):
+    """Int8Comm over a group talks only through the group's declared members: its
+    average moves as one exchange counted by the group under the average's name."""
+    comm = Int8Comm(GroupComm(), gather="int8", reduce="int8", feedback=None)
+    comm.wire_prefix = "x."
+    out, inp = torch.zeros(256), torch.arange(512.0) * (rank + 1)
+    comm.reduce_scatter_avg(out, inp, async_op=True).wait()
+    return isinstance(comm, Comm), out.tolist(), comm.wire, comm.inner.wire_prefix
+
+
+def test_int8_wraps_a_group_through_the_protocol():
+    for rank, (is_comm, out, wire, prefix) in enumerate(run_ranks(_int8, 2)):
+        assert is_comm and prefix == "x."
+        want = [1.5 * k for k in range(256 * rank, 256 * rank + 256)]
+        assert max(abs(a - b) for a, b in zip(out, want)) <= 767 * 2 / 127 / 2, rank
+        assert wire == {"x.reduce_scatter": 256 + 4}, wire  # 256 codes and one scale
 
 
 def _group(rank, world):
@@ -87,7 +114,7 @@ def test_a_mesh_is_a_comm_averaging_over_every_rank_and_counting_its_bytes():
 # How gradients are held (``GradHolder``): one class per ZeRO stage and the engine's.
 from zero_triton.comm import grads as _grads  # noqa: E402
 from zero_triton.comm.protocol import GradHolder  # noqa: E402
-from zero_triton.optim.local_shard import EngineGrads  # noqa: E402
+from zero_triton.optim.engine_home import EngineGrads  # noqa: E402
 
 HOLDERS = [_grads.LocalGrads, _grads.ShardedGrads, EngineGrads]
 

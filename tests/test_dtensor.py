@@ -1,7 +1,7 @@
 """DTensor parameters (FSDP2's ``fully_shard``, tensor parallel, 2-D and HSDP) on gloo ranks.
 
 FusedAdamW steps each parameter's local shard where the engine keeps it, with state of
-its own (``zero_triton.optim.local_shard``): it matches torch.optim.AdamW(fused=True) on
+its own (``zero_triton.optim.engine_home``): it matches torch.optim.AdamW(fused=True) on
 the same DTensors, keeps an fp32 master for bf16 shards, clips by the norm over each
 mesh as torch does, and its state dict goes through torch.distributed.checkpoint as
 torch's does. ZeroAdam refuses DTensors with the fix (the engine shards them already).

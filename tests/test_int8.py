@@ -12,6 +12,7 @@ from zero_triton.kernels import quant
 from zero_triton.native import backends
 from zero_triton.state.int8 import BLOCK
 
+from adam_cases import spelled_step
 from dist_utils import run_ranks
 from lowbit_cases import disagreeing_ranks_job, gpu_backends, held_isa
 
@@ -90,10 +91,10 @@ def _against_definition(backend, n, lp_dtype, extras):
     kw.update({k: torch.tensor([v]) for k, v in extras.items() if k not in kw})
     step, lr = torch.tensor([3.0]), torch.tensor([1e-3])
     want = [t.clone() if t is not None else None for t in (p, codes_m, codes_v, scales, lp)]
-    _composed_step(backends.step_function(backend, "fp32"), want[0], g, want[1], want[2],
+    _composed_step(spelled_step(backend, "fp32"), want[0], g, want[1], want[2],
                    want[3], want[4], step, lr, **kw)
     got = (p, codes_m, codes_v, scales, lp)
-    backends.step_function(backend, "int8")(p, g, codes_m, codes_v, scales, lp, step, lr, **kw)
+    spelled_step(backend, "int8")(p, g, codes_m, codes_v, scales, lp, step, lr, **kw)
     for name, a, b in zip(("param", "exp_avg codes", "exp_avg_sq codes", "scales", "param_lp"),
                           got, want):
         assert (a is None and b is None) or torch.equal(a, b), name
@@ -140,7 +141,7 @@ def test_torch_fallback_matches_the_cpu_kernel_closely():
         cm, cv = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
         sc = torch.zeros(quant.blocks(n), 2)
         for t in range(1, 6):
-            backends.step_function(name, "int8")(
+            spelled_step(name, "int8")(
                 pp, g * t, cm, cv, sc, None, torch.tensor([float(t)]), torch.tensor([1e-2]),
                 beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, amsgrad=False,
                 maximize=False)
@@ -475,7 +476,7 @@ def test_low_bit_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
 
     def run(name, device, split=None):
         p, st = p0.clone().to(device), state(device)
-        fn = backends.step_function(name, fmt)
+        fn = spelled_step(name, fmt)
         for t in range(1, 6):
             step, lr = torch.tensor([float(t)], device=device), torch.tensor([1e-2], device=device)
             cuts = [(0, n)] if split is None else [(0, split), (split, n)]

@@ -7,9 +7,10 @@ import torch
 
 from conftest import interpreter_on
 from zero_triton.native import backends
+from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.reference import torch_adam_step_
 
-from adam_cases import (assert_bitwise, assert_close, FP32_TOL, LAUNCH_KW, launcher_args,
+from adam_cases import (assert_bitwise, assert_close, FP32_TOL, LAUNCH_KW, launcher_args, spelled,
                         require_backend)
 
 
@@ -21,7 +22,7 @@ from adam_cases import (assert_bitwise, assert_close, FP32_TOL, LAUNCH_KW, launc
 def _triton_launcher():
     require_backend("triton")
     from zero_triton.kernels.adam import adam_step
-    return adam_step
+    return spelled(adam_step)
 
 
 @pytest.mark.parametrize("index, name, bad, match", [
@@ -134,12 +135,13 @@ def test_list_launcher_equals_one_launch_per_tensor(monkeypatch, lp_dtype, grad_
               found_inf=torch.tensor([0.0]))
     lr = torch.tensor([1e-2])
     (one, _), (listed, guards) = make(), make()
+    def operands(t, i):
+        return Operands(t["params"][i], t["grads"][i],
+                        (t["exp_avgs"][i], t["exp_avg_sqs"][i], t["max"][i] if amsgrad else None),
+                        t["lp"][i] if lp_dtype else None, t["steps"][i], lr)
     for i in range(len(sizes)):
-        kadam.adam_step(one["params"][i], one["grads"][i], one["exp_avgs"][i], one["exp_avg_sqs"][i],
-                        one["max"][i] if amsgrad else None, one["lp"][i] if lp_dtype else None,
-                        one["steps"][i], lr, **kw)
-    kadam.adam_step_list(listed["params"], listed["grads"], listed["exp_avgs"], listed["exp_avg_sqs"],
-                         listed["max"], listed["lp"], listed["steps"], lr, **kw)
+        kadam.adam_step(operands(one, i), StepArgs(**kw))
+    kadam.adam_step_list([operands(listed, i) for i in range(len(sizes))], StepArgs(**kw))
     for key in ("params", "exp_avgs", "exp_avg_sqs", "max", "lp"):
         if one[key] is not None:
             for i, (a, b) in enumerate(zip(one[key], listed[key])):
@@ -149,16 +151,23 @@ def test_list_launcher_equals_one_launch_per_tensor(monkeypatch, lp_dtype, grad_
         assert (t[-9:] == 7.0).all(), "the kernel wrote past a tensor's end"
 
 
-def test_list_launcher_refuses_mixed_gradient_dtypes_and_short_lists():
+def test_list_launcher_refuses_mixed_gradients_lrs_and_low_precision_copies():
     _triton_launcher()
     from zero_triton.kernels.adam import adam_step_list
     p = [torch.zeros(3), torch.zeros(4)]
-    args = dict(exp_avgs=[torch.zeros(3), torch.zeros(4)], exp_avg_sqs=[torch.zeros(3), torch.zeros(4)],
-                max_exp_avg_sqs=None, params_lp=None, steps=[torch.ones(1), torch.ones(1)],
-                lr=torch.tensor([1e-3]))
-    kw = {**LAUNCH_KW}
+    lr = torch.tensor([1e-3])
+
+    def launches(grads, lrs=(lr, lr), lps=(None, None)):
+        return [Operands(p[i], grads[i], (torch.zeros(n), torch.zeros(n), None), lps[i],
+                         torch.ones(1), lrs[i]) for i, n in enumerate((3, 4))]
+    args = StepArgs(**LAUNCH_KW)
     with pytest.raises(ValueError, match="several dtypes"):
-        adam_step_list(p, [torch.zeros(3), torch.zeros(4).bfloat16()], **args, **kw)
-    with pytest.raises(ValueError, match="one tensor per parameter"):
-        adam_step_list(p, [torch.zeros(3)], **args, **kw)
+        adam_step_list(launches([torch.zeros(3), torch.zeros(4).bfloat16()]), args)
+    with pytest.raises(ValueError, match="one `lr` tensor"):
+        adam_step_list(launches([torch.zeros(3), torch.zeros(4)], lrs=(lr, lr.clone())), args)
+    with pytest.raises(ValueError, match="for every tensor or for none"):
+        adam_step_list(launches([torch.zeros(3), torch.zeros(4)],
+                                lps=(None, torch.zeros(4).bfloat16())), args)
+    with pytest.raises(ValueError, match="stepped by adam_step"):
+        adam_step_list(launches([torch.zeros(3), torch.zeros(4)]), args.replace(stochastic=True))
     assert all((t == 0).all() for t in p)

@@ -4,13 +4,20 @@
   comm -> state -> native -> kernels (the package's face, ``zero_triton/__init__``, sits
   just under tools: it imports the layers below and the tools import it).
 - No import circles between modules.
-- Outside ``optim/``, no module reads an optimizer's private attributes: what checkpoint,
-  integrations and the tools need beyond the optimizers' public face (torch.optim's and
-  the short list in docs/reference.md) they reach through ``optim.interface.internals``.
+- No module but the optimizers' own (``optim/fused.py``, ``optim/zero.py``) and their two
+  declared faces reads an optimizer's private attributes: what checkpoint, integrations
+  and the tools need beyond the optimizers' public face (torch.optim's and the short
+  list in docs/reference.md) they reach through ``optim.interface.internals``; what the
+  optimizers' parts need, through the ``Seat`` they are handed (``optim/seat.py``).
 - The patches of other libraries (``integrations/``) touch nothing until a ZeroAdam exists.
-- No function takes more than 9 parameters but the kernels' entry points and the
-  optimizers' public constructors: what is built once travels as one value (the
-  optimizer's ``Spec``, the agreement's ``Row``), not keyword by keyword.
+- No function takes more than 9 parameters but the Triton kernels, the optimizers' public
+  constructors and the operator torch's schema spells out: what is built once travels
+  as one value (the optimizer's ``Spec``, the agreement's ``Row``, the step's ``StepArgs``
+  and ``Operands``), not keyword by keyword.
+- The house's sizes: no class over 450 lines, no function over 80, no subclass that
+  overrides more than 5 of its base's concrete methods; ZeRO's ``stage`` read in at most 4
+  of the library's modules; the step functions obtained and called in one module
+  (``optim/launch.py``).
 
 ``__main__.py`` files are programs (``python -m zero_triton``), imported by no module:
 they may start a tool.
@@ -149,12 +156,16 @@ def optimizer_privates() -> set[str]:
     return names
 
 
+# The optimizers' own modules and their declared faces (for the layers above; for the parts).
+OWN_OR_DECLARED = {"optim/fused.py", "optim/zero.py", "optim/interface.py", "optim/seat.py"}
+
+
 def test_no_reaches_into_the_optimizers_privates():
     privates = optimizer_privates()
     assert {"_flats", "_comm", "_reducer"} <= privates  # the reading still sees them
     reaches = []
     for name, path in modules().items():
-        if layer(name) == "optim":
+        if path.relative_to(PACKAGE).as_posix() in OWN_OR_DECLARED:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in privates and not (
@@ -351,15 +362,15 @@ def test_patches_can_be_turned_off_and_undone(how):
 
 # Functions that take torch.optim.Adam's arguments or a kernel's operands one by one, as
 # their callers give them: the optimizers' public signatures and the kernels' entry points.
+# The Triton kernels (``@triton.jit``: a pointer or constexpr per parameter), the public
+# constructors, torch.library's operator (its schema is its signature) and the reference
+# (torch.optim.Adam's arguments, as tests and benchmarks call it).
 MANY_PARAMETERS = {
     "optim/fused.py": {"__init__"}, "optim/zero.py": {"__init__"},
-    "kernels/adam.py": {"_adam_kernel", "_adam_list_kernel", "_step_block", "_adam_update",
-                        "adam_step", "adam_step_list"},
-    "native/ops.py": {"adam_step_", "_"}, "native/backends.py": {"torch_step", "native_step", "torch_step_int8",
-                                                          "native_step_int8", "torch_step_bf16",
-                                                          "native_step_bf16"},
-    "kernels/adam_bf16.py": {"_adam_bf16_kernel", "adam_bf16_step"},
-    "kernels/adam8.py": {"_adam8_kernel", "adam8_step"},
+    "kernels/adam.py": {"_adam_kernel", "_adam_list_kernel", "_step_block", "_adam_update"},
+    "kernels/adam_bf16.py": {"_adam_bf16_kernel"},
+    "kernels/adam8.py": {"_adam8_kernel"},
+    "native/ops.py": {"adam_step_", "_"},
     "reference.py": {"torch_adam_step_"},
 }
 
@@ -377,3 +388,90 @@ def test_no_function_takes_more_than_nine_parameters():
             if count > 9 and node.name not in MANY_PARAMETERS.get(rel, ()):
                 found.append(f"{rel}:{node.lineno} {node.name} takes {count}")
     assert not found, "pass what is built once as one value (a dataclass): " + "; ".join(found)
+
+
+def _sources():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE).as_posix(), ast.parse(path.read_text())
+
+
+def test_no_class_over_450_lines_nor_function_over_80():
+    found = []
+    for rel, tree in _sources():
+        for node in ast.walk(tree):
+            limit = 450 if isinstance(node, ast.ClassDef) else \
+                80 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            if limit and node.end_lineno - node.lineno + 1 > limit:
+                found.append(f"{rel}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not found, "split it by what it does: " + "; ".join(found)
+
+
+def _concrete(fn) -> bool:
+    """A method with a body beyond a docstring, ``pass`` or ``...``."""
+    body = [b for b in fn.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+    return bool(body) and not (len(body) == 1 and isinstance(body[0], ast.Pass))
+
+
+def overriding_subclasses(limit: int = 5) -> list:
+    """(class, base, overridden) for each class of the package that overrides more than
+    ``limit`` of its (package) base's concrete methods, dunders aside."""
+    classes = {}
+    for rel, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, node)
+    found = []
+    for name, cls in classes.items():
+        for b in cls.bases:
+            base = classes.get(b.id if isinstance(b, ast.Name) else getattr(b, "attr", None))
+            if base is None or base is cls:
+                continue
+            theirs = {f.name for f in base.body if isinstance(f, ast.FunctionDef)
+                      and _concrete(f) and not f.name.startswith("__")}
+            mine = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+            if len(theirs & mine) > limit:
+                found.append((name, base.name, sorted(theirs & mine)))
+    return found
+
+
+def test_no_subclass_overrides_more_than_five_of_its_bases_methods():
+    assert not overriding_subclasses(), \
+        "a part, not a subclass that replaces its base: " + repr(overriding_subclasses())
+    assert overriding_subclasses(0), "the check sees no override at all"  # it can fail
+
+
+def stage_readers() -> set:
+    """The library's modules (tools aside) that read a name or attribute ``stage``."""
+    found = set()
+    for rel, tree in _sources():
+        if rel.startswith("tools/"):
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Name) and node.id == "stage" and isinstance(node.ctx, ast.Load)) \
+                    or (isinstance(node, ast.Attribute) and node.attr == "stage"
+                        and isinstance(node.ctx, ast.Load)):
+                found.add(rel)
+    return found
+
+
+def test_stage_is_read_in_at_most_four_modules():
+    readers = stage_readers()
+    assert "optim/spec.py" in readers  # the one place a stage becomes a gradient holder
+    assert len(readers) <= 4, sorted(readers)
+
+
+def test_the_step_functions_are_called_from_one_module():
+    """``backends.step_function`` / ``list_step_function`` are obtained (and the kernels'
+    entry points imported) only by the launch part (and torch.library's operator); the
+    shard hands its launches to it."""
+    entry = {"step_function", "list_step_function"}
+    kernels = {"adam_step", "adam_step_list", "adam8_step", "adam_bf16_step"}
+    found = set()
+    for rel, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in entry:
+                found.add(rel)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("zero_triton.kernels.") \
+                    and kernels & {a.name for a in node.names} and rel != "native/backends.py":
+                found.add(rel)
+    assert found == {"optim/launch.py", "native/ops.py"}, sorted(found)

@@ -14,6 +14,7 @@ import zero_triton as zt
 from zero_triton.kernels import quant, remainder
 from zero_triton.native import backends
 
+from adam_cases import spelled_step
 from dist_utils import run_ranks
 from lowbit_cases import (SHAPES, assert_refused, assert_same, bf16_zero_job, disagreeing_ranks_job,
                           gpu_backends, held_isa, mean_grads, moment_operands)
@@ -86,9 +87,9 @@ def test_each_kernel_is_the_fp32_master_step_split_again(kernel, fmt):
     want_ops = [o.clone() if o is not None else None for o in ops]
     keyed = {"seed": seed, "index": index} if fmt == "bf16" else {}
     want = master.clone()
-    backends.step_function(backend, fmt)(want, g, *want_ops, None, step, lr, **KW, **keyed)
+    spelled_step(backend, fmt)(want, g, *want_ops, None, step, lr, **KW, **keyed)
     p, r = remainder.split(master)
-    backends.step_function(backend, fmt)(p, g, *ops, None, step, lr, **KW, **keyed, remainder=r)
+    spelled_step(backend, fmt)(p, g, *ops, None, step, lr, **KW, **keyed, remainder=r)
     got = remainder.join(p, r)
     nan = torch.isnan(want)
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
@@ -104,7 +105,7 @@ def test_kernels_refuse_a_remainder_they_cannot_step(backend):
     p, g = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n)
     m, v = torch.zeros(n), torch.zeros(n)
     step, lr = torch.tensor([1.0]), torch.tensor([1e-3])
-    fn = backends.step_function(backend, "fp32")
+    fn = spelled_step(backend, "fp32")
     if backend == "torch":
         pytest.skip("the torch fallback checks nothing (the optimizers hand it checked operands)")
     with pytest.raises((ValueError, TypeError, RuntimeError), match="remainder"):
@@ -347,7 +348,7 @@ def test_remainder_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
         g = (torch.randn(n, generator=gen) * 1e-2).bfloat16().to(device)
         ops = [o.to(device) if o is not None else None for o in moment_operands(fmt, n)]
         p, r = remainder.split(master)
-        fn = backends.step_function(name, fmt)
+        fn = spelled_step(name, fmt)
         for t in range(1, 6):
             step, lr = torch.tensor([float(t)], device=device), torch.tensor([1e-2], device=device)
             for a, b in ([(0, n)] if split is None else [(0, split), (split, n)]):

@@ -12,6 +12,7 @@ import zero_triton as zt
 from zero_triton.kernels import quant, rounding
 from zero_triton.native import backends
 
+from adam_cases import spelled_step
 from dist_utils import run_ranks
 from lowbit_cases import assert_refused, assert_same, bf16_zero_job, gpu_backends, moment_operands
 
@@ -33,10 +34,10 @@ def test_each_kernel_is_the_master_step_then_stochastic_rounding(backend, fmt):
     want_p, want_ops = p.clone(), [o.clone() if o is not None else None for o in ops]
     master = want_p.float()
     keyed = {"seed": seed, "index": index} if fmt == "bf16" else {}
-    backends.step_function(backend, fmt)(master, g, *want_ops, None, step, lr, **KW, **keyed)
+    spelled_step(backend, fmt)(master, g, *want_ops, None, step, lr, **KW, **keyed)
     bits = rounding.random_bits(rounding.key(seed, 5, rounding.PARAM_STREAM), index, n, "cpu")
     want_p.copy_(rounding.to_bf16_stochastic(master, bits))
-    backends.step_function(backend, fmt)(p, g, *ops, None, step, lr, **KW, stochastic=True,
+    spelled_step(backend, fmt)(p, g, *ops, None, step, lr, **KW, stochastic=True,
                                          seed=seed, index=index)
     assert torch.equal(p, want_p)
     for a, b in zip(ops, want_ops):
@@ -127,7 +128,7 @@ def test_stochastic_kernels_on_cuda_match_the_cpu_definition(backend, fmt):
         p = torch.randn(n, generator=gen).bfloat16().to(device)
         g = (torch.randn(n, generator=gen) * 1e-2).bfloat16().to(device)
         ops = [o.to(device) if o is not None else None for o in moment_operands(fmt, n)]
-        fn = backends.step_function(name, fmt)
+        fn = spelled_step(name, fmt)
         for t in range(1, 6):
             step, lr = torch.tensor([float(t)], device=device), torch.tensor([1e-2], device=device)
             for a, b in ([(0, n)] if split is None else [(0, split), (split, n)]):

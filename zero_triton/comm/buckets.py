@@ -25,7 +25,7 @@ shard, its staging buffer going back to the pool when the reduce-scatter is done
 rank holds its gradient shard plus a few buckets, and every micro-batch is averaged
 (DeepSpeed's stage 2): the shard accumulates the averages.
 
-Nothing here holds the optimizer or a ``FlatShard``: the hooks live on the parameters,
+Nothing here holds the optimizer or a ``Shard``: the hooks live on the parameters,
 and an optimizer that is dropped must be collectable (its finalizer removes them).
 """
 from __future__ import annotations
@@ -38,6 +38,8 @@ from . import pending_reads, streams
 from .pools import BufferPools
 from .staging import Staged, Staging
 from .protocol import Comm
+
+from zero_triton.state.buffers import PLAIN
 
 SIGNATURE_MOD = 16_777_213  # a prime below 2^24: exact in float32
 
@@ -120,11 +122,11 @@ class Bucket:
         """This rank's averaged shard of the bucket: what the step's kernel, clipping and
         unscaling read once the bucket is averaged, zeros if it never was (launches write
         it: ``out``)."""
-        return self._shard(torch.zeros)
+        return self._shard(PLAIN.zeros)
 
     def out(self, accumulate: bool) -> torch.Tensor:
         """The averaged shard for a launch to write (``accumulate``: to add to)."""
-        return self._shard(torch.zeros if accumulate else torch.empty)
+        return self._shard(PLAIN.zeros if accumulate else PLAIN.empty)
 
     def _shard(self, make) -> torch.Tensor:
         if self.grad_out is None:

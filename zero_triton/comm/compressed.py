@@ -1,6 +1,8 @@
 """Compressed collectives: int8 blocks on the wire (ZeRO++'s qwZ and qgZ).
 
-``Int8Comm`` wraps a ``GroupComm`` (``comm.protocol.Comm``) and sends what it is told to
+``Int8Comm`` wraps any ``comm.protocol.Comm`` (a group's, or each dimension's of a
+hybrid mesh) through what the protocol declares (``exchange``, ``all_gather``, ``wire``,
+``buffers``) and sends what it is told to
 compress as int8 codes with one float32 scale per block of ``BLOCK`` elements (absmax /
 127, rounded to nearest), the blocks starting at each rank's chunk, so a chunk of any
 size is sent compressed (the last block is short): nothing falls back to the full-width
@@ -29,9 +31,10 @@ Bytes per element on the wire: 1 + 4 / BLOCK (1.016) where the parameters' dtype
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .group import AllOf, _tags, _TAGS, settled
+from zero_triton.state.buffers import PLAIN
+
+from .group import settled
 
 BLOCK = 256
 CODECS = ("int8",)
@@ -103,11 +106,11 @@ def dequantize(payload: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor
     return out
 
 
-def roundtrip(x: torch.Tensor) -> torch.Tensor:
+def roundtrip(x: torch.Tensor, buffers=PLAIN) -> torch.Tensor:
     """What ``x`` becomes through ``quantize`` and ``dequantize``, in its dtype."""
-    buf = torch.empty(payload_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    buf = buffers.empty(payload_bytes(x.numel()), torch.uint8, x.device)
     quantize(x, buf)
-    return dequantize(buf, x.numel(), torch.empty_like(x))
+    return dequantize(buf, x.numel(), buffers.empty(x.shape, x.dtype, x.device))
 
 
 class Scratch:
@@ -117,13 +120,14 @@ class Scratch:
     launch's, or the wait's, which run one at a time on the host, or in one stream's
     order on a GPU), never across a collective in flight."""
 
-    def __init__(self):
+    def __init__(self, buffers=PLAIN):
+        self.source = buffers
         self.buffers: dict = {}
 
     def get(self, role: str, n: int, device) -> torch.Tensor:
         buf = self.buffers.get((role, device))
         if buf is None or buf.numel() < n:
-            buf = self.buffers[(role, device)] = torch.empty(n, dtype=torch.float32, device=device)
+            buf = self.buffers[(role, device)] = self.source.empty(n, torch.float32, device)
         return buf[:n]
 
 
@@ -151,20 +155,24 @@ class _Gathered:
         self.buf = self.flat = None
 
 
-class _Summed(AllOf):
-    """An int8 reduce-scatter in flight; ``wait`` sums the dequantized chunks and this
-    rank's own (exact) in float32 in rank order into ``out``, divided by the world size."""
+class _Summed:
+    """An int8 reduce-scatter in flight (``handle``: the exchange of payloads); ``wait``
+    sums the dequantized chunks and this rank's own (exact) in float32 in rank order into
+    ``out``, divided by the world size."""
 
-    __slots__ = ("payloads", "own", "out", "accumulate", "n")
+    __slots__ = ("handle", "comm", "payloads", "own", "out", "accumulate", "n")
 
-    def __init__(self, works, comm, name, payloads, own, out, accumulate, n):
-        super().__init__(works, comm, name)
+    def __init__(self, handle, comm, payloads, own, out, accumulate, n):
+        self.handle, self.comm = handle, comm
         self.payloads, self.own, self.out, self.accumulate, self.n = payloads, own, out, accumulate, n
+
+    def landed(self) -> bool:
+        return self.out is None or self.handle.landed()
 
     def wait(self) -> None:
         if self.out is None:
             return
-        super().wait()
+        self.handle.wait()
         out, n, device = self.out, self.n, self.out.device
         scratch = self.comm.scratch
         direct = not self.accumulate and out.dtype == torch.float32
@@ -184,7 +192,7 @@ class _Summed(AllOf):
 
 
 class Int8Comm:
-    """``inner`` (a ``GroupComm``) with the parameters' all-gather (``gather``) and the
+    """``inner`` (any ``Comm``) with the parameters' all-gather (``gather``) and the
     gradients' average (``reduce``) sent as int8 blocks; ``feedback``: the dtype of the
     gradients' error buffers (None: no error feedback)."""
 
@@ -192,11 +200,19 @@ class Int8Comm:
                  feedback: torch.dtype | None = torch.bfloat16):
         self.inner = inner
         self.gather_codec, self.reduce_codec, self.feedback = gather, reduce, feedback
-        for name in ("rank", "world_size", "group", "process_group", "backend", "global_ranks",
-                     "replica", "replicas", "members"):
+        for name in ("rank", "world_size", "group", "process_group", "replica", "replicas",
+                     "members", "buffers"):
             setattr(self, name, getattr(inner, name))
         self.errors: dict = {}  # (name, numel) -> this rank's error buffer of that input
-        self.scratch = Scratch()
+        self.scratch = Scratch(self.buffers)
+
+    @property
+    def wire_prefix(self) -> str:
+        return self.inner.wire_prefix
+
+    @wire_prefix.setter
+    def wire_prefix(self, prefix: str) -> None:
+        self.inner.wire_prefix = prefix
 
     @property
     def everyone(self):
@@ -233,7 +249,7 @@ class Int8Comm:
         if error is not None:
             error = error.view(w, n)
         p = payload_bytes(n)
-        send = torch.empty(w, p, dtype=torch.uint8, device=device)
+        send = self.buffers.empty((w, p), torch.uint8, device)
         x = self.scratch.get("sent", n, device)
         for k in range(w):
             if k == r:
@@ -247,21 +263,10 @@ class Int8Comm:
         # This rank's own chunk does not travel: read exact, from ``inp`` (busy until the
         # wait), at the wait; nothing of it is dropped, so its error stays zero.
         own = chunks[r]
-        self.inner._count("reduce_scatter", (w - 1) * p)
-        with self.inner._collective(name, "reduce_scatter"):
-            if self.backend == "gloo" and inp.device.type == "cpu":
-                recv = torch.empty(w, p, dtype=torch.uint8, device=inp.device)
-                tag = _tags[self.group] = _tags.get(self.group, 0) % _TAGS + 1
-                peers = [k for k in range(w) if k != r]
-                gr = self.global_ranks
-                works = [dist.isend(send[k], dst=gr[k], group=self.group, tag=tag) for k in peers]
-                works += [dist.irecv(recv[k], src=gr[k], group=self.group, tag=tag) for k in peers]
-            else:
-                recv = torch.empty_like(send)
-                works = [dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group,
-                                                async_op=True)]
+        recv = self.buffers.empty((w, p), torch.uint8, device)
+        handle = self.inner.exchange(recv, send, async_op=True, name=name, kind="reduce_scatter")
         payloads = [None if k == r else recv[k] for k in range(w)]
-        return settled(_Summed(works, self, name, payloads, own, out, accumulate, n), async_op)
+        return settled(_Summed(handle, self, payloads, own, out, accumulate, n), async_op)
 
     def all_gather_average(self, flat: torch.Tensor, part: torch.Tensor, async_op: bool = False,
                            name: str = "all_gather"):
@@ -283,7 +288,7 @@ class Int8Comm:
         key = (name, n)
         error = self.errors.get(key)
         if error is None:
-            error = self.errors[key] = torch.zeros(n, dtype=self.feedback, device=device)
+            error = self.errors[key] = self.buffers.zeros(n, self.feedback, device)
         return error
 
     def _gather_quantized(self, flat, values, async_op, name, error=None):
@@ -292,7 +297,7 @@ class Int8Comm:
         kept and added to its values the next time."""
         n = values.numel()
         p = payload_bytes(n)
-        buf = torch.empty(self.world_size * p, dtype=torch.uint8, device=values.device)
+        buf = self.buffers.empty(self.world_size * p, torch.uint8, values.device)
         mine = buf.view(self.world_size, p)[self.rank]
         x = values
         if error is not None:
@@ -318,7 +323,7 @@ class Int8Comm:
         """What ``gather_params`` writes for ``shard``."""
         if self.gather_codec is None or self.world_size == 1:
             return shard
-        return roundtrip(shard)
+        return roundtrip(shard, self.buffers)
 
     # -- exact ------------------------------------------------------------------------
     def all_gather(self, flat, shard, async_op: bool = False, name: str = "all_gather"):
@@ -333,6 +338,7 @@ class Int8Comm:
     def gather(self, tensor, gather_list, dst: int, what: str = "gather") -> None:
         self.inner.gather(tensor, gather_list, dst, what)
 
-    def _failed(self, name, exc):
-        return self.inner._failed(name, exc)
+    def exchange(self, recv, send, async_op: bool = False, name: str = "all_to_all",
+                 kind: str = "all_to_all"):
+        return self.inner.exchange(recv, send, async_op, name, kind)
 

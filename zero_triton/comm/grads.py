@@ -17,7 +17,7 @@ buffer, so ``zero_grad()`` writes no memory at all.
 bucket's staging buffer and free it (``zero_triton.comm.buckets``); a rank keeps only its
 averaged shard.
 
-Both answer the same questions for ``FlatShard``: did a parameter move (``first_moved``),
+Both answer the same questions for ``FlatHome``: did a parameter move (``first_moved``),
 which parameters have a gradient at ``step`` (``sync``), and start over (``zero``).
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from zero_triton.comm import hooks
 from zero_triton.native import ext as _ext
+from zero_triton.state.buffers import PLAIN
 from zero_triton.state.flat import as_param
 
 
@@ -68,7 +69,7 @@ class LocalGrads:  # implements comm.protocol.GradHolder
 
     def __init__(self, params, layout, flat_param, reducer=None):
         self.params = params
-        self.flat = torch.zeros_like(flat_param)
+        self.flat = PLAIN.zeros(flat_param.shape, flat_param.dtype, flat_param.device)
         self.views = [as_param(v, p) for v, p in zip(layout.views(self.flat), params)]
         self.dirty = bytearray(len(params))
         self.bucket_of = None  # index of each parameter's bucket, with a reducer

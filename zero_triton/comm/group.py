@@ -28,6 +28,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from zero_triton.state.buffers import PLAIN
+
 
 @contextlib.contextmanager
 def phase(name: str, cuda: bool):
@@ -140,7 +142,7 @@ class OrderedSum(AllOf):
             self.out = next((c for c in chunks if c is not self.own and c.dtype == total.dtype),
                             None)
             if self.out is None:
-                self.out = torch.empty_like(total)
+                self.out = self.comm.buffers.empty(total.shape, total.dtype, total.device)
         self._sum(chunks)
         if self.accumulate:
             total.add_(self.out)
@@ -180,9 +182,11 @@ class LocalComm:
 
     world_size = 1
     rank = 0
-    group = None
+    group = process_group = None
     replica, replicas, members = 0, 1, (0,)
     wire: dict = {}
+    wire_prefix = ""
+    buffers = PLAIN
 
     @property
     def everyone(self):
@@ -221,6 +225,14 @@ class LocalComm:
 
     def gathered(self, shard: torch.Tensor) -> torch.Tensor:
         return shard
+
+    def all_gather_average(self, flat: torch.Tensor, part: torch.Tensor, async_op: bool = False,
+                           name: str = "all_gather"):
+        return self.all_gather(flat, part, async_op, name)
+
+    def exchange(self, recv: torch.Tensor, send: torch.Tensor, async_op: bool = False,
+                 name: str = "all_to_all", kind: str = "all_to_all"):
+        return DONE if async_op else None  # the one row is this rank's own: nothing travels
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         pass
@@ -271,6 +283,7 @@ class GroupComm:
         # all-reduce's tensor), under ``wire_prefix`` + the collective's name.
         self.wire: dict = {}
         self.wire_prefix = ""
+        self.buffers = PLAIN
 
     def reset_wire(self) -> None:
         self.wire.clear()
@@ -319,13 +332,13 @@ class GroupComm:
             if self.backend == "gloo" and inp.device.type == "cpu":
                 pending = self._pairwise(out, inp, recv, name, accumulate)
             elif self.backend == "nccl" and self.world_size == 2 and out.dtype == inp.dtype:
-                tmp = torch.empty_like(out) if accumulate else out
+                tmp = self.buffers.empty(out.shape, out.dtype, out.device) if accumulate else out
                 work = _reduce_scatter(tmp, inp, op=dist.ReduceOp.AVG, group=self.group,
                                        async_op=True)
                 pending = _Added(work, self, name, tmp, out) if accumulate else Pending(work, self, name)
             else:  # (gloo on GPU tensors too: scratch sized for pairs is too small, so made)
                 recv = (recv.view(-1)[:inp.numel()] if recv is not None and recv.numel() >= inp.numel()
-                        else torch.empty_like(inp))
+                        else self.buffers.empty(inp.shape, inp.dtype, inp.device))
                 work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
                 pending = OrderedSum([work], self, name, list(recv.view(self.world_size, -1).unbind()),
                                      out, accumulate)
@@ -348,7 +361,7 @@ class GroupComm:
                 chunks.append(out)
                 into_out = False
             else:
-                chunks.append(slots.pop(0) if slots else inp.new_empty(n))
+                chunks.append(slots.pop(0) if slots else self.buffers.empty(n, inp.dtype, inp.device))
         # One tag per launch on the group, counted alike on every rank (they launch in the
         # same order, which the step's agreement checks): the sends and receives of
         # buckets (of any optimizer) in flight together never pair across buckets.
@@ -419,6 +432,27 @@ class GroupComm:
                            name: str = "all_gather"):
         """An averaged ``part`` gathered back (hybrid sharding's replicas): exact here."""
         return self.all_gather(flat, part, async_op, name)
+
+    def exchange(self, recv: torch.Tensor, send: torch.Tensor, async_op: bool = False,
+                 name: str = "all_to_all", kind: str = "all_to_all"):
+        """Row ``k`` of ``send`` to rank ``k``, into its ``recv`` row ``rank``: pairwise on
+        gloo (a send and a receive per peer, tagged per launch as ``_pairwise``'s; this
+        rank's row stays), one ``all_to_all_single`` otherwise."""
+        w, r = self.world_size, self.rank
+        if w == 1:
+            return DONE if async_op else None
+        self._count(kind, (w - 1) * send[0].numel() * send.element_size())
+        with self._collective(name, kind):
+            if self.backend == "gloo" and send.device.type == "cpu":
+                tag = _tags[self.group] = _tags.get(self.group, 0) % _TAGS + 1
+                peers = [k for k in range(w) if k != r]
+                gr = self.global_ranks
+                works = [dist.isend(send[k], dst=gr[k], group=self.group, tag=tag) for k in peers]
+                works += [dist.irecv(recv[k], src=gr[k], group=self.group, tag=tag) for k in peers]
+            else:
+                works = [dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group,
+                                                async_op=True)]
+        return settled(AllOf(works, self, name), async_op)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         if self.world_size > 1:

@@ -99,15 +99,15 @@ class HybridComm:
         self.process_group = self.shard.process_group
         self.rank, self.world_size = self.shard.rank, self.shard.world_size
         self.replica, self.replicas = self.replicate.rank, self.replicate.world_size
-        self.backend = self.shard.backend
+        self.buffers = self.shard.buffers
         # The ranks of this rank's shard group, as ``everyone`` numbers them, by shard.
         self.members = [dist.get_group_rank(self.everyone.process_group, g)
-                        for g in self.shard.global_ranks]
+                        for g in dist.get_process_group_ranks(self.process_group)]
         self.queue: collections.deque = collections.deque()
-        # Per-collective bytes this rank sent (``GroupComm.wire``), the column's average
-        # under its own name.
-        for comm, prefix in ((self.shard, ""), (self.replicate, "replicas.")):
-            getattr(comm, "inner", comm).wire_prefix = prefix
+        # Per-collective bytes this rank sent (``Comm.wire``), the column's average under
+        # its own name.
+        self.shard.wire_prefix, self.replicate.wire_prefix = "", "replicas."
+        self.wire_prefix = ""
 
     # -- the gradient average ----------------------------------------------------------
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
@@ -126,10 +126,10 @@ class HybridComm:
         if self.replicas == 1:
             return self.shard.reduce_scatter_avg(out, inp, recv, async_op, name, accumulate)
         chunk = -(-m // self.replicas)
-        tmp = torch.empty(chunk * self.replicas, dtype=out.dtype, device=out.device)
+        tmp = self.buffers.empty(chunk * self.replicas, out.dtype, out.device)
         if tmp.numel() > m:
             tmp[m:].zero_()
-        part = torch.empty(chunk, dtype=out.dtype, device=out.device)
+        part = self.buffers.empty(chunk, out.dtype, out.device)
         self.advance()
         first = self.shard.reduce_scatter_avg(tmp[:m], inp, recv, async_op=True, name=name)
         column = f"{name} (replicas)"
@@ -166,6 +166,15 @@ class HybridComm:
 
     def gathered(self, shard: torch.Tensor) -> torch.Tensor:
         return self.shard.gathered(shard)
+
+    def all_gather_average(self, flat, part, async_op: bool = False, name: str = "all_gather"):
+        """Within the row, as the row's comm gathers averages."""
+        return self.shard.all_gather_average(flat, part, async_op, name)
+
+    def exchange(self, recv, send, async_op: bool = False, name: str = "all_to_all",
+                 kind: str = "all_to_all"):
+        """Within the row."""
+        return self.shard.exchange(recv, send, async_op, name, kind)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """``sum``: over the row (a shard's value, the same on every replica, counts

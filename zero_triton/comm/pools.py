@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from zero_triton.state.buffers import PLAIN
+
 
 def kind(bucket) -> tuple:
     """The pool a bucket draws from: its gradients' (dtype, device)."""
@@ -122,7 +124,7 @@ class BufferPools:
                 break
             raise AssertionError("zero_triton: a gradient bucket buffer was lost")
         self.made[key] = self.made.get(key, 0) + 1
-        return torch.empty(need, dtype=k[0], device=k[1])
+        return PLAIN.empty(need, k[0], k[1])
 
     def hold(self, grad: torch.Tensor, done) -> None:
         """GPU: keep an adopted gradient until the side stream has sent it, at most the

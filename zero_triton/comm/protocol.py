@@ -10,6 +10,12 @@ Implementations: ``comm.group.LocalComm`` (one rank: copies), ``comm.group.Group
 talking is a class of its own that implements ``Comm``; nothing that uses one changes.
 ``tests/test_comm_protocol.py`` holds the implementations to it, signature by signature.
 
+A communicator that wraps another (``comm.compressed.Int8Comm`` over any ``Comm``,
+``comm.hybrid.HybridComm`` over one per mesh dimension) uses only what is declared here:
+``exchange`` moves its own payloads, the inner comm counts the bytes (``wire``, under
+``wire_prefix``) and names a failed collective, and ``buffers`` is where every
+communicator's payloads and scratch come from (``zero_triton.state.buffers``).
+
 ``rank`` and ``world_size`` are the layout's: the state is sharded ``world_size`` ways
 and this rank steps shard ``rank``. Where several ranks hold each shard (hybrid
 sharding), ``replicas`` says how many and ``replica`` which copy this rank's is;
@@ -46,11 +52,16 @@ class Comm(Protocol):
     rank: int
     world_size: int
     group: Any  # the torch.distributed group (None: the world group, or one rank)
+    # The group itself (None: one rank): what torch's group-keyed APIs compare and read
+    # (Join, the agreement's side channel and timeout, DCP's placements).
+    process_group: Any
     replica: int   # which copy of the shards this rank holds (0 without replicas)
     replicas: int  # how many copies of the shards there are
     everyone: Any  # a Comm over every rank (the comm itself without replicas)
     members: Any   # the ranks holding shards 0 .. world_size-1 of this copy, in everyone
     wire: dict     # bytes this rank sent, per collective, since ``reset_wire``
+    wire_prefix: str  # what ``wire``'s keys of this comm start with (a wrapper's name for it)
+    buffers: Any   # where its payloads and scratch come from (``state.buffers.Buffers``)
 
     def reset_wire(self) -> None:
         """Start counting ``wire`` again."""
@@ -88,6 +99,19 @@ class Comm(Protocol):
         when it is exact): what a parameter the optimizer wrote holds, told apart from
         one the user wrote."""
 
+    def all_gather_average(self, flat: torch.Tensor, part: torch.Tensor, async_op: bool = False,
+                           name: str = "all_gather") -> Optional[Handle]:
+        """An average's second half: every rank's averaged ``part`` into ``flat`` (hybrid
+        sharding's column), exact or as the comm compresses averages, every rank writing
+        the same values."""
+
+    def exchange(self, recv: torch.Tensor, send: torch.Tensor, async_op: bool = False,
+                 name: str = "all_to_all", kind: str = "all_to_all") -> Optional[Handle]:
+        """An all-to-all of equal rows: row ``k`` of ``send`` ([world_size, n]) goes to
+        rank ``k``, whose ``recv`` row ``rank`` receives it; this rank's own row need not
+        travel (what ``recv[rank]`` holds afterwards is unspecified). The bytes sent are counted under
+        ``kind`` (a profiler range ``zero_triton.<kind>``); a failure names ``name``."""
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """``t`` becomes, in place, the sum over the shards of a value each shard holds
         (a replica holds the same and counts once), or (``op="max"``) the maximum over
@@ -106,7 +130,7 @@ class GradHolder(Protocol):
     """How one shard's gradients are held between backward and the step. Implementations:
     ``comm.grads.LocalGrads`` (stage 1 and one process: a local buffer, each ``.grad`` its
     view), ``comm.grads.ShardedGrads`` (stage 2: handed to the buckets as backward makes
-    them, no local buffer) and ``optim.local_shard.EngineGrads`` (DTensor parameters:
+    them, no local buffer) and ``optim.engine_home.EngineGrads`` (DTensor parameters:
     where their engine puts them). ``comm.grads.HOLDERS`` maps a ZeRO stage to its class;
     ``stage`` picks one once, at construction, and nothing else asks which stage it is."""
 

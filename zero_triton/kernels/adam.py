@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zero_triton.kernels.args import Operands, StepArgs
+
 # Triton decides interpreted vs compiled when a kernel is decorated, i.e. at import.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -295,30 +297,40 @@ def _check_scalars_and_device(device, **scalars) -> None:
             "otherwise use backend='cpu' or 'torch'")
 
 
-def _hyper(beta1, beta2, eps, weight_decay) -> tuple:
+def _hyper(args: StepArgs) -> tuple:
     """The kernels' runtime hyperparameters: beta1, beta2, their logs, eps, weight decay."""
-    return (float(beta1), float(beta2), math.log(beta1) if beta1 > 0 else -math.inf,
-            math.log(beta2) if beta2 > 0 else -math.inf, float(eps), float(weight_decay))
+    beta1, beta2 = float(args.beta1), float(args.beta2)
+    return (beta1, beta2, math.log(beta1) if beta1 > 0 else -math.inf,
+            math.log(beta2) if beta2 > 0 else -math.inf, float(args.eps), float(args.weight_decay))
 
 
-def _flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef) -> dict:
+def _scalars(args: StepArgs, dummy) -> tuple:
+    """The optional device scalars' pointers (``dummy`` for the absent ones: their
+    branches are compiled out): grad_scale, found_inf, clip_coef."""
+    return tuple(t if t is not None else dummy for t in (args.grad_scale, args.found_inf, args.clip_coef))
+
+
+def _flags(args: StepArgs, param_lp) -> dict:
     """The kernels' compile-time flags every format's kernel shares."""
-    return dict(ADAMW=bool(adamw), MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
+    return dict(ADAMW=bool(args.adamw), MAXIMIZE=bool(args.maximize),
+                HAS_WEIGHT_DECAY=args.weight_decay != 0,
                 HAS_PARAM_LP=param_lp is not None,
                 PARAM_LP_BF16=param_lp is not None and param_lp.dtype == torch.bfloat16,
-                HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-                HAS_CLIP=clip_coef is not None)
+                HAS_GRAD_SCALE=args.grad_scale is not None, HAS_FOUND_INF=args.found_inf is not None,
+                HAS_CLIP=args.clip_coef is not None)
 
 
-def _check_step(param, grad, param_lp, stochastic, remainder=None, **scalars) -> None:
+def _check_step(ops: Operands, args: StepArgs) -> None:
     """What every launcher checks beside its moments: the parameter (``_check_param``),
     the gradient, the low-precision copy, the 1-element scalars and the device."""
+    param, grad, param_lp = ops.param, ops.grad, ops.param_lp
     n, device = param.numel(), param.device
-    _check_param(param, param_lp, stochastic, remainder)
+    _check_param(param, param_lp, args.stochastic, ops.remainder)
     _check("grad", grad, n, _GRAD_DTYPES, device)
     if param_lp is not None:
         _check("param_lp", param_lp, n, (torch.float16, torch.bfloat16), device)
-    _check_scalars_and_device(device, **scalars)
+    _check_scalars_and_device(device, step=ops.step, lr=ops.lr, grad_scale=args.grad_scale,
+                              found_inf=args.found_inf, clip_coef=args.clip_coef)
 
 
 def _check_param(param, param_lp, stochastic, remainder=None) -> None:
@@ -338,19 +350,20 @@ def _check_param(param, param_lp, stochastic, remainder=None) -> None:
         _check("param", param, param.numel(), (torch.float32,), param.device)
 
 
-def _param_flags(stochastic, remainder=None) -> dict:
+def _param_flags(ops: Operands, args: StepArgs) -> dict:
     """The constexprs of the parameter's mode (and its stream of bits, stochastic)."""
     from zero_triton.kernels import rounding
-    mode = MODE_STOCHASTIC if stochastic else MODE_REMAINDER if remainder is not None else MODE_MASTER
+    mode = MODE_STOCHASTIC if args.stochastic else \
+        MODE_REMAINDER if ops.remainder is not None else MODE_MASTER
     return dict(PARAM_MODE=mode, PARAM_MIX=(rounding.PARAM_STREAM * rounding.M1) & rounding.MASK32)
 
 
-def _second_half(param_lp, remainder, dummy):
+def _second_half(ops: Operands, dummy):
     """What the kernels read at their ``param_lp`` pointer: the low-precision copy, or
     the remainder (``dummy``, never dereferenced, for neither)."""
-    if remainder is not None:
-        return remainder
-    return param_lp if param_lp is not None else dummy
+    if ops.remainder is not None:
+        return ops.remainder
+    return ops.param_lp if ops.param_lp is not None else dummy
 
 
 def _block_and_warps(n):
@@ -360,30 +373,27 @@ def _block_and_warps(n):
     return 2048, 8
 
 
-def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-              beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-              grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
-              index=0, remainder=None):
-    """One fused Adam/AdamW step over a flat shard, in place.
+def adam_step(ops: Operands, args: StepArgs):
+    """One fused Adam/AdamW step over a flat shard, in place (``zero_triton.kernels.args``).
 
-    param: float32 [n] master or fp32 parameter; grad: fp32/fp16/bf16 [n];
-    exp_avg, exp_avg_sq (and max_exp_avg_sq when amsgrad): float32 [n];
-    param_lp: fp16/bf16 [n] receiving param rounded to nearest even, or None;
-    step, lr: float32 [1] on the device (step already incremented);
-    grad_scale (divides the grad), found_inf (skip when != 0), clip_coef (multiplies
-    the grad): float32 [1] on the device, or None. ``stochastic`` (master_weights=
-    "stochastic"): param is the bf16 parameter itself, param_lp None, rounded back
-    stochastically keyed by ``seed`` and ``index`` (``zero_triton.kernels.rounding``).
-    ``remainder`` (master_weights="remainder"): int16 [n], the low half of the master
-    whose high half is ``param`` (bf16; ``zero_triton.kernels.remainder``).
+    ops.param: float32 [n] master or fp32 parameter; grad: fp32/fp16/bf16 [n];
+    ops.moments: (exp_avg, exp_avg_sq, max_exp_avg_sq or None), float32 [n] (the
+    maximum read with ``args.amsgrad``); param_lp: fp16/bf16 [n] receiving param rounded
+    to nearest even, or None; step, lr: float32 [1] on the device (step already
+    incremented); args' grad_scale, found_inf, clip_coef: float32 [1] on the device, or
+    None. ``args.stochastic`` (master_weights="stochastic"): param is the bf16 parameter
+    itself, param_lp None, rounded back stochastically keyed by ``args.seed`` and
+    ``args.index`` (``zero_triton.kernels.rounding``). ``ops.remainder``
+    (master_weights="remainder"): int16 [n], the low half of the master whose high half
+    is ``param`` (bf16; ``zero_triton.kernels.remainder``).
     """
+    param, grad, (exp_avg, exp_avg_sq, max_exp_avg_sq), param_lp = ops[:4]
     n = param.numel()
     device = param.device
-    _check_step(param, grad, param_lp, stochastic, remainder, step=step, lr=lr,
-                grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
+    _check_step(ops, args)
     _check("exp_avg", exp_avg, n, (torch.float32,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.float32,), device)
-    if amsgrad:
+    if args.amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("amsgrad=True needs `max_exp_avg_sq`")
         _check("max_exp_avg_sq", max_exp_avg_sq, n, (torch.float32,), device)
@@ -394,16 +404,11 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, 
     dummy = param  # never dereferenced: its branch is compiled out
     _adam_kernel[grid](
         param, grad, exp_avg, exp_avg_sq,
-        max_exp_avg_sq if amsgrad else dummy,
-        _second_half(param_lp, remainder, dummy),
-        step, lr,
-        grad_scale if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy,
-        clip_coef if clip_coef is not None else dummy,
-        n, int(seed) & 0xFFFFFFFF, int(index), *_hyper(beta1, beta2, eps, weight_decay),
-        AMSGRAD=bool(amsgrad),
-        **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
-        **_param_flags(stochastic, remainder), BLOCK=block, num_warps=warps,
+        max_exp_avg_sq if args.amsgrad else dummy,
+        _second_half(ops, dummy), ops.step, ops.lr, *_scalars(args, dummy),
+        n, int(args.seed) & 0xFFFFFFFF, int(args.index), *_hyper(args),
+        AMSGRAD=bool(args.amsgrad), **_flags(args, param_lp), **_param_flags(ops, args),
+        BLOCK=block, num_warps=warps,
     )
 
 
@@ -421,79 +426,70 @@ def _list_block(numels) -> int:
     return 2048
 
 
-def adam_step_list(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params_lp, steps, lr, *,
-                   beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                   grad_scale=None, found_inf=None, clip_coef=None):
-    """``adam_step`` over lists of tensors (the local shards of DTensor parameters,
-    wherever they live), in one launch: ``params[i]`` (float32, flat: a master or an
-    fp32 parameter) with ``grads[i]``, ``exp_avgs[i]``, ``exp_avg_sqs[i]``,
-    ``max_exp_avg_sqs[i]`` (amsgrad; else None), ``params_lp[i]`` (fp16/bf16 written
-    from the update, or None for all) and ``steps[i]`` (float32 [1], already incremented).
-    Every gradient has one dtype. The addresses travel in a table the kernel reads on
-    the device; ``lr`` and the optional scalars are as in ``adam_step``."""
-    n = len(params)
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
-    if amsgrad:
-        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
-    if params_lp is not None:
-        lists["params_lp"] = params_lp
-    for name, values in lists.items():
-        if values is None or len(values) != n:
-            raise ValueError(f"`{name}` must list one tensor per parameter ({n}), got "
-                             f"{None if values is None else len(values)}")
+def adam_step_list(launches: list, args: StepArgs):
+    """``adam_step`` over a list of ``Operands`` (the local shards of DTensor parameters,
+    wherever they live), in one launch: each a float32 ``param`` (a master or an fp32
+    parameter) with its gradient, fp32 moments, ``param_lp`` (fp16/bf16 written from the
+    update; None for all or for none) and ``step`` (float32 [1], already incremented).
+    Every gradient has one dtype and every launch one ``lr``. The addresses travel in a
+    table the kernel reads on the device; ``args`` are as in ``adam_step``, with neither
+    ``stochastic`` nor remainders (their parameters are stepped one launch each)."""
+    amsgrad = args.amsgrad
+    if args.stochastic or any(o.remainder is not None for o in launches):
+        raise ValueError("adam_step_list steps fp32 masters or parameters; a bfloat16 parameter "
+                         "rounded stochastically or beside a remainder is stepped by adam_step")
+    n = len(launches)
     if n == 0:
         return
-    device = params[0].device
-    grad_dtypes = {g.dtype for g in grads}
+    lr = launches[0].lr
+    if any(o.lr is not lr for o in launches):
+        raise ValueError("every launch of adam_step_list reads one `lr` tensor")
+    has_lp = {o.param_lp is not None for o in launches}
+    if len(has_lp) > 1:
+        raise ValueError("`param_lp` must be given for every tensor or for none")
+    has_lp = has_lp.pop()
+    device = launches[0].param.device
+    grad_dtypes = {o.grad.dtype for o in launches}
     if len(grad_dtypes) != 1:
         raise ValueError(f"the gradients have several dtypes {sorted(map(str, grad_dtypes))}; "
                          "one launch reads one: call once per dtype")
-    lp_dtypes = {t.dtype for t in params_lp} if params_lp is not None else set()
+    lp_dtypes = {o.param_lp.dtype for o in launches} if has_lp else set()
     if len(lp_dtypes) > 1:
         raise ValueError(f"`params_lp` mixes {sorted(map(str, lp_dtypes))}; call once per dtype")
     rows, tiles = [], []
-    block = _list_block([p.numel() for p in params])
-    for i in range(n):
-        p = params[i]
-        numel = p.numel()
-        _check(f"params[{i}]", p, numel, (torch.float32,), device)
-        _check(f"grads[{i}]", grads[i], numel, _GRAD_DTYPES, device)
-        _check(f"exp_avgs[{i}]", exp_avgs[i], numel, (torch.float32,), device)
-        _check(f"exp_avg_sqs[{i}]", exp_avg_sqs[i], numel, (torch.float32,), device)
-        _check(f"steps[{i}]", steps[i], 1, (torch.float32,), device)
-        vmax = max_exp_avg_sqs[i] if amsgrad else None
-        if vmax is not None:
+    block = _list_block([o.param.numel() for o in launches])
+    for i, o in enumerate(launches):
+        numel = o.param.numel()
+        exp_avg, exp_avg_sq, vmax = o.moments
+        _check(f"params[{i}]", o.param, numel, (torch.float32,), device)
+        _check(f"grads[{i}]", o.grad, numel, _GRAD_DTYPES, device)
+        _check(f"exp_avgs[{i}]", exp_avg, numel, (torch.float32,), device)
+        _check(f"exp_avg_sqs[{i}]", exp_avg_sq, numel, (torch.float32,), device)
+        _check(f"steps[{i}]", o.step, 1, (torch.float32,), device)
+        if not amsgrad:
+            vmax = None
+        elif vmax is None:
+            raise ValueError(f"amsgrad=True needs `max_exp_avg_sq` (launch {i})")
+        else:
             _check(f"max_exp_avg_sqs[{i}]", vmax, numel, (torch.float32,), device)
-        lp = params_lp[i] if params_lp is not None else None
-        if lp is not None:
-            _check(f"params_lp[{i}]", lp, numel, (torch.float16, torch.bfloat16), device)
-        rows.extend(_row(p, grads[i], exp_avgs[i], exp_avg_sqs[i], vmax, lp, steps[i]))
+        if has_lp:
+            _check(f"params_lp[{i}]", o.param_lp, numel, (torch.float16, torch.bfloat16), device)
+        rows.extend(_row(o.param, o.grad, exp_avg, exp_avg_sq, vmax, o.param_lp, o.step))
         for start in range(0, numel, block):
             tiles.extend((i, start))
-    _check_scalars_and_device(device, lr=lr, grad_scale=grad_scale, found_inf=found_inf,
-                              clip_coef=clip_coef)
+    _check_scalars_and_device(device, lr=lr, grad_scale=args.grad_scale, found_inf=args.found_inf,
+                              clip_coef=args.clip_coef)
     if not tiles:
         return
     table = torch.tensor(rows + tiles, dtype=torch.int64)
     if device.type == "cuda":  # pinned, so the copy queues behind the work before it
         table = table.pin_memory().to(device, non_blocking=True)
     tile_table = table[len(rows):]
-    dummy = params[0]  # never dereferenced: its branch is compiled out
+    dummy = launches[0].param  # never dereferenced: its branch is compiled out
     grad_dtype = grad_dtypes.pop()
     _adam_list_kernel[(len(tiles) // 2,)](
-        table, tile_table, lr,
-        grad_scale if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy,
-        clip_coef if clip_coef is not None else dummy,
-        float(beta1), float(beta2),
-        math.log(beta1) if beta1 > 0 else -math.inf,
-        math.log(beta2) if beta2 > 0 else -math.inf,
-        float(eps), float(weight_decay),
-        ADAMW=bool(adamw), AMSGRAD=bool(amsgrad), MAXIMIZE=bool(maximize),
-        HAS_WEIGHT_DECAY=weight_decay != 0, HAS_PARAM_LP=params_lp is not None,
-        PARAM_LP_BF16=lp_dtypes == {torch.bfloat16},
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        HAS_CLIP=clip_coef is not None,
+        table, tile_table, lr, *_scalars(args, dummy), *_hyper(args),
+        AMSGRAD=bool(amsgrad), **_flags(args, launches[0].param_lp),
         GRAD_KIND={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[grad_dtype],
         BLOCK=block, num_warps=8 if not INTERPRET else 4,
     )

@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 
 from zero_triton.kernels import quant
+from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
-                                      _hyper, _key, _load_param, _param_flags, _second_half,
+                                      _hyper, _key, _load_param, _param_flags, _scalars, _second_half,
                                       _store_param)
 
 
@@ -101,19 +102,16 @@ def _rows(n_blocks: int) -> tuple:
     return 8, 8
 
 
-def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
-               beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-               grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
-               index=0, remainder=None):
-    """``adam.adam_step`` over int8 moments, in place: exp_avg int8 [n], exp_avg_sq
-    uint8 [n], scales float32 [ceil(n / 256), 2] (each block's first and second moment
-    scale); the run starts on a block boundary. No amsgrad."""
-    if amsgrad:
+def adam8_step(ops: Operands, args: StepArgs):
+    """``adam.adam_step`` over int8 moments, in place: ``ops.moments`` are exp_avg int8
+    [n], exp_avg_sq uint8 [n], scales float32 [ceil(n / 256), 2] (each block's first and
+    second moment scale); the run starts on a block boundary. No amsgrad."""
+    if args.amsgrad:
         raise ValueError("int8 moments hold no amsgrad maximum; use moments='fp32'")
+    param, grad, (exp_avg, exp_avg_sq, scales), param_lp = ops[:4]
     n = param.numel()
     device = param.device
-    _check_step(param, grad, param_lp, stochastic, remainder, step=step, lr=lr,
-                grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
+    _check_step(ops, args)
     _check("exp_avg", exp_avg, n, (torch.int8,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.uint8,), device)
     n_blocks = quant.blocks(n)
@@ -124,14 +122,11 @@ def adam8_step(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
     dummy = param  # never dereferenced: its branch is compiled out
     _adam8_kernel[(triton.cdiv(n_blocks, rows),)](
         param, grad, exp_avg, exp_avg_sq, scales,
-        _second_half(param_lp, remainder, dummy), step, lr,
-        grad_scale if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy,
-        clip_coef if clip_coef is not None else dummy,
-        n, n_blocks, int(seed) & 0xFFFFFFFF, int(index), *_hyper(beta1, beta2, eps, weight_decay),
-        **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
+        _second_half(ops, dummy), ops.step, ops.lr, *_scalars(args, dummy),
+        n, n_blocks, int(args.seed) & 0xFFFFFFFF, int(args.index), *_hyper(args),
+        **_flags(args, param_lp),
         FIRST_BIAS=quant.FIRST.bias, FIRST_MAN=quant.FIRST.man_bits,
         SECOND_BIAS=quant.SECOND.bias, SECOND_MAN=quant.SECOND.man_bits,
-        **_param_flags(stochastic, remainder),
+        **_param_flags(ops, args),
         ROWS=rows, BLOCK=quant.BLOCK, num_warps=warps,
     )

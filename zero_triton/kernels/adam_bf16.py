@@ -9,8 +9,9 @@ import triton
 import triton.language as tl
 
 from zero_triton.kernels import rounding
+from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
-                                      _hyper, _key, _load_param, _param_flags, _second_half,
+                                      _hyper, _key, _load_param, _param_flags, _scalars, _second_half,
                                       _store_bf16_stochastic, _store_param)
 
 
@@ -49,19 +50,16 @@ def _adam_bf16_kernel(
     _store_bf16_stochastic(v_ptr + offs, v, _key(seed32, step, SECOND_MIX), index, mask)
 
 
-def adam_bf16_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-                   beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                   grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
-                   stochastic=False, remainder=None):
-    """``adam.adam_step`` over bfloat16 moments, in place: exp_avg, exp_avg_sq bfloat16
-    [n] (``max_exp_avg_sq`` must be None: no amsgrad); ``seed`` and ``index`` (the
+def adam_bf16_step(ops: Operands, args: StepArgs):
+    """``adam.adam_step`` over bfloat16 moments, in place: ``ops.moments`` are exp_avg,
+    exp_avg_sq bfloat16 [n] and None (no amsgrad); ``args.seed`` and ``args.index`` (the
     canonical index of element 0) key their stochastic rounding."""
-    if amsgrad or max_exp_avg_sq is not None:
+    param, grad, (exp_avg, exp_avg_sq, max_exp_avg_sq), param_lp = ops[:4]
+    if args.amsgrad or max_exp_avg_sq is not None:
         raise ValueError("bf16 moments hold no amsgrad maximum; use moments='fp32'")
     n = param.numel()
     device = param.device
-    _check_step(param, grad, param_lp, stochastic, remainder, step=step, lr=lr,
-                grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
+    _check_step(ops, args)
     _check("exp_avg", exp_avg, n, (torch.bfloat16,), device)
     _check("exp_avg_sq", exp_avg_sq, n, (torch.bfloat16,), device)
     if n == 0:
@@ -70,13 +68,10 @@ def adam_bf16_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, s
     dummy = param  # never dereferenced: its branch is compiled out
     _adam_bf16_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq,
-        _second_half(param_lp, remainder, dummy), step, lr,
-        grad_scale if grad_scale is not None else dummy,
-        found_inf if found_inf is not None else dummy,
-        clip_coef if clip_coef is not None else dummy,
-        n, int(seed) & 0xFFFFFFFF, int(index), *_hyper(beta1, beta2, eps, weight_decay),
-        **_flags(adamw, maximize, weight_decay, param_lp, grad_scale, found_inf, clip_coef),
+        _second_half(ops, dummy), ops.step, ops.lr, *_scalars(args, dummy),
+        n, int(args.seed) & 0xFFFFFFFF, int(args.index), *_hyper(args),
+        **_flags(args, param_lp),
         FIRST_MIX=(rounding.FIRST_STREAM * rounding.M1) & rounding.MASK32,
         SECOND_MIX=(rounding.SECOND_STREAM * rounding.M1) & rounding.MASK32,
-        **_param_flags(stochastic, remainder), BLOCK=block, num_warps=1 if INTERPRET else 8,
+        **_param_flags(ops, args), BLOCK=block, num_warps=1 if INTERPRET else 8,
     )

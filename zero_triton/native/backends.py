@@ -1,21 +1,19 @@
 """Backends: name -> fused step function, and which are usable here and why not.
 
 Every backend computes the same function (see ``zero_triton.reference``) with one
-signature::
+signature, ``step(ops, args)``: ``ops`` the tensors of one launch, ``args`` the step's
+scalars and flags (``zero_triton.kernels.args``: ``Operands`` and ``StepArgs``, as
+``csrc/adam_args.h`` is one struct for the C++ and CUDA kernels).
 
-    step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-         beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-         grad_scale=None, found_inf=None, clip_coef=None,
-         stochastic=False, remainder=None, seed=0, index=0)
+``ops.param`` is the fp32 master (or fp32 parameter; ``ops.param_lp`` then receives its
+fp16/bf16 rounding), or the bf16 parameter itself: rounded back stochastically with
+``args.stochastic`` (master_weights="stochastic", keyed by ``args.seed`` and
+``args.index``), or with its int16 ``ops.remainder`` the exact master's high half
+(master_weights="remainder", ``zero_triton.kernels.remainder``). ``ops.moments`` are
+the moment store's operands, whose format picks the registry's row.
 
-``param`` is the fp32 master (or fp32 parameter; ``param_lp`` then receives its fp16/bf16
-rounding), or the bf16 parameter itself: rounded back stochastically with
-``stochastic`` (master_weights="stochastic", keyed by ``seed`` and ``index``), or with
-its int16 ``remainder`` the exact master's high half (master_weights="remainder",
-``zero_triton.kernels.remainder``).
-
-``"torch"`` additionally takes ``scratch``: a float32 buffer of the shard's size, so
-that the step allocates nothing.
+``"torch"`` reads ``ops.scratch``: a float32 buffer of the launch's size, so that the
+step allocates nothing.
 """
 from __future__ import annotations
 
@@ -25,58 +23,64 @@ import sys
 
 import torch
 
+from zero_triton.kernels.args import Operands, StepArgs
+
 NAMES = ("auto", "triton", "cuda", "cpu", "torch")
 
 
-def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-               beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-               grad_scale=None, found_inf=None, clip_coef=None, scratch=None,
-               stochastic=False, remainder=None, seed=0, index=0):
+def _value(t) -> float:
+    return float(t.item()) if isinstance(t, torch.Tensor) else float(t)
+
+
+def _skipped(args: StepArgs) -> bool:
+    """GradScaler found an inf: the torch steps read its flag on the host."""
+    return args.found_inf is not None and args.found_inf.item() != 0
+
+
+def torch_step(ops: Operands, args: StepArgs) -> None:
     """The step in plain in-place torch ops on preallocated buffers (several passes
     over memory; the fallback when no kernel can run). Reads ``found_inf``, ``lr`` and
-    ``step`` on the host: on CUDA tensors this path syncs once per step.
-    ``stochastic`` / ``remainder``: ``param`` is the bf16 parameter itself, stepped in
-    float32 and rounded back stochastically (keyed by ``seed`` and ``index``), or split
-    again with its remainder (see the module's docstring)."""
-    if found_inf is not None and found_inf.item() != 0:
+    ``step`` on the host: on CUDA tensors this path syncs once per step. A bf16
+    parameter without a master (``args.stochastic``, ``ops.remainder``) is stepped in
+    float32 and rounded back stochastically (keyed by ``args.seed`` and ``args.index``)
+    or split again with its remainder (see the module's docstring)."""
+    if _skipped(args):
         return
-    if stochastic or remainder is not None:
+    param, grad, (exp_avg, exp_avg_sq, max_exp_avg_sq), param_lp, step, lr, remainder, scratch = ops
+    if args.stochastic or remainder is not None:
         from zero_triton.kernels import remainder as remainders, rounding
         master = param.float() if remainder is None else remainders.join(param, remainder)
-        torch_step(master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, None, step, lr,
-                   beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                   amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
-                   clip_coef=clip_coef, scratch=scratch)
+        torch_step(Operands(master, grad, ops.moments, None, step, lr, scratch=scratch),
+                   args.replace(stochastic=False, found_inf=None))
         if remainder is not None:
             high, low = remainders.split(master)
             param.copy_(high)
             remainder.copy_(low)
             return
-        t = int(float(step.item()) if isinstance(step, torch.Tensor) else step)
-        bits = rounding.random_bits(rounding.key(seed, t, rounding.PARAM_STREAM), index,
-                                    master.numel(), master.device)
+        bits = rounding.random_bits(rounding.key(args.seed, int(_value(step)), rounding.PARAM_STREAM),
+                                    args.index, master.numel(), master.device)
         param.copy_(rounding.to_bf16_stochastic(master, bits))
         return
     if scratch is None:
         scratch = torch.empty_like(param)
-    lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr)
-    t = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+    lr_value, t = _value(lr), _value(step)
+    beta1, beta2, weight_decay = args.beta1, args.beta2, args.weight_decay
     g = scratch
     g.copy_(grad)
-    if grad_scale is not None:
-        g.div_(grad_scale)
-    if clip_coef is not None:
-        g.mul_(clip_coef)
-    if maximize:
+    if args.grad_scale is not None:
+        g.div_(args.grad_scale)
+    if args.clip_coef is not None:
+        g.mul_(args.clip_coef)
+    if args.maximize:
         g.neg_()
     if weight_decay != 0:
-        if adamw:
+        if args.adamw:
             param.mul_(1 - lr_value * weight_decay)
         else:
             g.add_(param, alpha=weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    if amsgrad:
+    if args.amsgrad:
         torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
         v = max_exp_avg_sq
     else:
@@ -84,50 +88,40 @@ def torch_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step,
     bias_correction1 = 1 - beta1 ** t
     bias_correction2_sqrt = (1 - beta2 ** t) ** 0.5  # as torch.optim.Adam computes it
     denom = torch.sqrt(v, out=scratch)  # g is dead: reuse its buffer
-    denom.div_(bias_correction2_sqrt).add_(eps)
+    denom.div_(bias_correction2_sqrt).add_(args.eps)
     param.addcdiv_(exp_avg, denom, value=-lr_value / bias_correction1)
     if param_lp is not None:
         param_lp.copy_(param)
 
 
-def torch_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
-                    beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                    grad_scale=None, found_inf=None, clip_coef=None, scratch=None,
-                    stochastic=False, remainder=None, seed=0, index=0):
+def torch_step_int8(ops: Operands, args: StepArgs) -> None:
     """The step over int8 moments (``zero_triton.state.int8``) in torch ops: decode the
     blocks (``zero_triton.kernels.quant``), ``torch_step`` on them, encode them again
     with their new scales. Allocates the decoded moments (the fallback, not the fast path)."""
     from zero_triton.kernels import quant
-    if found_inf is not None and found_inf.item() != 0:
+    if _skipped(args):
         return
+    exp_avg, exp_avg_sq, scales = ops.moments
     m = quant.decode(exp_avg, scales[:, 0], quant.FIRST)
     v = quant.decode(exp_avg_sq, scales[:, 1], quant.SECOND)
-    torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
-               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch,
-               stochastic=stochastic, remainder=remainder, seed=seed, index=index)
+    torch_step(ops._replace(moments=(m, v, None)), args.replace(amsgrad=False, found_inf=None))
     quant.quantize(m, quant.FIRST, exp_avg, scales[:, 0])
     quant.quantize(v, quant.SECOND, exp_avg_sq, scales[:, 1])
 
 
-def torch_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-                    beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                    grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
-                    scratch=None, stochastic=False, remainder=None):
+def torch_step_bf16(ops: Operands, args: StepArgs) -> None:
     """The step over bf16 moments (``zero_triton.state.bf16``) in torch ops: widen them,
     ``torch_step``, round them back stochastically (``zero_triton.kernels.rounding``:
     keyed by ``seed``, the step, the moment and ``index`` + element). Allocates."""
     from zero_triton.kernels import rounding
-    if found_inf is not None and found_inf.item() != 0:
+    if _skipped(args):
         return
+    exp_avg, exp_avg_sq, _ = ops.moments
     m, v = exp_avg.float(), exp_avg_sq.float()
-    torch_step(param, grad, m, v, None, param_lp, step, lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay, adamw=adamw, amsgrad=False, maximize=maximize,
-               grad_scale=grad_scale, clip_coef=clip_coef, scratch=scratch,
-               stochastic=stochastic, remainder=remainder, seed=seed, index=index)
-    t = int(float(step.item()) if isinstance(step, torch.Tensor) else step)
+    torch_step(ops._replace(moments=(m, v, None)), args.replace(amsgrad=False, found_inf=None))
+    t = int(_value(ops.step))
     for moment, x, stream in ((exp_avg, m, rounding.FIRST_STREAM), (exp_avg_sq, v, rounding.SECOND_STREAM)):
-        bits = rounding.random_bits(rounding.key(seed, t, stream), index, x.numel(), x.device)
+        bits = rounding.random_bits(rounding.key(args.seed, t, stream), args.index, x.numel(), x.device)
         moment.copy_(rounding.to_bf16_stochastic(x, bits))
 
 
@@ -214,18 +208,22 @@ def resolve(name: str, device: torch.device) -> str:
     raise AssertionError("unreachable: the torch backend is always usable")
 
 
+def _native(args: StepArgs) -> tuple:
+    """The hyperparameters and flags as the C++ bindings take them (``csrc/adam.cpp``)."""
+    return (float(args.beta1), float(args.beta2), float(args.eps), float(args.weight_decay),
+            bool(args.adamw))
+
+
 def _native_step():
     from zero_triton.native import ext as _ext
     native = _ext.load().adam_step
 
-    def native_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-                    beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                    grad_scale=None, found_inf=None, clip_coef=None, stochastic=False, seed=0,
-                    index=0, remainder=None):
-        native(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr,
-               float(beta1), float(beta2), float(eps), float(weight_decay),
-               bool(adamw), bool(amsgrad), bool(maximize), grad_scale, found_inf, clip_coef,
-               bool(stochastic), int(seed), int(index), remainder)
+    def native_step(ops: Operands, args: StepArgs) -> None:
+        exp_avg, exp_avg_sq, max_exp_avg_sq = ops.moments
+        native(ops.param, ops.grad, exp_avg, exp_avg_sq, max_exp_avg_sq, ops.param_lp, ops.step,
+               ops.lr, *_native(args), bool(args.amsgrad), bool(args.maximize), args.grad_scale,
+               args.found_inf, args.clip_coef, bool(args.stochastic), int(args.seed),
+               int(args.index), ops.remainder)
     return native_step
 
 
@@ -233,14 +231,10 @@ def _native_step_int8():
     from zero_triton.native import ext as _ext
     native = _ext.load().adam8_step
 
-    def native_step_int8(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, *,
-                         beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                         grad_scale=None, found_inf=None, clip_coef=None, stochastic=False,
-                         seed=0, index=0, remainder=None):
-        native(param, grad, exp_avg, exp_avg_sq, scales, param_lp, step, lr, float(beta1),
-               float(beta2), float(eps), float(weight_decay), bool(adamw), bool(maximize),
-               grad_scale, found_inf, clip_coef, bool(stochastic), int(seed), int(index),
-               remainder)
+    def native_step_int8(ops: Operands, args: StepArgs) -> None:
+        native(ops.param, ops.grad, *ops.moments, ops.param_lp, ops.step, ops.lr, *_native(args),
+               bool(args.maximize), args.grad_scale, args.found_inf, args.clip_coef,
+               bool(args.stochastic), int(args.seed), int(args.index), ops.remainder)
     return native_step_int8
 
 
@@ -248,13 +242,12 @@ def _native_step_bf16():
     from zero_triton.native import ext as _ext
     native = _ext.load().adam_bf16_step
 
-    def native_step_bf16(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr, *,
-                         beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize,
-                         grad_scale=None, found_inf=None, clip_coef=None, seed=0, index=0,
-                         stochastic=False, remainder=None):
-        native(param, grad, exp_avg, exp_avg_sq, param_lp, step, lr, float(beta1), float(beta2),
-               float(eps), float(weight_decay), bool(adamw), bool(maximize), grad_scale,
-               found_inf, clip_coef, int(seed), int(index), bool(stochastic), remainder)
+    def native_step_bf16(ops: Operands, args: StepArgs) -> None:
+        exp_avg, exp_avg_sq, _ = ops.moments
+        native(ops.param, ops.grad, exp_avg, exp_avg_sq, ops.param_lp, ops.step, ops.lr,
+               *_native(args), bool(args.maximize), args.grad_scale, args.found_inf,
+               args.clip_coef, int(args.seed), int(args.index), bool(args.stochastic),
+               ops.remainder)
     return native_step_bf16
 
 
@@ -310,16 +303,15 @@ def _entry(name: str, format: str):
 
 def step_function(name: str, format: str = "fp32"):
     """The step callable of a concrete backend name (see ``resolve``) for moments of
-    ``format``: its arguments are the master (or fp32 parameter), the gradient, the
-    store's operands (``MomentStore.operands``), the low-precision parameter or None,
-    the step count and the learning rate, then the hyperparameters by keyword."""
+    ``format``: ``step(ops, args)`` (``zero_triton.kernels.args``)."""
     return _entry(name, format)[0]()
 
 
 def list_step_function(name: str, format: str = "fp32"):
-    """The step over lists of tensors in one launch, for a concrete backend that has one
-    (``"triton"``: ``zero_triton.kernels.adam.adam_step_list``), else None: the caller
-    launches ``step_function(name)`` once per tensor."""
+    """The step over a list of ``Operands`` in one launch, ``step_list(launches, args)``,
+    for a concrete backend that has one (``"triton"``:
+    ``zero_triton.kernels.adam.adam_step_list``), else None: the caller launches
+    ``step_function(name)`` once per tensor."""
     loader = _entry(name, format)[1]
     return loader() if loader is not None else None
 

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
 
 _MUTATED = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param_lp")
@@ -44,10 +45,11 @@ def adam_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     fn = _functions.get(name)
     if fn is None:
         fn = _functions[name] = backends.step_function(name)
-    fn(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_lp, step, lr,
-       beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-       amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf,
-       clip_coef=clip_coef)
+    # The operator's schema admits tensors and scalars only: its arguments become the
+    # records every backend takes here, once.
+    fn(Operands(param, grad, (exp_avg, exp_avg_sq, max_exp_avg_sq), param_lp, step, lr),
+       StepArgs(beta1, beta2, eps, weight_decay, adamw, amsgrad, maximize, grad_scale,
+                found_inf, clip_coef))
 
 
 @adam_step_.register_fake

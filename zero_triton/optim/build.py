@@ -1,18 +1,18 @@
-"""A param group's parameters to the shards that step them: plain tensors re-homed into a
-``FlatShard`` per dtype (``zero_triton.optim.shard``), DTensor parameters left where their
-engine keeps them, stepped by a ``LocalShard`` per dtype (``zero_triton.optim.local_shard``)."""
+"""A param group's parameters to the shards that step them (``zero_triton.optim.shard``):
+plain tensors re-homed into a flat buffer per dtype (``Shard.flat``), DTensor parameters
+left where their engine keeps them, a shard per dtype (``Shard.engine``)."""
 from __future__ import annotations
 
 from zero_triton.native import backends
-from zero_triton.optim.local_shard import LocalShard, is_dtensor
-from zero_triton.optim.shard import FLAT_DTYPES, FlatShard
+from zero_triton.optim.engine_home import is_dtensor
+from zero_triton.optim.shard import FLAT_DTYPES, Shard
 from zero_triton.state.flat import real_dtype
 
 
 def build_flats(trainable: list, comm, spec, *, amsgrad: bool, key: int, reducer) -> list:
-    """The shards of one param group, numbered from ``key``: a ``FlatShard`` per dtype of
-    the plain tensors of ``trainable`` (complex parameters in their real dtype's), then a
-    ``LocalShard`` per dtype of its DTensors, each built to ``spec``
+    """The shards of one param group, numbered from ``key``: a flat one per dtype of the
+    plain tensors of ``trainable`` (complex parameters in their real dtype's), then an
+    engine's per dtype of its DTensors, each built to ``spec``
     (``zero_triton.optim.spec``). The backend is resolved first (an error names the fix);
     if one shard fails, the hooks of those already built are removed and nothing is left
     behind."""
@@ -26,11 +26,11 @@ def build_flats(trainable: list, comm, spec, *, amsgrad: bool, key: int, reducer
         for dtype in FLAT_DTYPES:
             members = [p for p in plain if real_dtype(p.dtype) == dtype]
             if members:
-                flats.append(FlatShard(members, comm, spec, amsgrad=amsgrad,
-                                       key=key + len(flats), reducer=reducer))
+                flats.append(Shard.flat(members, comm, spec, amsgrad=amsgrad,
+                                        key=key + len(flats), reducer=reducer))
         for dtype in dict.fromkeys(p.dtype for p in engine):
             members = [p for p in engine if p.dtype == dtype]
-            flats.append(LocalShard(members, comm, spec, amsgrad=amsgrad, key=key + len(flats)))
+            flats.append(Shard.engine(members, comm, spec, amsgrad=amsgrad, key=key + len(flats)))
     except BaseException:
         for flat in flats:
             flat.remove_hooks()

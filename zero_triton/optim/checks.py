@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from zero_triton.optim.local_shard import is_dtensor
+from zero_triton.optim.engine_home import is_dtensor
 from zero_triton.optim.shard import SUPPORTED
 
 
@@ -69,7 +69,7 @@ def check_no_shared_memory(existing, params) -> None:
     spans = []
     for where, group in (("an earlier param group's", existing), ("the group's", params)):
         for i, p in enumerate(group):
-            # A DTensor's storage is its engine's and stays so (zero_triton.optim.local_shard).
+            # A DTensor's storage is its engine's and stays so (zero_triton.optim.engine_home).
             if p.numel() == 0 or p.device.type == "meta" or is_dtensor(p):
                 continue
             start = p.data_ptr()

@@ -11,7 +11,7 @@ def global_norm(flats: list, comm, norm_type: float) -> torch.Tensor:
     """The ``norm_type`` norm of the gradient whose pieces are every rank's shards of
     ``flats`` (no host sync), a 0-dim float32 tensor: the shards' terms are reduced over
     ``comm`` (one all-reduce), or, for DTensor parameters' shards, over their meshes
-    (``zero_triton.optim.local_shard``), as torch's clip_grad_norm_ reduces DTensors."""
+    (``zero_triton.optim.engine_home``), as torch's clip_grad_norm_ reduces DTensors."""
     engine = [f.engine_owned for f in flats]
     if any(engine) and not all(engine):
         raise RuntimeError(

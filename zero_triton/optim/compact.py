@@ -43,14 +43,14 @@ VERSION = 1
 
 def compact(opt, state_dict: dict) -> dict:
     """``state_dict`` (torch's format, this optimizer's) in the compact form."""
-    fmt = opt._spec.moments
+    fmt = opt.spec.moments
     marker = {"moments": fmt, "version": VERSION}
     if fmt == "fp32":
         return {**state_dict, KEY: marker}
     store = moment_formats.FORMATS[fmt]
     _, ids = packed_groups(opt)
     state = dict(state_dict["state"])
-    for _, flat in opt._all_flats():
+    for _, flat in opt.all_flats():
         for i, p in enumerate(flat.params):
             entry = state.get(ids[id(p)])
             if not isinstance(entry, dict) or FIRST not in entry:

@@ -15,7 +15,7 @@ import operator
 import torch
 
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.shard import FlatShard
+from zero_triton.optim.shard import Shard
 from zero_triton.state import watch
 
 
@@ -50,7 +50,7 @@ class UserEdits:
             (gi, p) for p in params if not p.requires_grad]
 
     # -- opt.state -----------------------------------------------------------------
-    def expose(self, *flats: FlatShard) -> None:
+    def expose(self, *flats: Shard) -> None:
         """One rank: optimizer.state[p] holds views of the flat state, as torch.optim.Adam's
         would. Several ranks: a rank holds a shard of each parameter's state, not a tensor
         of its shape, so ``opt.state`` has no entries of ours (``state_dict()`` gathers)."""

@@ -25,8 +25,9 @@ from zero_triton.optim.checks import (adam_hyperparameters, check_flag, check_gr
                                       to_float, with_grads, without_meta)
 from zero_triton.optim.edits import UserEdits
 from zero_triton.optim.protocol import Ranks
+from zero_triton.optim.seat import Seat
 from zero_triton.optim.ranks import OneRank
-from zero_triton.optim.shard import FlatShard
+from zero_triton.optim.shard import Shard
 from zero_triton.optim.spec import Spec
 
 
@@ -86,6 +87,8 @@ class FusedAdam(torch.optim.Optimizer):
         # differentiable=True: torch's per-parameter state and torch's differentiable
         # single-tensor step (zero_triton.optim.differentiable); no flat buffers.
         self._spec = spec
+        # What the parts are handed instead of the optimizer (zero_triton.optim.seat).
+        self._seat = self.__dict__.get("_seat") or Seat(self)
         self._differentiable = differentiable
         if not differentiable:
             hyper = {**hyper, "betas": tuple(to_float(b) for b in hyper["betas"])}
@@ -100,7 +103,7 @@ class FusedAdam(torch.optim.Optimizer):
         # from backward's hooks: safe for models whose ranks reach different parameters).
         self._reducer.early = spec.bucket_cap_mb is not None
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
-        self._flats: list[list[FlatShard]] = []   # per param group
+        self._flats: list[list[Shard]] = []   # per param group
         self._grads_reduced = False
         self._clipping = clipping.Clipping()  # this step's coefficient and norms handed out
         defaults = {**hyper, **adam_state.TORCH_GROUP_KEYS, "differentiable": differentiable}
@@ -190,7 +193,7 @@ class FusedAdam(torch.optim.Optimizer):
         """Start a call that reads the state (``step``, the state dicts, clipping,
         checkpoints): follow what the user changed since the last one, agreed by every
         rank (``Ranks.enter``). Returns whether the gradients must be averaged again."""
-        return self._ranks.enter(self, entry, flats, stale, detail)
+        return self._ranks.enter(self._seat, entry, flats, stale, detail)
 
     # -- what users read; the layers above read the rest through optim.interface ----------
     @property
@@ -200,7 +203,7 @@ class FusedAdam(torch.optim.Optimizer):
         return next((flat.backend for _, flat in self._all_flats()), None)
 
     def _flat_shards(self, reader: str | None = None) -> list:
-        """(group index, FlatShard) of every flat buffer, in order. With ``reader`` (the
+        """(group index, Shard) of every flat buffer, in order. With ``reader`` (the
         name of a call that reads the state, e.g. "checkpoint.save"), first follow what the
         user changed since the last such call (parameters moved or written, ``opt.state``
         edited), agreed by every rank under ZeRO: a collective there."""
@@ -256,7 +259,7 @@ class FusedAdam(torch.optim.Optimizer):
         pairs = flats or self._current_flats()
         if self._grads_reduced:
             self._enter(entry, pairs)
-            self._ranks.after_reduce(self)
+            self._ranks.after_reduce(self._seat)
             return
         flats = [flat for _, flat in pairs]
         for flat in flats:
@@ -271,7 +274,7 @@ class FusedAdam(torch.optim.Optimizer):
             with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
                 self._reducer.finish(buffers, again)
         self._grads_reduced = True
-        self._ranks.after_reduce(self)
+        self._ranks.after_reduce(self._seat)
 
     def _grads_rescaled(self) -> None:
         """GradScaler.unscale_ has rescaled the local gradients in place, without bumping
@@ -297,7 +300,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _agree_found_inf_(self, per_device: dict) -> None:
         """GradScaler's per-device inf flags agreed by every rank (``Ranks.agree_found_inf``)."""
-        self._ranks.agree_found_inf(self, per_device)
+        self._ranks.agree_found_inf(self._seat, per_device)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _grad_scale=None,
@@ -377,7 +380,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._reduce_grads(flats)
         if self._spec.max_grad_norm is not None:  # on top of any clipping called since backward
             self.clip_grad_norm_(self._spec.max_grad_norm, _grad_scale=grad_scale, _in_step=True)
-        found_inf = self._ranks.agree(self, [flat for _, flat in flats], found_inf)
+        found_inf = self._ranks.agree(self._seat, [flat for _, flat in flats], found_inf)
         for group, flat in flats:
             if group["amsgrad"] and flat.state.ensure_amsgrad():
                 self._edits.expose(flat)
@@ -409,36 +412,16 @@ class FusedAdam(torch.optim.Optimizer):
                     self._edits.expose(flat)
         self._grads_reduced = False
         self._clipping.reset()
-        self._ranks.stepped(self)
+        self._ranks.stepped(self._seat)
         return loss
 
     # -- copy and pickle ------------------------------------------------------------
     def __getstate__(self) -> dict:
-        """What ``copy.deepcopy`` and ``pickle`` keep: the groups (with their
-        parameters), the options, and the state in torch.optim.Adam's format. A copy
-        is rebuilt from them: new flat buffers over the copied parameters, same state,
-        as a deep copy of torch.optim.Adam gives an optimizer of the copied tensors."""
-        if self._differentiable:
-            return {"_plain": dict(self.__dict__)}
-        if not isinstance(self._comm, LocalComm):
-            raise TypeError(
-                f"{type(self).__name__} over a process group cannot be deep-copied or pickled: "
-                "its state is sharded over the ranks. Save it with zero_triton.checkpoint.save, "
-                "or take consolidated_state_dict() and load it into a new optimizer")
-        return {"defaults": self.defaults, "param_groups": self.param_groups,
-                "state_dict": adam_state.copyable(self.state_dict()),
-                "options": self._spec.options()}
+        """What ``copy.deepcopy`` and ``pickle`` keep (``_pickled``)."""
+        return _pickled(self)
 
     def __setstate__(self, saved: dict) -> None:
-        if "_plain" in saved:
-            self.__dict__.update(saved["_plain"])
-            return
-        if self.__dict__.get("_differentiable"):  # torch.optim.Optimizer.load_state_dict's call
-            torch.optim.Optimizer.__setstate__(self, saved)
-            return
-        groups, hyper, options = adam_state.pickled(saved)
-        self._build(groups, hyper, Spec.build(**options), LocalComm(), OneRank())
-        self.load_state_dict(saved["state_dict"])
+        _unpickled(self, saved)
 
     # -- reports --------------------------------------------------------------------
     def memory_report(self) -> dict:
@@ -475,7 +458,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.wait_params()
         if compact:
             return adam_state.with_state_dict_hooks(
-                self, lambda: compact_state.compact(self, self._full_state_dict()))
+                self, lambda: compact_state.compact(self._seat, self._full_state_dict()))
         return adam_state.with_state_dict_hooks(self, self._full_state_dict)
 
     @disable_dynamo
@@ -490,10 +473,10 @@ class FusedAdam(torch.optim.Optimizer):
         adam_state.load_with_hooks(self, state_dict, self._load_full_state_dict)
 
     def _full_state_dict(self) -> dict:
-        return self._ranks.state_dict(self)
+        return self._ranks.state_dict(self._seat)
 
     def _load_full_state_dict(self, state_dict: dict) -> None:
-        self._ranks.load_state_dict(self, compact_state.expand(state_dict))
+        self._ranks.load_state_dict(self._seat, compact_state.expand(state_dict))
 
 
 class FusedAdamW(FusedAdam):
@@ -504,3 +487,34 @@ class FusedAdamW(FusedAdam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, master_weights=master_weights,
                          backend=backend, **kwargs)
+
+
+def _pickled(opt) -> dict:
+    """What ``copy.deepcopy`` and ``pickle`` keep: the groups (with their
+    parameters), the options, and the state in torch.optim.Adam's format. A copy
+    is rebuilt from them: new flat buffers over the copied parameters, same state,
+    as a deep copy of torch.optim.Adam gives an optimizer of the copied tensors."""
+    if opt._differentiable:
+        return {"_plain": {k: v for k, v in opt.__dict__.items() if k != "_seat"}}
+    if not isinstance(opt._comm, LocalComm):
+        raise TypeError(
+            f"{type(opt).__name__} over a process group cannot be deep-copied or pickled: "
+            "its state is sharded over the ranks. Save it with zero_triton.checkpoint.save, "
+            "or take consolidated_state_dict() and load it into a new optimizer")
+    return {"defaults": opt.defaults, "param_groups": opt.param_groups,
+            "state_dict": adam_state.copyable(opt.state_dict()),
+            "options": opt._spec.options()}
+
+
+def _unpickled(opt, saved: dict) -> None:
+    """``__setstate__``: a copy rebuilt from what ``_pickled`` kept."""
+    if "_plain" in saved:
+        opt.__dict__.update(saved["_plain"])
+        opt._seat = Seat(opt)
+        return
+    if opt.__dict__.get("_differentiable"):  # torch.optim.Optimizer.load_state_dict's call
+        torch.optim.Optimizer.__setstate__(opt, saved)
+        return
+    groups, hyper, options = adam_state.pickled(saved)
+    opt._build(groups, hyper, Spec.build(**options), LocalComm(), OneRank())
+    opt.load_state_dict(saved["state_dict"])

@@ -48,7 +48,7 @@ class ZeroJoinHook(JoinHook):
         """One iteration of the ranks that still have inputs: a backward of zero gradients
         and a step."""
         opt = self.optimizer
-        opt._ranks.shadowing = True
+        opt.ranks.shadowing = True
         try:
             opt.zero_grad(set_to_none=True)  # what this rank's own last iteration left
             self._backward()
@@ -57,14 +57,14 @@ class ZeroJoinHook(JoinHook):
                     opt.step()
                     break
                 except CatchUp as up:  # the others made a call first: make it, step again
-                    opt._ranks.agreement.pending = (up.entry, up.rows)
+                    opt.ranks.agreement.pending = (up.entry, up.rows)
                     if up.entry == "backward":  # another micro-batch
                         self._backward()
                     else:
                         opt.clip_grad_norm_(*up.args)
             opt.zero_grad(set_to_none=True)
         finally:
-            opt._ranks.shadowing = False
+            opt.ranks.shadowing = False
 
     def _backward(self) -> None:
         """A backward pass that reaches every trainable parameter with a zero gradient

@@ -9,6 +9,7 @@ import torch
 
 from zero_triton.comm.prefetch import ParamPrefetch
 from zero_triton.optim.fused import FusedAdam
+from zero_triton.optim.seat import seat_of
 
 
 def overlap(model: torch.nn.Module, optimizer) -> ParamPrefetch:
@@ -29,9 +30,10 @@ def overlap(model: torch.nn.Module, optimizer) -> ParamPrefetch:
     if trained and not any(id(p) in owned for p in trained):
         raise ValueError("zero_triton.overlap(model, optimizer): none of the optimizer's parameters "
                          "belongs to model; pass the model the optimizer was built from")
-    if optimizer._overlap is not None:
-        optimizer._overlap.remove()
-    optimizer._reducer.overlapped = True
-    prefetch = ParamPrefetch(model, optimizer._reducer, weakref.WeakMethod(optimizer._overlap_removed))
-    optimizer._overlap = prefetch
+    seat = seat_of(optimizer)  # its declared face
+    if seat.overlap is not None:
+        seat.overlap.remove()
+    seat.reducer.overlapped = True
+    prefetch = ParamPrefetch(model, seat.reducer, weakref.WeakMethod(seat.overlap_removed))
+    seat.overlap = prefetch
     return prefetch

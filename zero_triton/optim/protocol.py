@@ -13,8 +13,9 @@ shards.
 Implementations (``zero_triton.optim.ranks``): ``OneRank`` (FusedAdam, and ZeroAdam on a
 group of one: nothing to agree on) and ``AgreedRanks`` (ZeroAdam over a group: a
 host-side agreement per call, step flags, the shard server's count of steps and loads,
-torch's Join). The optimizer calls them with itself (``opt``); they hold no reference
-to it. ``tests/test_layers.py`` holds this module to importing nothing of the package.
+torch's Join). The optimizer calls them with its ``Seat`` (``seat``:
+``zero_triton.optim.seat``, its public face and the members it declares); they read
+none of its private attributes. ``tests/test_layers.py`` holds this module to importing nothing of the package.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ class Ranks(Protocol):
     shadowing: bool    # under torch's Join: this rank, out of inputs, runs the others' iteration
     clip_args: Optional[tuple]  # (max_norm, norm_type) of the clip_grad_norm_ call in progress
 
-    def enter(self, opt: Any, entry: str, flats: Optional[list] = None, stale: bool = False,
+    def enter(self, seat: Any, entry: str, flats: Optional[list] = None, stale: bool = False,
               detail: str = "") -> bool:
-        """Start call ``entry`` (``flats``: the (group, FlatShard) pairs it reads, None
+        """Start call ``entry`` (``flats``: the (group, Shard) pairs it reads, None
         for all): follow the user's edits, agreed by every rank. Returns whether the
         gradients must be averaged again (``stale``: changed after their average began,
         on any rank)."""
@@ -36,25 +37,25 @@ class Ranks(Protocol):
     def before_reduce(self, flats: list) -> None:
         """The local gradients are all in ``flats``' buffers, about to be averaged."""
 
-    def after_reduce(self, opt: Any) -> None:
+    def after_reduce(self, seat: Any) -> None:
         """This step's gradients were averaged (or it was asked again)."""
 
-    def agree(self, opt: Any, flats: list, found_inf: Any) -> Any:
+    def agree(self, seat: Any, flats: list, found_inf: Any) -> Any:
         """The step's found_inf (GradScaler's, or None) and which parameters step, agreed
         by every rank before the kernels; returns the found_inf the kernels read."""
 
-    def agree_found_inf(self, opt: Any, per_device: dict) -> None:
+    def agree_found_inf(self, seat: Any, per_device: dict) -> None:
         """GradScaler's per-device inf flags, agreed in place."""
 
-    def stepped(self, opt: Any) -> None:
+    def stepped(self, seat: Any) -> None:
         """A step completed on this rank."""
 
     def loaded(self) -> None:
         """A load (a state dict, a checkpoint, an agreed reset) wrote the state."""
 
-    def state_dict(self, opt: Any) -> dict:
+    def state_dict(self, seat: Any) -> dict:
         """The full state in torch.optim.Adam's format on this rank (after ``enter``)."""
 
-    def load_state_dict(self, opt: Any, state_dict: dict) -> None:
+    def load_state_dict(self, seat: Any, state_dict: dict) -> None:
         """Load a full state in torch.optim.Adam's format: checked (on every rank)
         before anything changes."""

@@ -3,7 +3,8 @@ the other ranks, with one rank (``OneRank``) and over a process group (``AgreedR
 
 FusedAdam is built with a ``OneRank``; ZeroAdam with an ``AgreedRanks`` when its group
 has more than one rank. The optimizer's step is the same code either way: it calls its
-part at the same points (``enter`` at every call that reads the state, ``agree`` before
+part, with its ``Seat`` (``zero_triton.optim.seat``: the optimizer's declared face), at
+the same points (``enter`` at every call that reads the state, ``agree`` before
 the kernels, ``stepped`` after), and the part decides what that takes.
 """
 from __future__ import annotations
@@ -30,51 +31,51 @@ class OneRank:
     shadowing = False
     clip_args = None
 
-    def enter(self, opt, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
-        pairs = flats if flats is not None else opt._current_flats()
-        edits, shards = opt._edits, [flat for _, flat in pairs]
-        edits.check_groups(opt.param_groups)
-        if edits.edited(opt.state):
-            edits.follow_state(opt.state, shards)
-            opt.state = edits.restored(opt.state, [f for _, f in opt._all_flats()])
+    def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        pairs = flats if flats is not None else seat.current_flats()
+        edits, shards = seat.edits, [flat for _, flat in pairs]
+        edits.check_groups(seat.param_groups)
+        if edits.edited(seat.state):
+            edits.follow_state(seat.state, shards)
+            seat.state = edits.restored(seat.state, [f for _, f in seat.all_flats()])
         reseed_written(shards)
         return stale
 
     def before_reduce(self, flats) -> None:
         pass
 
-    def after_reduce(self, opt) -> None:
+    def after_reduce(self, seat) -> None:
         pass
 
-    def agree(self, opt, flats, found_inf):
+    def agree(self, seat, flats, found_inf):
         return found_inf
 
-    def agree_found_inf(self, opt, per_device: dict) -> None:
+    def agree_found_inf(self, seat, per_device: dict) -> None:
         pass
 
-    def stepped(self, opt) -> None:
+    def stepped(self, seat) -> None:
         pass
 
     def loaded(self) -> None:
         pass
 
-    def state_dict(self, opt) -> dict:
-        self.enter(opt, "state_dict")
-        return adam_state.local_state_dict(opt)
+    def state_dict(self, seat) -> dict:
+        self.enter(seat, "state_dict")
+        return adam_state.local_state_dict(seat)
 
-    def load_state_dict(self, opt, state_dict: dict) -> None:
-        self.enter(opt, "load_state_dict")
+    def load_state_dict(self, seat, state_dict: dict) -> None:
+        self.enter(seat, "load_state_dict")
         # What state_dict() handed out may come back (a self-load, DCP's in-place load):
         # copy it before the load overwrites the buffers it views.
-        state_dict = watch.unaliased(state_dict, adam_state.live_tensors(opt))
-        plan = adam_state.plan_load(opt, state_dict)
-        adam_state.apply_load(opt, state_dict, plan)
+        state_dict = watch.unaliased(state_dict, adam_state.live_tensors(seat))
+        plan = adam_state.plan_load(seat, state_dict)
+        adam_state.apply_load(seat, state_dict, plan)
 
 
 class AgreedRanks:
     """ZeroAdam over a group of several ranks. Each call is agreed host-side first
     (``zero_triton.comm.agreement``): every rank finds locally what changed (param
-    groups edited, ``opt.state`` reset or edited, parameters written, gradients changed
+    groups edited, ``seat.state`` reset or edited, parameters written, gradients changed
     after their bucket was averaged), one exchange tells every rank what all found, and
     every rank then does the same: follows it, or raises. A rank at another call, or a
     step behind, fails every rank there.
@@ -87,7 +88,7 @@ class AgreedRanks:
     (``zero_triton.optim.join``), ``notified`` once this iteration told the Join block
     it still has inputs."""
 
-    def __init__(self, opt, comm, spec):
+    def __init__(self, seat, comm, spec):
         # Made after the model check, which every rank passes together: the ordinal (how
         # many ZeroAdams this process built on this group before) is the same on all. The
         # channel lives while an optimizer on this group does, and until the group is
@@ -98,7 +99,12 @@ class AgreedRanks:
         self.agreement = agreement.Agreement(everyone, agreement.next_ordinal(everyone.process_group),
                                              channel)
         self.server = channel.server
-        channel.attach(opt)
+        channel.attach(seat.optimizer)
+        # Held here (a cycle the garbage collector frees, not a drop): a rank that lets go
+        # of its optimizer right after its own state_dict() keeps serving the peers whose
+        # requests for its shards are still on their way, instead of closing the channel
+        # under them at once.
+        self.owner = seat.optimizer
         self.step_flags = StepFlags(comm)
         self.served = None   # ServedState, once the optimizer is built (``built``)
         self.told = None     # the step's entry agreement's flags, until ``agree`` reads them
@@ -109,75 +115,99 @@ class AgreedRanks:
         # it over): no fingerprint needed there.
         self.averaged_before = AlreadyAveraged(everyone, needed=not spec.grads.sharded)
 
-    def built(self, opt) -> None:
+    def built(self, seat) -> None:
         """The optimizer is built: backward's launches enter too, and the shard server
         answers from its state."""
-        opt._reducer.enter = lambda detail: opt._enter("backward", detail=detail)
-        self.served = ServedState(opt, self.agreement, self.server)
+        seat.reducer.enter = lambda detail: seat.enter("backward", detail=detail)
+        self.served = ServedState(seat, self.agreement, self.server)
 
-    def enter(self, opt, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
-        if not self.notified and not self.shadowing and entry in PER_ITERATION:
-            # Under Join: this rank still has inputs, said before the iteration's first
-            # collective, as the joined ranks count before shadowing it (a no-op outside).
-            self.notified = True
-            Join.notify_join_context(opt)
-        flats = flats if flats is not None else opt._current_flats()
-        edits = opt._edits
-        refuse, error = 0, None
-        try:
-            edits.check_groups(opt.param_groups)
-        except RuntimeError as exc:
-            refuse, error = 1, exc
-        flags = agreement.STALE if stale else 0
+    def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        """What this rank found (``_edits_found``, ``_step_found``), one agreement on
+        what every rank found, then every rank follows it alike (``_follow``)."""
+        self._notify_join(seat, entry)
+        flats = flats if flats is not None else seat.current_flats()
+        flags, refuse, error = self._edits_found(seat, flats)
+        if stale:
+            flags |= agreement.STALE
         if self.shadowing:
             flags |= agreement.JOINED
-        edit = sharded_state_edit(opt.state, edits.tracked, flats) if edits.edited(opt.state) else None
-        if isinstance(edit, RuntimeError):
-            refuse, error = refuse or 3, error or edit
-        elif edit == "reset":
-            flags |= agreement.RESET
-        signature, missing = None, 0
-        if entry == "step":  # the step's own questions, where the host can answer them
-            reducer = opt._reducer
-            signature = reducer.last_signature if opt._grads_reduced else reducer.signature
-            missing = agreement.missing_digest([f.stepped for _, f in flats])
-        written = [(f.key << 32) + i for _, f in flats for i in f.versions.written()]
-        args = None  # clip_grad_norm_'s, for a rank shadowing under Join: read only there
-        if entry == "clip_grad_norm_" and self.clip_args and opt._join_config.enable:
-            args = tuple(float(a) for a in self.clip_args)
-        hyper = join.digest(opt.param_groups) if entry == "step" else 0
         agreed = self.agreement.check(entry, agreement.Row(
-            backwards=opt._reducer.backwards, flags=flags, written=tuple(written), refuse=refuse,
-            detail=detail, signature=signature, missing=missing, args=args or (None, None),
-            hyper=hyper))
+            backwards=seat.reducer.backwards, flags=flags, refuse=refuse, detail=detail,
+            written=tuple((f.key << 32) + i for _, f in flats for i in f.versions.written()),
+            **self._step_found(seat, entry, flats)))
         if entry == "step":
             self.told = agreed
         if error is not None:
             raise error
+        self._follow(seat, entry, agreed, flats)
+        return bool(agreed & agreement.STALE)
+
+    def _notify_join(self, seat, entry: str) -> None:
+        """Under Join: this rank still has inputs, said before the iteration's first
+        collective, as the joined ranks count before shadowing it (a no-op outside)."""
+        if not self.notified and not self.shadowing and entry in PER_ITERATION:
+            self.notified = True
+            Join.notify_join_context(seat.optimizer)
+
+    @staticmethod
+    def _edits_found(seat, flats) -> tuple:
+        """The user's edits this rank finds: (flags, refuse code, the error to raise once
+        every rank knows): param groups edited by hand (refused), ``opt.state`` reset
+        (RESET) or edited in a way the shards cannot take (refused)."""
+        edits = seat.edits
+        flags, refuse, error = 0, 0, None
+        try:
+            edits.check_groups(seat.param_groups)
+        except RuntimeError as exc:
+            refuse, error = 1, exc
+        edit = sharded_state_edit(seat.state, edits.tracked, flats) if edits.edited(seat.state) else None
+        if isinstance(edit, RuntimeError):
+            refuse, error = refuse or 3, error or edit
+        elif edit == "reset":
+            flags |= agreement.RESET
+        return flags, refuse, error
+
+    def _step_found(self, seat, entry: str, flats) -> dict:
+        """The call's own questions, where the host can answer them: the step's buckets'
+        launch signature, which gradients are missing and the hyperparameters' digest;
+        clip_grad_norm_'s arguments for a rank shadowing under Join."""
+        found = {}
+        if entry == "step":
+            reducer = seat.reducer
+            found.update(signature=reducer.last_signature if seat.grads_reduced else reducer.signature,
+                         missing=agreement.missing_digest([f.stepped for _, f in flats]),
+                         hyper=join.digest(seat.param_groups))
+        if entry == "clip_grad_norm_" and self.clip_args and seat.join_enabled:
+            found["args"] = tuple(float(a) for a in self.clip_args)
+        return found
+
+    def _follow(self, seat, entry: str, agreed: int, flats) -> None:
+        """What every rank does with what all found: hyperparameters shared (Join, or
+        refused when they differ), an agreed reset of the state, ``opt.state`` made anew
+        after edits, the masters of written parameters re-seeded, the server's counts."""
         if entry == "step" and agreed & (agreement.JOINED | agreement.HYPER_DIFFER):
-            self._share_hyperparameters(opt)
+            self._share_hyperparameters(seat)
         if agreed & agreement.RESET:
             for _, flat in flats:
                 flat.state.reset()
                 flat.state.set_param_steps([0.0] * len(flat.params))
                 flat.reseed(range(len(flat.params)))
-        if edits.edited(opt.state):
+        if seat.edits.edited(seat.state):
             # opt.state anew, keeping whatever is not ours
-            opt.state = edits.restored(opt.state, [f for _, f in opt._all_flats()])
+            seat.state = seat.edits.restored(seat.state, [f for _, f in seat.all_flats()])
         reseeded = reseed_written([flat for _, flat in flats])
         if agreed & agreement.RESET:
             self.loaded()  # every rank reset its shards: counted as a load
         elif reseeded:
             self.served.written()  # masters seeded from written parameters
-        return bool(agreed & agreement.STALE)
 
-    def _share_hyperparameters(self, opt) -> None:
+    def _share_hyperparameters(self, seat) -> None:
         """At a step where the ranks with inputs hold different hyperparameters, or one
         shadows under Join: every rank sends its own. Different ones among the ranks with
         inputs are refused on every rank (each would step its shard at its own: a
         scheduler stepped on some ranks only, ReduceLROnPlateau fed a rank's own
         metric); a joined rank takes theirs (its own loop, scheduler included, ended)."""
-        every = self.agreement.exchange([float(self.shadowing)] + join.hyperparameters(opt.param_groups))
+        every = self.agreement.exchange([float(self.shadowing)] + join.hyperparameters(seat.param_groups))
         active = [(rank, row[1:]) for rank, row in enumerate(every) if not row[0]]
         differ = join.first_difference(active)
         if differ is not None:
@@ -188,17 +218,17 @@ class AgreedRanks:
                 "feed ReduceLROnPlateau a metric reduced over the ranks (all_reduce it first), "
                 "and set param_groups on every rank. Nothing was stepped")
         if self.shadowing and active:
-            join.adopt(opt.param_groups, active[0][1])
+            join.adopt(seat.param_groups, active[0][1])
 
     def before_reduce(self, flats) -> None:
         self.averaged_before.before_reduce(flats)
 
-    def after_reduce(self, opt) -> None:
+    def after_reduce(self, seat) -> None:
         if self.averaged_before.mine is not None:  # once: exchanged after the reduce-scatter
             self.averaged_before.after_reduce(  # (which fails first)
-                [p for g in opt.param_groups for p in g["params"]], opt._join_config.enable)
+                [p for g in seat.param_groups for p in g["params"]], seat.join_enabled)
 
-    def agree(self, opt, flats, found_inf):
+    def agree(self, seat, flats, found_inf):
         """found_inf, which parameters step, and whether every rank launched the same
         buckets, agreed over the ranks; raises if an earlier (GPU) or this step's
         agreement found that they did not. The step's entry agreement (``enter``)
@@ -209,25 +239,24 @@ class AgreedRanks:
         any rank has its gradient)."""
         if not flats:
             return found_inf
-        self._check_launches(opt)
+        self._check_launches(seat)
         told, self.told = self.told, None
         if told is not None and found_inf is None and not told & agreement.GRADS_DIFFER:
             if told & agreement.DIFFER:
-                self._launches_differ(opt)
+                self._launches_differ(seat)
             return None
-        found_inf, partial = self.step_flags.exchange(flats, found_inf, opt._reducer.last_signature)
+        found_inf, partial = self.step_flags.exchange(flats, found_inf, seat.reducer.last_signature)
         if flats[0].device.type == "cpu":  # read at once: raise before anything is agreed
-            self._check_launches(opt)
+            self._check_launches(seat)
         return self.step_flags.finish(flats, found_inf, partial)
 
-    def _check_launches(self, opt) -> None:
+    def _check_launches(self, seat) -> None:
         if self.step_flags.launches_differed():
-            self._launches_differ(opt)
+            self._launches_differ(seat)
 
     @staticmethod
-    def _launches_differ(opt) -> None:
-        opt._grads_reduced = False
-        opt._clipping.coef = None
+    def _launches_differ(seat) -> None:
+        seat.drop_averages()
         raise RuntimeError(
             "ZeroAdam: the ranks averaged different buckets during backward (a parameter "
             "that backward reached on some ranks and not on others, e.g. a data-dependent "
@@ -236,51 +265,51 @@ class AgreedRanks:
             "bucket_cap_mb=None (gradients averaged in step() only, whatever backward "
             "reaches), or make every rank's forward use every parameter")
 
-    def agree_found_inf(self, opt, per_device: dict) -> None:
+    def agree_found_inf(self, seat, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
-        self.agreement.check("GradScaler", agreement.Row(backwards=opt._reducer.backwards))
+        self.agreement.check("GradScaler", agreement.Row(backwards=seat.reducer.backwards))
         for flag in per_device.values():
-            opt._comm.all_reduce(flag, "max")
+            seat.comm.all_reduce(flag, "max")
 
-    def stepped(self, opt) -> None:
+    def stepped(self, seat) -> None:
         self.notified = False
         self.served.stepped()
-        opt._reducer.backwards = 0
+        seat.reducer.backwards = 0
 
     def loaded(self) -> None:
         self.served.loaded()
 
-    def state_dict(self, opt) -> dict:
+    def state_dict(self, seat) -> dict:
         """The full state on this rank: the other ranks' shards from their shard servers
         (``adam_state.served_state_dict``), wherever those ranks are."""
-        if opt._edits.edited(opt.state):
-            # opt.state edited on this rank: what the state holds is decided by every rank
+        if seat.edits.edited(seat.state):
+            # seat.state edited on this rank: what the state holds is decided by every rank
             # together at an agreed entry, so this call is collective.
-            self.enter(opt, "state_dict")
-            return adam_state.gathered_state_dict(opt, None, opt._GATHER_CHUNK)
-        opt._edits.check_groups(opt.param_groups)
-        return adam_state.served_state_dict(opt, self.server, self.agreement.ordinal,
-                                            self.served.counts(), opt._GATHER_CHUNK)
+            self.enter(seat, "state_dict")
+            return adam_state.gathered_state_dict(seat, None, seat.gather_chunk)
+        seat.edits.check_groups(seat.param_groups)
+        return adam_state.served_state_dict(seat, self.server, self.agreement.ordinal,
+                                            self.served.counts(), seat.gather_chunk)
 
     @torch.no_grad()
-    def load_state_dict(self, opt, state_dict: dict) -> None:
+    def load_state_dict(self, seat, state_dict: dict) -> None:
         """Every rank checks the state dict first; if any rejects it, all raise and
         nothing changes. Each rank keeps its shard."""
-        self.enter(opt, "load_state_dict")
+        self.enter(seat, "load_state_dict")
         # A DCP load's ShardedTensors (``sharded_state_dict``'s): this rank's shards, copied.
         state_dict = sharded_state.localized(state_dict)
-        state_dict = watch.unaliased(state_dict, adam_state.live_tensors(opt))
+        state_dict = watch.unaliased(state_dict, adam_state.live_tensors(seat))
         plan, error = None, None
         try:
-            plan = adam_state.plan_load(opt, state_dict)
+            plan = adam_state.plan_load(seat, state_dict)
         except (ValueError, KeyError, TypeError) as exc:
             error = exc
-        every = opt._comm.all_gather_object(
+        every = seat.comm.all_gather_object(
             None if error is None else f"{type(error).__name__}: {error}", "load_state_dict")
         if error is not None:
             raise error
         for r, msg in enumerate(every):
             if msg is not None:
                 raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
-        adam_state.apply_load(opt, state_dict, plan)
+        adam_state.apply_load(seat, state_dict, plan)
         self.loaded()

@@ -19,7 +19,8 @@ from zero_triton.optim import state_dict as adam_state
 
 
 class ServedState:
-    """``optimizer``: the ZeroAdam (held weakly: the server's registry holds this);
+    """``optimizer``: the ZeroAdam's seat (``zero_triton.optim.seat``; held weakly: the
+    server's registry holds this);
     ``agreement``: its ``comm.agreement.Agreement`` (the step count); ``server``: the
     group's shard server. The chunks sent are the optimizer's ``_GATHER_CHUNK`` elements,
     as the asking rank's."""
@@ -35,13 +36,18 @@ class ServedState:
         self.settled = threading.Condition()
         server.register(agreement.ordinal, self.answer)
 
+    def _seat(self):
+        """The optimizer's seat, None once the optimizer was dropped."""
+        seat = self._optimizer()
+        return None if seat is None or seat.optimizer is None else seat
+
     def _flats(self) -> list:
-        opt = self._optimizer()
-        return [] if opt is None else [flat for _, flat in opt._all_flats()]
+        seat = self._seat()
+        return [] if seat is None else [flat for _, flat in seat.all_flats()]
 
     def _chunk(self) -> int:
-        opt = self._optimizer()
-        return adam_state.GATHER_CHUNK if opt is None else opt._GATHER_CHUNK
+        seat = self._seat()
+        return adam_state.GATHER_CHUNK if seat is None else seat.gather_chunk
 
     def written(self) -> None:
         """Mark a write of the state (a step's kernels, a load, a reset): a new version

@@ -1,142 +1,54 @@
-"""One flat buffer of an optimizer and its rank's shard: the parameters (views of the
-buffer), the gradients (``zero_triton.comm.grads``), the buckets that average them
-(``zero_triton.comm.buckets``), the master and moments of the shard
-(``zero_triton.state.shards``) and the kernel that steps it (``zero_triton.native``)."""
-from __future__ import annotations
+"""One shard of an optimizer: the parameters of a param group of one dtype and device
+and this rank's part of their optimizer state, built from two parts.
 
-import math
-import weakref
+- Its **home**, where the parameters and gradients live: ``FlatHome``
+  (``zero_triton.optim.flat_home``: our flat buffer, its gradients and the buckets that
+  average them) or ``EngineHome`` (``zero_triton.optim.engine_home``: the local shards of
+  DTensor parameters, where FSDP2 or tensor parallel keep them).
+- Its **launch** (``zero_triton.optim.launch``): how the step's operands reach a kernel
+  (one launch per run, or one list launch).
+
+The state of the shard (``zero_triton.state.shards``) and the step's records
+(``zero_triton.kernels.args``) are the same whatever the home and the launch: the shard
+turns each run of a segment into ``Operands``, the step's hyperparameters into one
+``StepArgs``, and hands both to its launch, the one place a step function is called.
+"""
+from __future__ import annotations
 
 import torch
 
-from zero_triton.comm import buckets
 from zero_triton.comm.protocol import Comm
+from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
+from zero_triton.optim.engine_home import EngineHome
+from zero_triton.optim.flat_home import FLAT_DTYPES, LOW_PRECISION, SUPPORTED, FlatHome, one_kind
+from zero_triton.optim.launch import DeviceLaunch, ListLaunch
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
-from zero_triton.state.flat import as_param, flatten_params, real_dtype
+from zero_triton.state.flat import real_dtype
 from zero_triton.state.shards import ShardState
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-# The dtypes of flat buffers; complex parameters live in their real dtype's buffer as
-# (real, imaginary) pairs (zero_triton.state.flat.real_dtype), float64 ones step in float64.
-FLAT_DTYPES = (torch.float32,) + LOW_PRECISION + (torch.float64,)
-SUPPORTED = FLAT_DTYPES + (torch.complex64, torch.complex128)
+__all__ = ["Shard", "FLAT_DTYPES", "LOW_PRECISION", "SUPPORTED", "one_kind"]
 
 
-def one_kind(kinds: set, who: str) -> tuple:
-    """The one (dtype, device) of ``kinds`` (the parameters of a shard after a move), or
-    the error that names the fix: they were moved apart."""
-    if len(kinds) != 1:
-        found = ", ".join(sorted(f"{d} on {dev}" for d, dev in kinds))
-        raise RuntimeError(
-            f"zero_triton: {who} were moved to different dtypes or devices ({found}) after the "
-            "optimizer was built; move the whole model at once (model.to(device, dtype)) or "
-            "build the optimizer after moving it")
-    return next(iter(kinds))
+class Shard:
+    """A ``home`` (``FlatHome`` or ``EngineHome``) and the optimizer state of this
+    rank's part of it (``state``), stepped through a launch part. Built by
+    ``Shard.flat`` / ``Shard.engine`` (``zero_triton.optim.build``).
 
+    Parameters that were not stepped keep their state, step count included."""
 
-# Larger blocks glibc maps afresh at every allocation (its mmap threshold grows only to
-# this), paying a page fault per 4 KiB page each step (~0.85 ms per MiB measured on a
-# 2-core CPU, 5x a copy): a bucket's averages that large are kept across steps on CPUs.
-_C_HEAP_MAX_BYTES = 32 * 2**20
-
-
-def _keeps_averages(device: torch.device, numel: int, dtype) -> bool:
-    """Whether a bucket's averaged shard is kept between steps rather than made during
-    each backward: on GPUs the caching allocator hands its block to the next forward's
-    activations and back for free; on CPUs only blocks the C heap recycles."""
-    if device.type == "cuda":
-        return False
-    return numel * dtype.itemsize > _C_HEAP_MAX_BYTES
-
-
-def _norm_term(g: torch.Tensor, norm_type: float, dtype) -> torch.Tensor:
-    """sum |g|^norm_type of ``g`` in ``dtype`` (its largest |g| for the inf norm)."""
-    if norm_type == math.inf:
-        return g.abs().max().to(dtype) if g.numel() else torch.zeros((), dtype=dtype, device=g.device)
-    return torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
-
-
-def _remove_all(handles: list) -> None:
-    """Remove hook handles (in place: a finalizer holds the same list)."""
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
-class FlatShard:
-    """One flat buffer (a param group's parameters of one dtype and device), its
-    gradients (``grad_buffer``: ZeRO-1's full local buffer or ZeRO-2's hand-over to the
-    buckets, ``zero_triton.comm.grads``), its buckets (``zero_triton.comm.buckets``), the
-    optimizer state of this rank's shard of every bucket (``state``,
-    ``zero_triton.state.shards``) and the kernel that steps it.
-
-    Which parameters have a gradient at ``step`` follows torch.optim.Adam's rule (a
-    parameter whose ``.grad`` is None is not stepped; ``zero_triton.comm.grads`` says how it
-    is told). Parameters that were not stepped keep their state, step count included.
-    """
-
-    # The parameters live in our flat buffer (``LocalShard``: their engine's, DTensor).
-    engine_owned = False
-
-    def __init__(self, params, comm: Comm, spec, *, amsgrad=False, key=0, reducer=None,
-                 bucket_numel=None):
-        """The flat buffer of ``params`` built to ``spec`` (``zero_triton.optim.spec``),
-        numbered ``key``, its buckets launched by ``reducer`` (None: one rank at stage 1),
-        of ``bucket_numel`` elements (None: ``spec.bucket_numel`` for this buffer)."""
-        self.params = params
-        self.spec = spec
-        self.dtype, self.device = real_dtype(params[0].dtype), params[0].device
+    def __init__(self, home, spec, *, amsgrad: bool = False, key: int = 0):
+        self.home, self.spec, self.key = home, spec, key
+        self.dtype, self.device = home.dtype, home.device
         # How the parameters are stepped (zero_triton.state.master): an fp32 master beside
         # fp16/bf16 ones (or its low half: "remainder"), none ("stochastic"), or their own.
         self.master_format = spec.master_format(self.dtype)
         self.has_master = master_formats.FORMATS[self.master_format].exact
-        reduce_dtype = spec.reduce_dtype
-        if bucket_numel is None:
-            bucket_numel = spec.bucket_numel(self.dtype, sum(
-                p.numel() * (2 if p.is_complex() else 1) for p in params), comm.everyone.world_size)
-        if self.has_master and not spec.master_weights:  # before the parameters are re-homed
-            raise ValueError(
-                f"master_weights=False with {self.dtype} parameters is not supported: Adam "
-                "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
-                "for fp16/bf16 parameters) or train the parameters in float32")
-        self.comm = comm
-        self.bucket_numel, self.key, self.reducer = bucket_numel, key, reducer
-        self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
-                                                      bucket_numel=bucket_numel, align=spec.align)
-        self.param_views = [p.detach() for p in params]  # where each parameter lives now
-        # Stage 1: the local gradients, .grad views of one buffer; stage 2: none, backward's
-        # hooks hand each .grad to its bucket (zero_triton.comm.grads).
-        self.grad_buffer = spec.grads(params, self.layout, self.flat_param, reducer)
-        sharded = self.grad_buffer.sharded
-        # This rank's shard: one segment (buffer lo, hi, state offset) per bucket.
-        self.segments = self.layout.shard_segments(comm.rank)
-        n = self.layout.shard_numel
-        self.param_parts = [self.flat_param[lo:hi] for lo, hi, _ in self.segments]
-        # The averaged gradients of the shard, bucket by bucket (``Bucket.averaged``), in
-        # reduce_dtype (bf16 grads averaged in fp32); at world size 1 without a wider
-        # dtype, the gradients themselves. Otherwise each bucket's is made during
-        # backward and let go after the step, unless it is too large to come back from
-        # the C heap (``_keeps_averages``).
-        wide = reduce_dtype is not None and reduce_dtype != self.dtype
-        self.separate_shard = comm.everyone.world_size > 1 or wide or sharded
-        out_dtype = reduce_dtype if wide else self.dtype
-        own = None if self.separate_shard else self.flat_grad
-        local = None if sharded else self.grad_buffer
-        self.buckets = [buckets.Bucket((key, k), g, local, own, self.flat_param, comm.rank,
-                                       zip(params[g.first:g.end], self.param_views[g.first:g.end]),
-                                       out_dtype=out_dtype,
-                                       keep_out=_keeps_averages(self.device, g.shard_numel, out_dtype))
-                        for k, g in enumerate(self.layout.buckets)]
-        self.hooks = self.grad_buffer.register_hooks(self.buckets, reducer)
-        # The hooks live on the parameters, which outlive an optimizer that is dropped
-        # (a sweep building one per trial): take them off when this buffer goes away.
-        weakref.finalize(self, _remove_all, self.hooks)
-        self.state = ShardState(self.param_parts, self.segments, self.layout,
+        self.state = ShardState(home.param_parts, home.segments, home.layout,
                                 master=self.master_format, amsgrad=amsgrad, moments=spec.moments)
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
-        self.versions = watch.ParamVersions(params)
+        self.versions = watch.ParamVersions(home.params)
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
         if self.dtype == torch.float64 or self.device.type == "meta":
             # The kernels step float32 state: torch's ops step float64. Parameters on the
@@ -144,79 +56,99 @@ class FlatShard:
             self.backend = "torch"
         else:
             self.backend = backends.resolve(spec.backend, self.device)
-        self.step_fn = backends.step_function(self.backend, self.state.moments.format)
-        self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.device) \
+        launch = ListLaunch if home.engine_owned else DeviceLaunch
+        self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
+        self.scratch = torch.empty(home.layout.shard_numel, dtype=self.state.dtype, device=self.device) \
             if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
         # Host list: which parameters are stepped this step (None: all of them).
         self.stepped = None
         self.exposed_steps = None  # the state.steps optimizer.state[p]["step"] views (world size 1)
+        # Rounding keyed by the element's place in the canonical layout (bf16 moments, a
+        # stochastically rounded parameter): the launches carry their first element's index.
+        self.keyed = self.state.moments.keyed or self.state.master.keyed
+        self._whole, self._whole_key = None, None  # each segment's operands (``_segments``)
+
+    @classmethod
+    def flat(cls, params, comm: Comm, spec, *, amsgrad=False, key=0, reducer=None,
+             bucket_numel=None) -> "Shard":
+        """``params`` re-homed into a flat buffer of ours (``FlatHome``)."""
+        cls._check_master(spec, real_dtype(params[0].dtype))  # before the parameters are re-homed
+        return cls(FlatHome(params, comm, spec, key=key, reducer=reducer, bucket_numel=bucket_numel),
+                   spec, amsgrad=amsgrad, key=key)
+
+    @classmethod
+    def engine(cls, params, comm: Comm, spec, *, amsgrad=False, key=0) -> "Shard":
+        """DTensor ``params`` stepped where their engine keeps them (``EngineHome``)."""
+        home = EngineHome(params, comm, spec, key=key)
+        cls._check_master(spec, home.dtype)
+        return cls(home, spec, amsgrad=amsgrad, key=key)
+
+    @staticmethod
+    def _check_master(spec, dtype) -> None:
+        if master_formats.FORMATS[spec.master_format(dtype)].exact and not spec.master_weights:
+            raise ValueError(
+                f"master_weights=False with {dtype} parameters is not supported: Adam "
+                "updates vanish in 8-bit mantissas; keep master_weights=None (an fp32 master "
+                "for fp16/bf16 parameters) or train the parameters in float32")
+
+    # -- what the home holds ---------------------------------------------------------------
+    params = property(lambda self: self.home.params)
+    comm = property(lambda self: self.home.comm)
+    layout = property(lambda self: self.home.layout)
+    segments = property(lambda self: self.home.segments)
+    param_parts = property(lambda self: self.home.param_parts)
+    param_views = property(lambda self: self.home.param_views)
+    grad_buffer = property(lambda self: self.home.grad_buffer)
+    flat_param = property(lambda self: self.home.flat_param)
+    flat_grad = property(lambda self: self.home.flat_grad)
+    buckets = property(lambda self: self.home.buckets)
+    separate_shard = property(lambda self: self.home.separate_shard)
+    engine_owned = property(lambda self: self.home.engine_owned)
+    bucket_numel = property(lambda self: self.home.bucket_numel)
+    reducer = property(lambda self: self.home.reducer)
 
     def remove_hooks(self):
-        _remove_all(self.hooks)
+        self.home.remove_hooks()
 
     def state_views(self, bufs: dict | None = None) -> dict:
         """Per-parameter views of each state buffer (of ``bufs``, one ``state.buffers()``,
-        if given), shaped as the parameters (complex for a complex parameter, as
-        torch.optim.Adam keeps its moments): what ``opt.state`` and ``state_dict()`` hold."""
-        return {k: [as_param(v, p) for v, p in zip(views, self.params)]
-                for k, views in self.state.views(bufs).items()}
+        if given) as the home presents its parameters (shaped as the parameters, complex
+        for a complex one; DTensors for DTensor parameters): what ``opt.state`` and
+        ``state_dict()`` hold."""
+        return self.home.views(self.state.views(bufs))
 
     def local_views(self, bufs: dict | None = None) -> dict:
-        """Per-parameter views of each state buffer as this process holds them (here the
-        same as ``state_views``): what a value given for parameter ``i`` is copied into
-        after ``local_value``."""
-        return self.state_views(bufs)
+        """Per-parameter views of each state buffer as this process holds them: what a
+        value given for parameter ``i`` is copied into after ``local_value``."""
+        return self.home.local_views(self.state.views(bufs))
 
     def local_value(self, value: torch.Tensor, i: int) -> torch.Tensor:
         """A state value given for parameter ``i`` (a state dict's, ``opt.state``'s), as
         this process holds that parameter's state."""
-        return value
-
-    # -- the gradients (zero_triton.comm.grads) ------------------------------------------------
-    @property
-    def flat_grad(self):
-        """The local gradients (ZeRO-1 / FusedAdam), None under ZeRO-2."""
-        return self.grad_buffer.flat
+        return self.home.local_value(value, i)
 
     # -- the parameters moved behind our back ------------------------------------------
     def first_moved(self, hint: bool = False) -> int:
-        """Index of the first parameter whose storage is no longer its place in the flat
-        buffer (``model.to(...)`` after construction), or -1 (``grads``: with the
-        extension, the same C loop finds the first foreign ``.grad``)."""
-        return self.grad_buffer.first_moved(self.param_views, self.dtype, self.device, hint)
+        """Index of the first parameter that moved out of its home (``model.to(...)``
+        after construction), or -1. Parameters the engine swapped for others of the same
+        kind are followed here, their masters re-seeded where their values differ."""
+        i, swapped = self.home.first_moved(hint)
+        if swapped:
+            self._whole_key = None  # the kernel's operands name the parameters' views
+            self.reseed(swapped)
+        return i
 
-    def rehomed(self) -> "FlatShard":
-        """A new FlatShard over the same parameters at their new dtype and device, with
-        this one's state carried over (moved to the new device): training continues as
-        with an optimizer built after the move."""
-        dtype, device = one_kind({(real_dtype(p.dtype), p.device) for p in self.params},
-                                 "parameters that share a flat buffer")
-        if dtype not in FLAT_DTYPES:
-            raise RuntimeError(f"zero_triton: parameters were cast to {dtype} after the optimizer "
-                               "was built; FusedAdam steps float32, float16, bfloat16, float64 "
-                               "and complex parameters")
-        if device.type == "meta":
-            raise RuntimeError("zero_triton: parameters were moved to the meta device after the "
-                               "optimizer was built; materialise them (model.to_empty + init) "
-                               "and build the optimizer afterwards")
-        self.remove_hooks()
-        if self.reducer is not None:
-            self.reducer.wait_all()
-        new = FlatShard(self.params, self.comm, self.spec, amsgrad=self.state.amsgrad,
-                        key=self.key, reducer=self.reducer, bucket_numel=self.bucket_numel)
+    def rehomed(self) -> "Shard":
+        """A new Shard over the same parameters at their new dtype and device, with this
+        one's state carried over (moved to the new device): training continues as with an
+        optimizer built after the move."""
+        new = Shard(self.home.rehomed(), self.spec, amsgrad=self.state.amsgrad, key=self.key)
         if self.device.type == "meta":  # materialised (model.to_empty): nothing to carry over
             return new
         with torch.no_grad():
-            # The new buffer copied every .grad in (Module.to converts them all, views
-            # included); which parameters have a gradient is still the old answer.
-            new.grad_buffer.carry_over(self.grad_buffer)
             new.state.carry_over(self.state)
-            # A parameter whose .data was replaced by other values (p.data = pretrained)
-            # starts from them; one that was only moved keeps its exact master.
-            new.reseed([i for i in self.versions.written()] + [
-                i for i, (p, old) in enumerate(zip(self.params, self.param_views))
-                if p.dtype == old.dtype and not torch.equal(p.detach().to(old.device), old)])
+            new.reseed(new.home.carry_over(self.home, self.versions.written()))
         return new
 
     @torch.no_grad()
@@ -253,15 +185,12 @@ class FlatShard:
 
     def unwritten(self, part: torch.Tensor, s0: int) -> torch.Tensor:
         """``part`` (this rank's parameters of one segment, its state at ``s0``) with
-        what our own gather wrote there (``Comm.gathered``: compressed gathers write the
-        master's rounding, quantized) put back to the master's rounding, so that only
-        the user's writes differ from it."""
+        what our own gather wrote there put back to the master's rounding, so that only
+        the user's writes differ from it (``written_values``)."""
         master = self.state.master.export()
         if master is None:
             return part
-        rounded = master[s0:s0 + part.numel()].to(part.dtype)
-        ours = self.comm.gathered(rounded)
-        return part if ours is rounded else torch.where(part == ours, rounded, part)
+        return written_values(part, master[s0:s0 + part.numel()], self.comm)
 
     def sync_grads(self):
         """Decide which parameters have a gradient at this step (``self.stepped``: None
@@ -273,8 +202,10 @@ class FlatShard:
         self.grad_buffer.zero(set_to_none)
         self.stepped = None
 
+    # -- the step ------------------------------------------------------------------------
     def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
-        """Count this step and return the kernel's arguments for ``update_bucket``."""
+        """Count this step and return its plan for ``update``/``update_bucket``: the
+        step's ``StepArgs`` and the runs of parameters that step (None: every segment whole)."""
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             self.lr.copy_(lr)
@@ -285,74 +216,93 @@ class FlatShard:
         if grad_scale is not None:
             grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
         beta1, beta2 = group["betas"]
-        kwargs = dict(beta1=float(beta1), beta2=float(beta2), eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw=group["decoupled_weight_decay"],
-                      amsgrad=group["amsgrad"], maximize=group["maximize"],
-                      grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
-        runs = self.state.count(self.stepped, found_inf)
-        return {"kwargs": kwargs, "runs": runs, "amsgrad": group["amsgrad"]}
+        args = StepArgs(float(beta1), float(beta2), group["eps"], group["weight_decay"],
+                        group["decoupled_weight_decay"], group["amsgrad"], group["maximize"],
+                        grad_scale, found_inf, clip_coef, self.state.master.stochastic,
+                        self.key if self.keyed else 0)
+        return {"args": args, "runs": self.state.count(self.stepped, found_inf)}
 
     def update(self, plan: dict) -> None:
-        """The fused kernel over this rank's whole shard (one process: every bucket)."""
-        for k in range(len(self.segments)):
-            self.update_bucket(k, plan)
+        """The fused kernel over this rank's whole shard (one process: every segment)."""
+        self._step(range(len(self.segments)), plan)
 
     def update_bucket(self, k: int, plan: dict) -> None:
         """The fused kernel over this rank's shard of bucket ``k``."""
-        lo, hi, s0 = self.segments[k]
-        runs = [(lo, hi, None)] if plan["runs"] is None else plan["runs"][k]
-        for start, end, i in runs:
-            self._launch(k, start - lo, end - lo, s0, i, plan)
-        self.buckets[k].release()
+        self._step((k,), plan)
 
-    def _launch(self, k, a, b, s0, i, plan) -> None:
-        """One kernel launch over elements [a, b) of segment ``k`` (state offset ``s0``)."""
-        kwargs = plan["kwargs"]
-        if self.backend == "torch":
-            kwargs = {**kwargs, "scratch": self.scratch[s0 + a:s0 + b]}
+    def _step(self, ks, plan: dict) -> None:
+        """Hand the launch part the runs of segments ``ks`` that step, then tell the home
+        they are done."""
+        args, runs = plan["args"], plan["runs"]
+        whole = self._segments(args.amsgrad)
+        launches = []
+        for k in ks:
+            lo, hi, s0 = self.segments[k]
+            if hi == lo:
+                continue
+            grad = self.home.grad(k)
+            index = self.home.canonical(k) if self.keyed else 0
+            if runs is None:
+                launches.append((whole[k]._replace(grad=grad), index))
+                continue
+            for start, end, i in runs[k]:
+                a, b = start - lo, end - lo
+                ops = self._operands(k, a, b, grad[a:b], self.state.step_of(i), args.amsgrad)
+                launches.append((ops, index + a if self.keyed else 0))
+        self.launch.run(launches, args)
+        for k in ks:
+            self.home.finished(k)
+
+    def _operands(self, k: int, a: int, b: int, grad, step, amsgrad: bool) -> Operands:
+        """The operands of elements [a, b) of segment ``k``."""
+        st, s0 = self.state, self.segments[k][2]
+        param, param_lp, remainder = st.master.operands(s0 + a, s0 + b, self.param_parts[k][a:b])
+        scratch = None if self.scratch is None else self.scratch[s0 + a:s0 + b]
+        return Operands(param, grad, st.moments.operands(s0 + a, s0 + b, amsgrad), param_lp, step,
+                        self.lr, remainder, scratch)
+
+    def _segments(self, amsgrad: bool) -> list:
+        """Per segment, its whole operands but the gradient (None), made again only when a
+        parameter's view or a state buffer is replaced (amsgrad switched on, a re-home, a
+        swap by the engine, per-parameter step counts) or amsgrad changes."""
         st = self.state
-        if st.moments.keyed or st.master.keyed:
-            # rounding keyed by the element's place in the canonical layout
-            bucket = self.layout.buckets[k]
-            index = bucket.canonical_start + self.segments[k][0] - bucket.start + a
-            kwargs = {**kwargs, "seed": self.key, "index": index}
-        param, param_lp, how = st.master.operands(s0 + a, s0 + b, self.param_parts[k][a:b])
-        self.step_fn(param, self.buckets[k].averaged()[a:b],
-                     *st.moments.operands(s0 + a, s0 + b, plan["amsgrad"]),
-                     param_lp, st.step_of(i), self.lr, **kwargs, **how)
+        key = (st.master, st.moments, st.amsgrad, amsgrad, st.steps)
+        if self._whole_key is None or any(a is not b for a, b in zip(key, self._whole_key)):
+            self._whole = [self._operands(k, 0, hi - lo, None, st.step, amsgrad)
+                           for k, (lo, hi, _) in enumerate(self.segments)]
+            self._whole_key = key
+        return self._whole
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
-        """This rank's part of the gradient norm, in ``dtype``: the sum of |g|^norm_type
-        over its averaged shard (the largest |g| for the inf norm), for ``clipping`` to
-        reduce over the optimizer's ranks."""
-        terms = [_norm_term(b.averaged(), norm_type, dtype) for b in self.buckets]
-        if not terms:
-            return torch.zeros((), dtype=dtype, device=self.device)
-        terms = torch.stack(terms)
-        return terms.max() if norm_type == math.inf else terms.sum()
+        """This rank's part of the gradient norm, in ``dtype`` (the home's: over the
+        averaged shard, or the engine's over each parameter's mesh)."""
+        return self.home.grad_norm_term(norm_type, dtype)
 
     def averaged_grads(self) -> list:
         """This rank's averaged shard of each bucket, in order (zeros where none was
-        averaged since the last step)."""
+        averaged since the last step; none for the engine's parameters)."""
         return [b.averaged() for b in self.buckets]
 
     def gather_bucket(self, k: int) -> None:
-        """Start gathering every rank's updated shard of bucket ``k``."""
-        b = self.buckets[k]
-        b.gather = self.comm.gather_params(b.param_full, b.param_shard, async_op=True,
-                                        name=b.name("all_gather"))
-        if self.reducer is not None and self.reducer.overlapped:  # it outlives step(): watch writes
-            b.versions = [p._version for p, _ in b.members]
+        """Start gathering every rank's updated shard of bucket ``k`` (the engine gathers
+        its own)."""
+        self.home.gather(k)
 
     def nbytes(self) -> dict:
-        def size(t):
-            return 0 if t is None else t.numel() * t.element_size()
-        elem = self.flat_param.element_size()
-        return {
-            "params": size(self.flat_param),
-            "grads": self.grad_buffer.nbytes() + (sum(size(b.grad_out) for b in self.buckets)
-                                                  if self.separate_shard else 0),
-            **self.state.nbytes(),
-            "padding": self.layout.padding * elem * 2,
-            "scratch": size(self.scratch),
-        }
+        home = self.home.nbytes()
+        return {"params": home["params"], "grads": home["grads"], **self.state.nbytes(),
+                "padding": home["padding"],
+                "scratch": 0 if self.scratch is None else self.scratch.numel() * self.scratch.element_size()}
+
+
+def written_values(part: torch.Tensor, master: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The one rule of what a written parameter's master starts from: ``part`` (a
+    parameter's elements as they are now) with every element that still holds what our
+    own gather wrote from ``master`` (``Comm.gathered``: the master's rounding, quantized
+    under compressed gathers) put back to the master's plain rounding, so that only the
+    user's writes differ from the master (``Master.reseed``/``rebase`` keep the master's
+    extra precision where they equal its rounding)."""
+    rounded = master.to(part.dtype)
+    ours = comm.gathered(rounded)
+    return part if ours is rounded else torch.where(part == ours, rounded, part)
+

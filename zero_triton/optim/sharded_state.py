@@ -90,8 +90,8 @@ def sharded_state_dict(opt, flats) -> dict:
     """This rank's shard of ``opt``'s state in torch.optim.Adam's format: ``step`` a
     tensor per parameter (the same on every rank), each state tensor a ShardedTensor of
     the parameter's shape over every rank's boxes, its local shards views of the state.
-    ``flats``: the optimizer's (group, FlatShard) pairs."""
-    comm = opt._comm
+    ``flats``: the optimizer's (group, Shard) pairs."""
+    comm = opt.comm
     groups, ids = packed_groups(opt)
     state = {}
     for _, flat in flats:

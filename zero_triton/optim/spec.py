@@ -1,6 +1,6 @@
 """What an optimizer was built with beyond torch's hyperparameters: one frozen ``Spec``,
 checked once by the constructor and handed down whole to the shards that step it
-(``optim/build.py``, ``optim/shard.py``, ``optim/local_shard.py``), where the layers
+(``optim/build.py``, ``optim/shard.py``, ``optim/engine_home.py``), where the layers
 used to pass each keyword to the next.
 
 torch.optim.Adam's hyperparameters (lr, betas, ...) are not here: they live in the param

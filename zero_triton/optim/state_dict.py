@@ -17,6 +17,7 @@ import torch
 
 from zero_triton.comm import serve
 from zero_triton.optim.checks import adam_hyperparameters
+from zero_triton.optim.shard import written_values
 from zero_triton.state.flat import contiguous_strides, memory_order, real_shape
 from zero_triton.state.moments import KEYS as MOMENT_KEYS
 from zero_triton.state.moments import MAXIMUM
@@ -136,14 +137,14 @@ def local_state_dict(opt) -> dict:
     """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
     ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
     parameters. Tensors are views of the live state, as torch's are."""
-    if opt._comm.world_size > 1:
+    if opt.comm.world_size > 1:
         raise RuntimeError(
             "state_dict() of a sharded optimizer would hold only this rank's shard; use "
             "consolidated_state_dict() for torch.optim.Adam's format, or "
             "zero_triton.checkpoint.save for a sharded checkpoint")
     groups, ids = packed_groups(opt)
     state = {}
-    flats = [flat for _, flat in opt._current_flats()]
+    flats = [flat for _, flat in opt.current_flats()]
     others, per_param = extras(opt.state, [p for flat in flats for p in flat.params])
     for flat in flats:
         views, steps = flat.state_views(), flat.state.param_steps()
@@ -183,7 +184,7 @@ def pickled(saved: dict) -> tuple[list, dict, dict]:
 def live_tensors(opt) -> list:
     """The tensors a state dict's entries may alias: state buffers and parameters."""
     out = []
-    for _, flat in opt._all_flats():
+    for _, flat in opt.all_flats():
         out.extend(flat.state.moments.storage())
         out.extend(flat.state.master.storage())
         out.append(flat.flat_param)
@@ -234,7 +235,7 @@ def plan_load(opt, state_dict) -> list:
                              f"state dict's {len(saved['params'])}")
         ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
     saved_state, plan = state_dict["state"], []
-    for gi, flats in enumerate(opt._flats):
+    for gi, flats in enumerate(opt.flats):
         for flat in flats:
             entries = [saved_state.get(ids[id(p)]) for p in flat.params]
             if all(e is None for e in entries):
@@ -279,7 +280,7 @@ def apply_load(opt, state_dict, plan) -> None:
     for flat, entries, step in plan:
         load_shard(flat, entries, step)
         flat.versions.accept()  # the master is what was loaded (or the parameters now)
-    opt.state = opt._edits.table([f for _, f in opt._all_flats()], others, per_param)
+    opt.state = opt.edits.table([f for _, f in opt.all_flats()], others, per_param)
 
 
 @torch.no_grad()
@@ -321,7 +322,7 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
     """``ZeroAdam.consolidated_state_dict``: the shards of every rank gathered into
     torch.optim.Adam's format on ``to_rank`` (every rank for None), ``chunk_elems``
     elements of one state of one flat buffer per round; None on the other ranks."""
-    comm = opt._comm
+    comm = opt.comm
     if to_rank is not None and not 0 <= to_rank < comm.world_size:
         raise ValueError(f"to_rank must be in [0, {comm.world_size}) or None (every rank), "
                          f"got {to_rank}")
@@ -337,7 +338,7 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
         comm.gather(part, out, to_rank, "consolidated_state_dict gather")
         return out
 
-    return _assembled(opt, [flat for _, flat in opt._current_flats()], chunk_elems, pieces, me,
+    return _assembled(opt, [flat for _, flat in opt.current_flats()], chunk_elems, pieces, me,
                       on_host=False)
 
 
@@ -367,8 +368,8 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
     thread is, assembled into torch.optim.Adam's format. The master of a parameter this
     rank sees written since the last step is taken from the parameter, as that step's
     entry (on every rank alike) would seed it. ``counts``: this rank's steps and loads."""
-    flats = [flat for _, flat in opt._current_flats()]
-    comm = opt._comm
+    flats = [flat for _, flat in opt.current_flats()]
+    comm = opt.comm
     steps, loads = counts
     # The ranks holding this copy's shards (every rank but replicas'), by shard.
     shard_of = {member: s for s, member in enumerate(comm.members)}
@@ -404,22 +405,24 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
 def _unwritten_params(flat, comm, masters: list) -> list:
     """``flat``'s parameters as the user sees them, with what our own (compressed)
     gathers wrote from ``masters`` put back to the masters' rounding: every rank's
-    shard of every bucket, as ``FlatShard.unwritten`` does for this rank's."""
+    shard of every bucket, by the rule ``Shard.unwritten`` applies to this rank's
+    (``zero_triton.optim.shard.written_values``)."""
     params = [p.detach() for p in flat.params]
     probe = masters[0].new_zeros(0).to(flat.dtype)
     if comm.gathered(probe) is probe:  # exact gathers: nothing of ours to tell apart
         return params
     layout = flat.layout
     fm = torch.zeros(layout.padded_numel, dtype=torch.float32)
+    fp = torch.zeros(layout.padded_numel, dtype=flat.dtype)
     for view, m in zip(layout.views(fm), masters):
         view.copy_(m.reshape(view.shape))
-    rounded = fm.to(flat.dtype)
-    ours = rounded.clone()
+    for view, p in zip(layout.views(fp), params):
+        view.copy_(p.reshape(view.shape))
+    seen = fp.clone()
     for r in range(layout.world_size):
         for lo, hi, _ in layout.shard_segments(r):
-            ours[lo:hi] = comm.gathered(rounded[lo:hi])
-    return [torch.where(p.cpu() == o, r_, p.cpu()) for p, o, r_ in
-            zip(params, layout.views(ours), layout.views(rounded))]
+            seen[lo:hi] = written_values(fp[lo:hi], fm[lo:hi], comm)
+    return list(layout.views(seen))
 
 
 def _refusal(peer: int, header: list, rank: int, counts: list, reason: str | None = None) -> str:
@@ -450,7 +453,7 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
     at the same place (a list or a tensor of rows, in rank order; None where this rank
     does not assemble: ``me`` False), received into ``rows`` (world_size x chunk, on
     the host or the flat buffer's device; None where ``me`` is False)."""
-    world = opt._comm.world_size
+    world = opt.comm.world_size
     groups, ids = packed_groups(opt)
     state = {}
     for flat in flats:

@@ -32,6 +32,7 @@ from zero_triton.optim.checks import (adam_hyperparameters, check_device_mesh, c
                                       check_process_group)
 from zero_triton.optim.fused import FusedAdam
 from zero_triton.optim.ranks import AgreedRanks, OneRank
+from zero_triton.optim.seat import Seat
 from zero_triton.optim.spec import Spec
 
 
@@ -161,13 +162,14 @@ class ZeroAdam(FusedAdam, Joinable):
         # How calls meet the other ranks (zero_triton.optim.ranks): agreed over the group,
         # with the side channel's shard server answering another rank's state_dict();
         # made after the model check, which every rank passes together.
-        ranks = AgreedRanks(self, comm, spec) if comm.everyone.world_size > 1 else OneRank()
+        self._seat = Seat(self)  # what the parts are handed (zero_triton.optim.seat)
+        ranks = AgreedRanks(self._seat, comm, spec) if comm.everyone.world_size > 1 else OneRank()
         # torch's Join (uneven inputs): disabled outside a Join block.
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._build(groups, hyper, spec, comm, ranks)
         self._constructed = True
         if isinstance(ranks, AgreedRanks):
-            ranks.built(self)
+            ranks.built(self._seat)
 
     # -- torch's Join (zero_triton.optim.join) ----------------------------------------
     def join_hook(self, **kwargs) -> join.ZeroJoinHook:
@@ -181,7 +183,7 @@ class ZeroAdam(FusedAdam, Joinable):
                 "is not supported; leave it out")
         if isinstance(self._ranks, AgreedRanks):
             self._ranks.averaged_before.refuse_under_join(self._join_config.enable)
-        return join.ZeroJoinHook(self)
+        return join.ZeroJoinHook(self._seat)
 
     @property
     def join_device(self) -> torch.device:
@@ -317,7 +319,7 @@ class ZeroAdam(FusedAdam, Joinable):
 
         def build():
             self._enter("sharded_state_dict")
-            return sharded_state.sharded_state_dict(self, self._current_flats())
+            return sharded_state.sharded_state_dict(self._seat, self._current_flats())
         return adam_state.with_state_dict_hooks(self, build)
 
     def consolidated_state_dict(self, to_rank: int | None = 0, *, compact: bool = False):
@@ -333,8 +335,8 @@ class ZeroAdam(FusedAdam, Joinable):
         check_flag("compact", compact)
         self.wait_params()
         self._enter("consolidated_state_dict")
-        state_dict = adam_state.gathered_state_dict(self, to_rank, self._GATHER_CHUNK)
-        return compact_state.compact(self, state_dict) if compact and state_dict is not None \
+        state_dict = adam_state.gathered_state_dict(self._seat, to_rank, self._GATHER_CHUNK)
+        return compact_state.compact(self._seat, state_dict) if compact and state_dict is not None \
             else state_dict
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zero_triton.state.buffers import PLAIN
+
 ALIGN = 16
 
 
@@ -280,7 +282,7 @@ def flatten_params(module_or_params, *, world_size: int = 1, align: int = ALIGN,
                 "separately")
     layout = FlatLayout.build([real_shape(p) for p in params], world_size, align, bucket_numel,
                               [dense_strides(p) for p in params])
-    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    flat = PLAIN.zeros(layout.padded_numel, dtype, device)
     with torch.no_grad():
         own = rehome and device.type != "meta"  # meta storages cannot be sliced; nothing to save
         for p, view in zip(params, layout.aliases(flat) if own else layout.views(flat)):

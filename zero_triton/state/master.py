@@ -17,7 +17,9 @@ A master holds one rank's shard in state order, as the moment stores do
 them, one per segment (``param_parts``, a list the owner may update in place):
 
 - ``operands(a, b, param)``: what the kernel takes for state elements [a, b) whose
-  parameters are ``param``: (its ``param`` argument, its ``param_lp``, its keywords);
+  parameters are ``param``: (the launch's ``param``, its ``param_lp``, its ``remainder``:
+  ``zero_triton.kernels.args.Operands``); ``stochastic``: the launch rounds ``param``
+  back stochastically (``StepArgs.stochastic``);
 - ``export()``: the fp32 master over the shard (None where the parameters are all there
   is); ``commit(master)``: take back what was written into it (a master that is not
   the parameters, or a copy, takes the elements that changed); ``publish()``: the
@@ -42,6 +44,7 @@ class _Master:
     live = True    # export() is the storage itself, or there is nothing to export
     keyed = False  # the step rounds the parameter by a generator keyed by element
     plain = True   # the kernel steps a float32 buffer (the list kernel can)
+    stochastic = False  # the kernel rounds the bf16 parameter back stochastically (StepArgs)
 
     def __init__(self, param_parts, segments, numel: int, device):
         self.param_parts, self.segments = param_parts, segments
@@ -103,7 +106,7 @@ class OwnMaster(_Master):
     format = "own"
 
     def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
-        return param, None, {}
+        return param, None, None
 
     def checkpointed(self) -> torch.Tensor:
         return self.parameters()
@@ -115,9 +118,10 @@ class NoMaster(_Master):
     format = "none"
     keyed = True
     plain = False
+    stochastic = True
 
     def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
-        return param, None, {"stochastic": True}
+        return param, None, None
 
 
 class Fp32Master(_Master):
@@ -132,7 +136,7 @@ class Fp32Master(_Master):
         self.seed()
 
     def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
-        return self.master[a:b], param, {}
+        return self.master[a:b], param, None
 
     def export(self) -> torch.Tensor:
         return self.master
@@ -179,7 +183,7 @@ class RemainderMaster(_Master):
         self.remainder = torch.zeros(numel, dtype=torch.int16, device=device)
 
     def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
-        return param, None, {"remainder": self.remainder[a:b]}
+        return param, None, self.remainder[a:b]
 
     def export(self) -> torch.Tensor:
         return remainders.join(self.parameters(), self.remainder)

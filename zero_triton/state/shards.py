@@ -15,7 +15,7 @@ lives here, contiguous, on the shard's device:
   one per parameter (``steps``) once some missed a step (no gradient, as torch.optim.Adam
   skips them), with a host label per parameter (``history``) equal for equal counts.
 
-``FlatShard`` (zero_triton.optim.shard) owns one and hands its slices to the kernel;
+``Shard`` (zero_triton.optim.shard) owns one and hands its slices to the kernel;
 ``zero_triton.optim.state_dict`` and ``zero_triton.checkpoint`` read and write it through
 ``buffers()`` (torch's format) and ``commit``, never by a moment's name nor the
 master's storage.

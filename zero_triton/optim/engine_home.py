@@ -1,0 +1,308 @@
+"""DTensor parameters (FSDP2's ``fully_shard``, tensor parallel, their 2-D mix): the
+adapter that steps each parameter's local shard where the engine keeps it.
+
+What the engine owns and what we own:
+
+- The engine owns the parameters' storage and their gradients. FSDP2 all-gathers from
+  its own padded shards and sets ``.grad`` (a DTensor) after its reduce-scatter; tensor
+  parallel's autograd does the same. Nothing is moved: the kernel updates each local
+  shard (``p._local_tensor``) in place, and reads the local gradient at ``step``.
+- We own the optimizer state of those local shards: the fp32 master of fp16/bf16 shards,
+  the moments and the step counts live in one flat buffer per param group, dtype and
+  device (an aligned slot per local shard, ``zero_triton.state.shards``), and the kernel
+  steps each shard beside its slot.
+- ``opt.state`` and the state dicts hold DTensors over that buffer with each
+  parameter's mesh and placements, as torch's optimizers keep theirs for DTensor
+  parameters, so ``get_optimizer_state_dict``/``set_optimizer_state_dict`` and
+  ``torch.distributed.checkpoint`` work unchanged.
+
+Each rank steps only its local shards: the engine has averaged the gradients already,
+so FusedAdam communicates nothing here except clipping's norm, over each mesh.
+``EngineHome`` is a home of ``zero_triton.optim.shard.Shard`` beside ``FlatHome``
+(``zero_triton.optim.flat_home``): the same state and kernels, the parameters where the
+engine keeps them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from zero_triton.comm.grads import zero_in_place
+from zero_triton.comm.protocol import Comm
+from zero_triton.optim.flat_home import one_kind
+from zero_triton.state.flat import FlatLayout
+
+_DTENSOR = []  # torch's DTensor class once looked up (None where torch has none)
+
+
+def dtensor_type():
+    """torch's DTensor class, or None where torch has none."""
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch < 2.5
+            try:
+                from torch.distributed._tensor import DTensor
+            except ImportError:
+                DTensor = None
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
+
+
+def is_dtensor(t) -> bool:
+    cls = dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def _local(p) -> torch.Tensor:
+    """The local shard of DTensor ``p`` as the engine holds it now (FSDP2 may replace it
+    between construction and the first forward: ``reset_sharded_param``)."""
+    return p._local_tensor
+
+
+def _replicas(p) -> int:
+    """How many ranks of ``p``'s mesh hold each element of its local shard (the sizes of
+    the mesh dimensions it is replicated over)."""
+    n = 1
+    for d, placement in enumerate(p.placements):
+        if placement.is_replicate():
+            n *= p.device_mesh.size(d)
+    return n
+
+
+def _check_local(p, t, i: int) -> None:
+    if t.numel() and not t.is_contiguous():
+        raise ValueError(
+            f"DTensor parameter {i} {tuple(p.shape)} has a local shard that is not contiguous "
+            f"(shape {tuple(t.shape)}, strides {tuple(t.stride())}); FusedAdam steps contiguous "
+            "local shards in place. Make it contiguous before sharding (p.data = "
+            "p.data.contiguous()), or optimize it with torch.optim.AdamW(fused=True)")
+
+
+class EngineGrads:
+    """The gradients of DTensor parameters, where the engine puts them: read at the step
+    (``sync``), never moved. ``grads[i]``: parameter ``i``'s local gradient, flat, at
+    this step (None without one)."""
+
+    stage = 0  # not ZeRO's: the engine's own (FSDP2, tensor parallel)
+    sharded = False
+    flat = None
+
+    def __init__(self, params, locals_):
+        self.params = params
+        self.numels = [t.numel() for t in locals_]
+        self.grads = [None] * len(params)
+
+    def written_since_hooks(self) -> bool:  # no bucket ever reads them
+        return False
+
+    def rewritten(self) -> None:
+        pass
+
+    def register_hooks(self, bucket_list, reducer) -> list:
+        return []
+
+    def sync(self, param_views):
+        """Take each parameter's local gradient (one with other placements than its
+        parameter's is redistributed to them first, as torch's optimizers do on
+        DTensors: every rank does so, in the same order) and return which parameters
+        have one (None when all do)."""
+        present, grads = [], self.grads
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                grads[i] = None
+                present.append(False)
+                continue
+            if is_dtensor(g):
+                if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+                    g = g.redistribute(p.device_mesh, p.placements)
+                g = g._local_tensor
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; FusedAdam "
+                    "needs dense gradients (use torch.optim.SparseAdam for sparse ones)")
+            if g.numel() != self.numels[i]:
+                raise RuntimeError(
+                    f"the gradient of DTensor parameter {i} {tuple(p.shape)} has "
+                    f"{g.numel()} local elements, its local shard {self.numels[i]}: give it "
+                    "the parameter's placements (p.grad = DTensor with p.placements)")
+            grads[i] = g.reshape(-1)
+            present.append(True)
+        return None if all(present) else present
+
+    def zero(self, set_to_none: bool = True) -> None:
+        """``zero_grad``, as torch.optim.Optimizer's: ``.grad`` None, or zeroed in place."""
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+                continue
+            g = p.grad
+            if g is not None:
+                zero_in_place(g, g._local_tensor if is_dtensor(g) else None)
+        self.grads = [None] * len(self.params)
+
+    def carry_over(self, old) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grads if g is not None)
+
+
+class EngineHome:
+    """The local shards of a param group's DTensor parameters of one dtype and device:
+    their state in one flat buffer, one segment (an aligned slot) per parameter, the
+    kernel run on each shard in place."""
+
+    # The parameters' storage and gradients are their engine's (DTensor): clipping
+    # reduces their norm over each parameter's mesh, checkpoints go through DCP.
+    engine_owned = True
+    # No buckets, no flat buffer of ours: the engine averages and gathers.
+    flat_param, flat_grad, reducer, bucket_numel = None, None, None, None
+    separate_shard = False  # the engine's gradients are stepped where they are
+    buckets, hooks = (), ()
+
+    def __init__(self, params, comm: Comm, spec, *, key=0):
+        locals_ = [_local(p) for p in params]
+        for i, (p, t) in enumerate(zip(params, locals_)):
+            if p.is_complex():
+                raise ValueError(f"DTensor parameter {i} {tuple(p.shape)} is {p.dtype}; FusedAdam "
+                                 "steps real DTensor parameters (float32, float16, bfloat16, "
+                                 "float64)")
+            if t.device.type == "meta":
+                raise ValueError(
+                    f"DTensor parameter {i} {tuple(p.shape)} is on the meta device: it has no "
+                    "data to step. Materialise the model first (model.to_empty(device=...) "
+                    "and initialise it, e.g. reset_parameters()), then build the optimizer")
+            _check_local(p, t, i)
+        self.params, self.comm, self.spec, self.key = params, comm, spec, key
+        self.dtype, self.device = locals_[0].dtype, locals_[0].device
+        # One aligned slot of state per local shard: segment i is parameter i's.
+        self.layout = FlatLayout.build([tuple(t.shape) for t in locals_], align=spec.align)
+        self.segments = [(o, o + t.numel(), o) for o, t in zip(self.layout.offsets, locals_)]
+        self.locals = locals_
+        self.param_parts = [t.view(-1) for t in locals_]  # updated in place if the engine swaps
+        self.param_views = self.param_parts
+        self.grad_buffer = EngineGrads(params, locals_)
+
+    def remove_hooks(self) -> None:
+        pass
+
+    # -- the step's operands ---------------------------------------------------------------
+    def grad(self, k: int) -> torch.Tensor:
+        """Parameter ``k``'s local gradient at this step (``EngineGrads.sync``)."""
+        return self.grad_buffer.grads[k]
+
+    def canonical(self, k: int) -> int:
+        """Where segment ``k``'s stochastic rounding is keyed: its slot (the engine's
+        placement decides what a rank holds)."""
+        return self.segments[k][2]
+
+    def finished(self, k: int) -> None:
+        pass
+
+    def gather(self, k: int) -> None:  # the engine gathers its own parameters
+        pass
+
+    def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
+        """The ``norm_type`` norm's term of these gradients over every rank of their
+        meshes: the sum of |g|^norm_type (each element once: a local shard replicated
+        over a mesh dimension is counted once) or the largest |g|, reduced over each
+        parameter's mesh."""
+        by_mesh: dict = {}
+        for p, g in zip(self.params, self.grad_buffer.grads):
+            # Every mesh takes part, with or without gradients: its ranks reduce together.
+            if g is None or not g.numel():
+                term = torch.zeros((), dtype=dtype, device=self.device)
+            elif norm_type == math.inf:
+                term = g.abs().max().to(dtype)
+            else:
+                term = torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type / _replicas(p)
+            by_mesh.setdefault(p.device_mesh, []).append(term)
+        totals = []
+        for mesh, terms in by_mesh.items():
+            total = torch.stack(terms)
+            total = total.max() if norm_type == math.inf else total.sum()
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            for d in range(mesh.ndim):  # over the whole mesh, one dimension at a time
+                if mesh.size(d) > 1:
+                    dist.all_reduce(total, op=op, group=mesh.get_group(d))
+            totals.append(total)
+        if not totals:
+            return torch.zeros((), dtype=dtype, device=self.device)
+        total = torch.stack(totals)
+        return total.max() if norm_type == math.inf else total.sum()
+
+    # -- the state, as DTensors ---------------------------------------------------------
+    def views(self, views: dict) -> dict:
+        """Per-parameter DTensors over each state view, with the parameter's mesh,
+        placements, shape and stride (their local tensors are views of the buffer)."""
+        cls = dtensor_type()
+        return {k: [cls.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride())
+                    for v, p in zip(vs, self.params)]
+                for k, vs in views.items()}
+
+    def local_views(self, views: dict) -> dict:
+        return views
+
+    def local_value(self, value: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s local part of ``value``: a DTensor (redistributed to the
+        parameter's placements if it has others: collective, as every rank loads), or a
+        whole tensor of the parameter's global shape (this rank's part is taken, no
+        communication), or already a tensor of the local shard's shape."""
+        p = self.params[i]
+        if is_dtensor(value):
+            if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
+                value = value.redistribute(p.device_mesh, p.placements)
+            return value._local_tensor
+        local = self.locals[i]
+        if tuple(value.shape) == tuple(p.shape) and tuple(p.shape) != tuple(local.shape):
+            from torch.distributed.tensor import distribute_tensor
+            return distribute_tensor(value.to(local.device), p.device_mesh, p.placements,
+                                     src_data_rank=None)._local_tensor
+        return value
+
+    # -- the engine's parameters --------------------------------------------------------
+    def first_moved(self, hint: bool = False) -> tuple:
+        """(index of the first parameter whose local shard changed dtype or device
+        (``model.to``) or -1, the parameters whose shard the engine replaced with another
+        of the same kind: FSDP2's ``reset_sharded_param``, ``load_state_dict(assign=True)``).
+        Those are followed here: stepped where they are now (the shard re-seeds their
+        masters where their values differ)."""
+        swapped = []
+        for i, (p, t) in enumerate(zip(self.params, self.locals)):
+            now = _local(p)
+            if now is t:
+                continue
+            if now.dtype != self.dtype or now.device != self.device or now.numel() != t.numel():
+                return i, ()
+            _check_local(p, now, i)
+            swapped.append(i)
+        for i in swapped:
+            self.locals[i] = _local(self.params[i])
+            self.param_parts[i] = self.locals[i].view(-1)
+        return -1, swapped
+
+    def rehomed(self) -> "EngineHome":
+        """A new home of the same parameters at their local shards' new dtype or device."""
+        one_kind({(_local(p).dtype, _local(p).device) for p in self.params},
+                 "DTensor parameters of one param group")
+        shapes = [tuple(_local(p).shape) for p in self.params]
+        if shapes != [tuple(t.shape) for t in self.locals]:
+            raise RuntimeError(
+                "zero_triton: the local shards of DTensor parameters changed shape after the "
+                f"optimizer was built (now {shapes}); their state cannot follow them. Build the "
+                "optimizer after the model is sharded and materialised")
+        return EngineHome(self.params, self.comm, self.spec, key=self.key)
+
+    def carry_over(self, old: "EngineHome", written: list) -> list:
+        """Nothing of the engine's to take; no master to re-seed (the DTensors' writes
+        are followed at the next step)."""
+        return []
+
+    def nbytes(self) -> dict:
+        return {"params": sum(t.numel() * t.element_size() for t in self.locals),
+                "grads": self.grad_buffer.nbytes(), "padding": 0}

@@ -1,0 +1,133 @@
+"""What an optimizer hands the parts it is composed with: its ``Seat``.
+
+The parts inside ``optim/`` (the ``Ranks`` part, the state dicts' assembly and loads, the
+compact and DCP forms, the shard server's view, Join's hook, ``overlap()``) are handed a
+``Seat`` instead of the optimizer: the optimizer's public face (torch.optim.Optimizer's:
+``param_groups``, ``state``, ``step``, ...) and the short list of its own members declared
+below. A private attribute of the optimizer is read here and in the optimizers' own
+modules, nowhere else (``tests/test_layers.py`` holds that), so a part names exactly what
+it depends on and a new part (a host launch, a captured step) adds a member here, not a
+reach into the optimizer.
+
+The seat holds the optimizer weakly (the optimizer holds its seat): parts that outlive a
+dropped optimizer (the shard server's registry) see ``optimizer`` None.
+"""
+from __future__ import annotations
+
+import weakref
+
+
+class Seat:
+    """The declared face of one FusedAdam or ZeroAdam for its parts."""
+
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, optimizer):
+        self._ref = weakref.ref(optimizer)
+
+    @property
+    def optimizer(self):
+        """The optimizer itself (None once it was dropped): for torch's APIs that take it
+        (Join), never for its private attributes."""
+        return self._ref()
+
+    def __getattr__(self, name: str):
+        """The optimizer's public face; its private attributes are not reachable here."""
+        if name.startswith("_"):
+            raise AttributeError(f"Seat has no {name!r}: a part reads only the optimizer's public "
+                                 "face and the members Seat declares")
+        return getattr(self._ref(), name)
+
+    # -- torch.optim.Optimizer's, written by the parts ---------------------------------------
+    @property
+    def state(self):
+        return self._ref().state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._ref().state = value
+
+    # -- the optimizer's parts ------------------------------------------------------------
+    @property
+    def comm(self):
+        """The communicator (``comm.protocol.Comm``)."""
+        return self._ref()._comm
+
+    @property
+    def spec(self):
+        """The frozen spec it was built to (``optim.spec.Spec``)."""
+        return self._ref()._spec
+
+    @property
+    def ranks(self):
+        """Its ``Ranks`` part (``optim.protocol``)."""
+        return self._ref()._ranks
+
+    @property
+    def edits(self):
+        """What follows the user's edits of ``param_groups`` and ``state`` (``optim.edits``)."""
+        return self._ref()._edits
+
+    @property
+    def reducer(self):
+        """The buckets' launcher (``comm.buckets.Reducer``)."""
+        return self._ref()._reducer
+
+    @property
+    def flats(self) -> list:
+        """The shards of each param group, per group."""
+        return self._ref()._flats
+
+    @property
+    def gather_chunk(self) -> int:
+        """Elements per chunk of a state dict gathered or served over the ranks."""
+        return self._ref()._GATHER_CHUNK
+
+    @property
+    def join_enabled(self) -> bool:
+        """Whether a torch Join context enabled this optimizer's join hook."""
+        return self._ref()._join_config.enable
+
+    @property
+    def grads_reduced(self) -> bool:
+        """Whether this step's gradients were averaged already."""
+        return self._ref()._grads_reduced
+
+    @property
+    def overlap(self):
+        """The parameter prefetch ``overlap()`` installed, or None."""
+        return self._ref()._overlap
+
+    @overlap.setter
+    def overlap(self, prefetch) -> None:
+        self._ref()._overlap = prefetch
+
+    def overlap_removed(self, prefetch) -> None:
+        """``prefetch`` was removed (its ``remove()``): ``step`` waits for its gathers again."""
+        opt = self._ref()
+        if opt is not None:
+            opt._overlap_removed(prefetch)
+
+    def current_flats(self) -> list:
+        """(group index, Shard) of every shard, after following parameters moved since."""
+        return self._ref()._current_flats()
+
+    def all_flats(self) -> list:
+        """(group index, Shard) of every shard, as they are."""
+        return self._ref()._all_flats()
+
+    def enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        """Start a call that reads the state (``Ranks.enter`` through the optimizer)."""
+        return self._ref()._enter(entry, flats, stale, detail)
+
+    def drop_averages(self) -> None:
+        """A step was refused after its averages: average again at the next step, and
+        forget the clip coefficient taken from them."""
+        opt = self._ref()
+        opt._grads_reduced = False
+        opt._clipping.coef = None
+
+
+def seat_of(optimizer) -> Seat:
+    """The seat of a FusedAdam or ZeroAdam (how ``zero_triton.overlap`` reaches its parts)."""
+    return optimizer._seat
