@@ -10,10 +10,10 @@ import triton
 import triton.language as tl
 
 from zero_triton.kernels import quant
-from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
                                       _hyper, _key, _load_param, _param_flags, _scalars, _second_half,
                                       _store_param)
+from zero_triton.kernels.args import Operands, StepArgs
 
 
 
