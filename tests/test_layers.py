@@ -475,3 +475,24 @@ def test_the_step_functions_are_called_from_one_module():
                     and kernels & {a.name for a in node.names} and rel != "native/backends.py":
                 found.add(rel)
     assert found == {"optim/launch.py", "native/ops.py"}, sorted(found)
+
+
+def test_a_seat_shows_the_public_face_and_its_declared_members_only():
+    """What the optimizers' parts are handed (``optim/seat.py``): torch.optim's face and
+    the members the seat declares; the optimizer's private attributes stay out of reach,
+    and the seat does not keep a dropped optimizer alive."""
+    import gc
+
+    import torch
+    import zero_triton
+    from zero_triton.optim.seat import seat_of
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = zero_triton.FusedAdamW([p])
+    seat = seat_of(opt)
+    assert seat.param_groups is opt.param_groups and seat.state is opt.state
+    assert seat.comm.world_size == 1 and [f for _, f in seat.all_flats()]
+    with pytest.raises(AttributeError, match="public face"):
+        seat._comm  # noqa: B018
+    del opt
+    gc.collect()
+    assert seat.optimizer is None
