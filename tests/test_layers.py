@@ -17,7 +17,8 @@
 - The house's sizes: no class over 450 lines, no function over 80, no subclass that
   overrides more than 5 of its base's concrete methods; ZeRO's ``stage`` read in at most 4
   of the library's modules; the step functions obtained and called in one module
-  (``optim/launch.py``).
+  (``optim/launch.py``); where a parameter's state sits in a shard computed only in the
+  state layer and the step's side (every way out reads ``state/param_view.py``).
 
 ``__main__.py`` files are programs (``python -m zero_triton``), imported by no module:
 they may start a tool.
@@ -475,6 +476,31 @@ def test_the_step_functions_are_called_from_one_module():
                     and kernels & {a.name for a in node.names} and rel != "native/backends.py":
                 found.add(rel)
     assert found == {"optim/launch.py", "native/ops.py"}, sorted(found)
+
+
+# The layout's position arithmetic: where a parameter's elements sit in a rank's shard.
+POSITIONS = {"ranges_in", "shard_segments", "canonical_segments", "shard_range"}
+# Who may compute positions: the state layer (the layout, the per-parameter view, the
+# store) and the step's side (the home and shard, the buckets that average gradients);
+# every way out of the state (state dicts, DCP, compact, checkpoints) reads them from
+# ``state/param_view.py``.
+POSITION_READERS = {"optim/flat_home.py", "optim/shard.py", "comm/buckets.py"}
+
+
+def position_readers() -> set:
+    found = set()
+    for rel, tree in _sources():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in POSITIONS and isinstance(node.ctx, ast.Load):
+                found.add(rel)
+    return found
+
+
+def test_the_ways_out_see_the_state_through_the_per_parameter_view():
+    readers = position_readers()
+    assert "state/param_view.py" in readers  # the check sees a reader: it can fail
+    outside = {r for r in readers if not r.startswith("state/")} - POSITION_READERS
+    assert not outside, f"position arithmetic outside the state layer's view: {sorted(outside)}"
 
 
 def test_a_seat_shows_the_public_face_and_its_declared_members_only():

@@ -139,7 +139,7 @@ def _write_files(tmp, save_id, target: Target, blobs: dict) -> dict:
     with Writer(tmp, rank_file(rank), save_id) as w:
         for k, flat in enumerate(target.flats):
             # Canonical coordinates (no buckets, no padding): any layout can read them.
-            pieces = flat.layout.canonical_segments(rank)
+            pieces = flat.by_param.canonical(rank)
             for name, buf in target.states(flat).items():
                 for lo, end, s0 in pieces:
                     offset = w.write(as_bytes(buf[s0:s0 + end - lo]))
@@ -213,7 +213,7 @@ def _read(directory, manifest, target: Target, model) -> dict:
             got = {}
             for name in manifest["flats"][k]["states"]:
                 t = torch.zeros(flat.layout.shard_numel, dtype=torch.float32)  # padding stays zero
-                for lo, end, s0 in flat.layout.canonical_segments(target.rank):
+                for lo, end, s0 in flat.by_param.canonical(target.rank):
                     read_state_range(readers, manifest, k, name, lo, end, t[s0:s0 + end - lo])
                 got[name] = t
             states.append(got)

@@ -34,7 +34,6 @@ import torch
 
 from zero_triton.optim.state_dict import packed_groups
 from zero_triton.state import moments as moment_formats
-from zero_triton.state.flat import contiguous_strides, memory_order, real_shape
 from zero_triton.state.moments import FIRST, SECOND
 
 KEY = "compact"
@@ -61,10 +60,11 @@ def compact(opt, state_dict: dict) -> dict:
                     f"parameter {tuple(p.shape)}'s state is its engine's shards: save it with "
                     "torch.distributed.checkpoint (get_optimizer_state_dict, dcp.save), or "
                     "take state_dict() in torch's format")
-            stride = flat.layout.strides[i] or contiguous_strides(real_shape(p))
-            first, second = (memory_order(entry[k].detach().cpu(), stride) for k in (FIRST, SECOND))
+            view = flat.by_param  # the parameter's elements in its blocks' (memory) order
+            first, second = (view.elements(i, entry[k].detach().cpu()) for k in (FIRST, SECOND))
             kept = {k: v for k, v in entry.items() if k not in (FIRST, SECOND)}
-            state[ids[id(p)]] = {**kept, **store.compact(first, second, tuple(real_shape(p)), stride)}
+            codes = store.compact(first, second, view.layout.shapes[i], view.stride(i))
+            state[ids[id(p)]] = {**kept, **codes}
     return {**state_dict, "state": state, KEY: marker}
 
 

@@ -26,6 +26,7 @@ from zero_triton.optim.launch import DeviceLaunch, ListLaunch
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
 from zero_triton.state.flat import real_dtype
+from zero_triton.state.param_view import ParamView
 from zero_triton.state.shards import ShardState
 
 __all__ = ["Shard", "FLAT_DTYPES", "LOW_PRECISION", "SUPPORTED", "one_kind"]
@@ -47,6 +48,9 @@ class Shard:
         self.has_master = master_formats.FORMATS[self.master_format].exact
         self.state = ShardState(home.param_parts, home.segments, home.layout,
                                 master=self.master_format, amsgrad=amsgrad, moments=spec.moments)
+        # Where each parameter's state lives in every rank's shard: what every way out of
+        # the state reads and writes it by (zero_triton.state.param_view).
+        self.by_param = ParamView(home.layout, home.segments)
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
         self.versions = watch.ParamVersions(home.params)
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)

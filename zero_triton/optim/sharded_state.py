@@ -58,16 +58,6 @@ def boxes(shape, a: int, b: int) -> list[tuple[tuple, tuple, int]]:
     return out
 
 
-def owned_ranges(layout, rank: int) -> dict:
-    """{parameter index: (a, b, state offset)}: the elements [a, b) of each parameter
-    that ``rank`` owns, and where its state holds them."""
-    out = {}
-    for lo, hi, s0 in layout.shard_segments(rank):
-        for i, a, b in layout.ranges_in(lo, hi):
-            out[i] = (a, b, layout.offsets[i] + a - lo + s0)
-    return out
-
-
 def _sharded(local, everyone, shape, dtype, device, group):
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -104,7 +94,7 @@ def sharded_state_dict(opt, flats) -> dict:
                     f"contiguous ones, or complex, ({tuple(p.shape)}, {p.dtype}) has no boxes "
                     "in its shape: save with zero_triton.checkpoint.save (sharded, any world "
                     "size), or take optimizer.state_dict() (the whole state on every rank)")
-        everyone = [owned_ranges(layout, r) for r in range(comm.world_size)]
+        everyone = [flat.by_param.owned(r) for r in range(comm.world_size)]
         mine = everyone[comm.rank]
         # A placement names a global rank (of the group's shard r; hybrid sharding: this
         # copy's, whose boxes DCP keeps once over the copies).
@@ -119,7 +109,7 @@ def sharded_state_dict(opt, flats) -> dict:
                               for k, b in buffers.items()})
             elif not shape:  # a 0-dim parameter: one rank has it; every rank gets it
                 for key, buf in buffers.items():
-                    value = buf[mine[i][2]].clone() if i in mine else torch.zeros((), dtype=buf.dtype,
+                    value = buf[mine[i].at].clone() if i in mine else torch.zeros((), dtype=buf.dtype,
                                                                                     device=buf.device)
                     comm.all_reduce(value, "sum")  # the owner's value plus zeros: exact
                     entry[key] = value
@@ -130,12 +120,12 @@ def sharded_state_dict(opt, flats) -> dict:
                 # (name, offsets), and would drop a real box that starts where it does.
                 empty, corner = (0,) * len(shape), shape
                 spread = [(ranks[r], off, size) for r in range(comm.world_size)
-                          for off, size, _ in (boxes(shape, *everyone[r][i][:2]) if i in everyone[r]
+                          for off, size, _ in (boxes(shape, *everyone[r][i][1:3]) if i in everyone[r]
                                                else [(corner, empty, 0)])]
                 for key, buf in buffers.items():
                     if i in mine:
-                        a, b, o = mine[i]
-                        local = [(buf[o + start - a:o + start - a + math.prod(size)].view(size),
+                        _, a, b, at = mine[i]
+                        local = [(buf[at + start - a:at + start - a + math.prod(size)].view(size),
                                   ranks[comm.rank], off, size) for off, size, start in boxes(shape, a, b)]
                     else:
                         local = [(buf[:0].view(empty), ranks[comm.rank], corner, empty)]

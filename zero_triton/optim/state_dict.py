@@ -18,7 +18,7 @@ import torch
 from zero_triton.comm import serve
 from zero_triton.optim.checks import adam_hyperparameters
 from zero_triton.optim.shard import written_values
-from zero_triton.state.flat import contiguous_strides, memory_order, real_shape
+from zero_triton.state.flat import real_shape
 from zero_triton.state.moments import KEYS as MOMENT_KEYS
 from zero_triton.state.moments import MAXIMUM
 from zero_triton.state.shards import MASTER
@@ -255,16 +255,15 @@ def plan_load(opt, state_dict) -> list:
                         raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
                                          f"has shape {tuple(e[key].shape)}, the parameter "
                                          f"{tuple(p.shape)}")
-            for lo, hi, _ in flat.segments:  # a DCP load's pieces hold this rank's ranges
-                for i, a, b in flat.layout.ranges_in(lo, hi):
-                    for key, value in (entries[i] or {}).items():
-                        if isinstance(value, Pieces) and not value.covers(a, b):
-                            raise ValueError(
-                                f"state '{key}' of parameter {i} in param group {gi}: the "
-                                f"loaded shards lack elements of [{a}, {b}), which this rank "
-                                "owns. Load the checkpoint into the state dict this "
-                                "optimizer's get_optimizer_state_dict returns (dcp.load), "
-                                "then call set_optimizer_state_dict")
+            for i, a, b, _ in flat.by_param.runs():  # a DCP load's pieces hold this rank's runs
+                for key, value in (entries[i] or {}).items():
+                    if isinstance(value, Pieces) and not value.covers(a, b):
+                        raise ValueError(
+                            f"state '{key}' of parameter {i} in param group {gi}: the "
+                            f"loaded shards lack elements of [{a}, {b}), which this rank "
+                            "owns. Load the checkpoint into the state dict this "
+                            "optimizer's get_optimizer_state_dict returns (dcp.load), "
+                            "then call set_optimizer_state_dict")
             plan.append((flat, entries, steps))
     return plan
 
@@ -294,20 +293,15 @@ def load_shard(flat, entries, step) -> None:
     state.master.seed()
     if entries is None:
         return
-    targets = state.buffers()
-    for lo, hi, s0 in flat.segments:
-        for i, a, b in flat.layout.ranges_in(lo, hi):
-            o = flat.layout.offsets[i] + a - lo + s0
-            for key, buf in targets.items():
-                if entries[i] is not None and key in entries[i]:
-                    given = flat.local_value(entries[i][key], i)
-                    if isinstance(given, Pieces):  # a DCP load's: this rank's runs
-                        buf[o:o + b - a].copy_(given.range(a, b))
-                        continue
-                    if given.is_complex():  # torch's complex moments: (real, imaginary) pairs
-                        given = torch.view_as_real(given)
-                    # In the parameter's memory order (channels_last keeps its own).
-                    buf[o:o + b - a].copy_(memory_order(given, flat.layout.strides[i])[a:b])
+    targets, view = state.buffers(), flat.by_param
+    for i, a, b, at in view.runs():
+        for key, buf in targets.items():
+            if entries[i] is not None and key in entries[i]:
+                given = flat.local_value(entries[i][key], i)
+                # A DCP load's pieces hold this rank's runs; a whole value is read in the
+                # parameter's memory order (channels_last keeps its own; complex: pairs).
+                given = given.range(a, b) if isinstance(given, Pieces) else view.elements(i, given)[a:b]
+                buf[at:at + b - a].copy_(given)
     state.commit(targets)
     # Every rank decides this from the same state dict: the all-gather is collective.
     if flat.has_master and any(e is not None and MASTER in e for e in entries):
@@ -420,7 +414,7 @@ def _unwritten_params(flat, comm, masters: list) -> list:
         view.copy_(p.reshape(view.shape))
     seen = fp.clone()
     for r in range(layout.world_size):
-        for lo, hi, _ in layout.shard_segments(r):
+        for lo, hi, _ in flat.by_param.segments_of(r):
             seen[lo:hi] = written_values(fp[lo:hi], fm[lo:hi], comm)
     return list(layout.views(seen))
 
@@ -457,9 +451,8 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
     groups, ids = packed_groups(opt)
     state = {}
     for flat in flats:
-        bufs = flat.state.buffers()
-        layout, shard = flat.layout, flat.layout.shard_numel
-        segments = [layout.shard_segments(r) for r in range(world)]
+        bufs, view = flat.state.buffers(), flat.by_param
+        shard = flat.layout.shard_numel
         chunk = max(1, min(shard, chunk_elems))
         rows = torch.empty(world, chunk, dtype=flat.state.dtype,
                            device="cpu" if on_host else flat.device) if me else None
@@ -467,9 +460,7 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
             out, steps = [], flat.state.param_steps()
             for i, p in enumerate(flat.params):
                 entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
-                stride = layout.strides[i] or contiguous_strides(real_shape(p))
-                entry.update({k: torch.empty_strided(real_shape(p), stride, dtype=b.dtype)
-                              for k, b in bufs.items()})
+                entry.update({k: view.empty(i, b.dtype) for k, b in bufs.items()})
                 state[ids[id(p)]] = entry
                 out.append(entry)
         for key, buf in bufs.items():
@@ -479,16 +470,8 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
                 if not me:
                     continue
                 for r in range(world):
-                    for lo, hi, s0 in segments[r]:  # rank r's state [s0, ...) is buffer [lo, hi)
-                        s_a, s_b = max(s0, c), min(s0 + hi - lo, c + n)
-                        if s_a >= s_b:
-                            continue
-                        start = lo + s_a - s0
-                        for i, a, b in layout.ranges_in(start, start + s_b - s_a):
-                            o = layout.offsets[i] + a - start + s_a - c
-                            # Memory order, as the flat buffer (the entry has its strides).
-                            t = out[i][key]
-                            t.as_strided((t.numel(),), (1,))[a:b].copy_(got[r][o:o + b - a])
+                    for i, a, b, at in view.runs(r, c, c + n):
+                        view.elements(i, out[i][key])[a:b].copy_(got[r][at - c:at - c + b - a])
         if me:
             for p, entry in zip(flat.params, out):
                 if p.is_complex():
