@@ -24,6 +24,7 @@ from zero_triton.optim.checks import (adam_hyperparameters, check_flag, check_gr
                                       check_hyperparameters, check_params_argument, group_params,
                                       to_float, with_grads, without_meta)
 from zero_triton.optim.edits import UserEdits
+from zero_triton.optim.offload import split_host
 from zero_triton.optim.protocol import Ranks
 from zero_triton.optim.seat import Seat
 from zero_triton.optim.ranks import OneRank
@@ -64,14 +65,15 @@ class FusedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", max_grad_norm=None, moments="fp32",
-                 foreach=None, fused=None, capturable=False, differentiable=False):
+                 offload=None, offload_fraction=None, foreach=None, fused=None, capturable=False,
+                 differentiable=False):
         hyper = adam_hyperparameters(lr, betas, eps, weight_decay, amsgrad, maximize,
                                      decoupled_weight_decay, foreach=foreach, fused=fused,
                                      capturable=capturable, differentiable=differentiable)
         check_params_argument(params, type(self).__name__)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
-                          moments=moments)
+                          moments=moments).with_offload(offload, offload_fraction)
         self._build(params, hyper, spec, LocalComm(), OneRank())
 
     def _build(self, params, hyper: dict, spec: Spec, comm, ranks: Ranks) -> None:
@@ -430,14 +432,15 @@ class FusedAdam(torch.optim.Optimizer):
         kernel; on CPUs a bucket's shard above 32 MiB is kept between steps), fp32 master,
         moments, padding (elements that belong to no parameter, params and grads),
         scratch, the buckets in flight (the reduce-scatters' receive buffers), and what the
-        communicator keeps between steps (``comm``: int8 averages' error feedback)."""
+        communicator keeps between steps (``comm``: int8 averages' error feedback); with
+        ``offload="cpu"``, ``host`` and ``device`` split them by where they live."""
         total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0,
-                 "buckets": self._reducer.bytes, "comm": self._comm.held_bytes()}
+                 "buckets": self._reducer.bytes, "comm": self._comm.held_bytes(), "host": 0}
         for _, flat in self._all_flats():
             for k, v in flat.nbytes().items():
                 total[k] += v
         total["optimizer_state"] = total["master"] + total["moments"]
-        return total
+        return split_host(total, [flat for _, flat in self._all_flats()])
 
     # -- state dict (torch.optim.Adam format: zero_triton.optim.state_dict) ------------------
     @disable_dynamo
@@ -516,5 +519,6 @@ def _unpickled(opt, saved: dict) -> None:
         torch.optim.Optimizer.__setstate__(opt, saved)
         return
     groups, hyper, options = adam_state.pickled(saved)
-    opt._build(groups, hyper, Spec.build(**options), LocalComm(), OneRank())
+    offload = options.pop("offload", None)
+    opt._build(groups, hyper, Spec.build(**options).with_offload(offload), LocalComm(), OneRank())
     opt.load_state_dict(saved["state_dict"])

@@ -23,6 +23,7 @@ from zero_triton.native import backends
 from zero_triton.optim.engine_home import EngineHome
 from zero_triton.optim.flat_home import FLAT_DTYPES, LOW_PRECISION, SUPPORTED, FlatHome, one_kind
 from zero_triton.optim.launch import DeviceLaunch, ListLaunch
+from zero_triton.optim.offload import DevicePlace, HostPlace, MirroredMaster, host_backend
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
 from zero_triton.state.flat import real_dtype
@@ -46,24 +47,35 @@ class Shard:
         # fp16/bf16 ones (or its low half: "remainder"), none ("stochastic"), or their own.
         self.master_format = spec.master_format(self.dtype)
         self.has_master = master_formats.FORMATS[self.master_format].exact
-        self.state = ShardState(home.param_parts, home.segments, home.layout,
+        # Where the state lives (zero_triton.optim.offload): beside the parameters, or in
+        # host memory over mirrors of them (offload="cpu"; parameters on the meta device
+        # are offloaded once materialised, when the shard is re-homed).
+        self.place = HostPlace(home, spec.reduce_dtype or self.dtype) \
+            if spec.offload and self.device.type != "meta" else DevicePlace(home)
+        self.state = ShardState(self.place.parts(home.param_parts), home.segments, home.layout,
                                 master=self.master_format, amsgrad=amsgrad, moments=spec.moments)
+        if self.place.offloaded:
+            self.state.master = MirroredMaster(self.state.master, self.place)
         # Where each parameter's state lives in every rank's shard: what every way out of
         # the state reads and writes it by (zero_triton.state.param_view).
         self.by_param = ParamView(home.layout, home.segments)
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
         self.versions = watch.ParamVersions(home.params)
-        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.device)
+        # The step's scalars live with the state, which the kernel steps where it lives.
+        self.state_device = self.state.device
+        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.state_device)
         if self.dtype == torch.float64 or self.device.type == "meta":
             # The kernels step float32 state: torch's ops step float64. Parameters on the
             # meta device are never stepped (step refuses them until they are materialised).
             self.backend = "torch"
+        elif self.place.offloaded:
+            self.backend = host_backend(spec.backend)
         else:
             self.backend = backends.resolve(spec.backend, self.device)
         launch = ListLaunch if home.engine_owned else DeviceLaunch
         self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
-        self.scratch = torch.empty(home.layout.shard_numel, dtype=self.state.dtype, device=self.device) \
-            if self.backend == "torch" else None
+        self.scratch = torch.empty(home.layout.shard_numel, dtype=self.state.dtype,
+                                   device=self.state_device) if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
         # Host list: which parameters are stepped this step (None: all of them).
         self.stepped = None
@@ -166,7 +178,7 @@ class Shard:
         if not indices:
             return
         wanted = set(indices)
-        if self.has_master:
+        if self.has_master or self.place.offloaded:  # offloaded: the host mirrors follow
             layout = self.layout
             for part, (lo, hi, s0) in zip(self.param_parts, self.segments):
                 ranges = [(i, a, b) for i, a, b in layout.ranges_in(lo, hi) if i in wanted]
@@ -194,7 +206,7 @@ class Shard:
         master = self.state.master.export()
         if master is None:
             return part
-        return written_values(part, master[s0:s0 + part.numel()], self.comm)
+        return written_values(part, master[s0:s0 + part.numel()].to(part.device), self.comm)
 
     def sync_grads(self):
         """Decide which parameters have a gradient at this step (``self.stepped``: None
@@ -215,10 +227,13 @@ class Shard:
             self.lr.copy_(lr)
         else:
             self.lr.fill_(lr)
+        # The state's device (the host when offloaded: the step's one small copy).
         if found_inf is not None:
-            found_inf = found_inf.to(self.device, torch.float32, non_blocking=True)
+            found_inf = found_inf.to(self.state_device, torch.float32, non_blocking=True)
         if grad_scale is not None:
-            grad_scale = grad_scale.to(self.device, torch.float32, non_blocking=True)
+            grad_scale = grad_scale.to(self.state_device, torch.float32, non_blocking=True)
+        if clip_coef is not None:
+            clip_coef = clip_coef.to(self.state_device)
         beta1, beta2 = group["betas"]
         args = StepArgs(float(beta1), float(beta2), group["eps"], group["weight_decay"],
                         group["decoupled_weight_decay"], group["amsgrad"], group["maximize"],
@@ -239,28 +254,33 @@ class Shard:
         they are done."""
         args, runs = plan["args"], plan["runs"]
         whole = self._segments(args.amsgrad)
-        launches = []
-        for k in ks:
-            lo, hi, s0 = self.segments[k]
-            if hi == lo:
-                continue
-            grad = self.home.grad(k)
-            index = self.home.canonical(k) if self.keyed else 0
-            if runs is None:
-                launches.append((whole[k]._replace(grad=grad), index))
-                continue
-            for start, end, i in runs[k]:
-                a, b = start - lo, end - lo
-                ops = self._operands(k, a, b, grad[a:b], self.state.step_of(i), args.amsgrad)
-                launches.append((ops, index + a if self.keyed else 0))
-        self.launch.run(launches, args)
+        ks = [k for k in ks if self.segments[k][1] > self.segments[k][0]]
+        place = self.place
+        place.fetch(ks)  # offloaded: every segment's gradients on their way to the host
+        # On the device, one launch list for all; offloaded, segment by segment, each
+        # stepped once its gradients land and sent back before the next is stepped.
+        for batch in ([[k] for k in ks] if place.offloaded else [ks]):
+            launches = []
+            for k in batch:
+                lo, _, _ = self.segments[k]
+                grad = place.grad(k)
+                index = self.home.canonical(k) if self.keyed else 0
+                if runs is None:
+                    launches.append((whole[k]._replace(grad=grad), index))
+                    continue
+                for start, end, i in runs[k]:
+                    a, b = start - lo, end - lo
+                    ops = self._operands(k, a, b, grad[a:b], self.state.step_of(i), args.amsgrad)
+                    launches.append((ops, index + a if self.keyed else 0))
+            self.launch.run(launches, args)
+            place.done(batch)
         for k in ks:
             self.home.finished(k)
 
     def _operands(self, k: int, a: int, b: int, grad, step, amsgrad: bool) -> Operands:
         """The operands of elements [a, b) of segment ``k``."""
         st, s0 = self.state, self.segments[k][2]
-        param, param_lp, remainder = st.master.operands(s0 + a, s0 + b, self.param_parts[k][a:b])
+        param, param_lp, remainder = st.master.operands(s0 + a, s0 + b, st.param_parts[k][a:b])
         scratch = None if self.scratch is None else self.scratch[s0 + a:s0 + b]
         return Operands(param, grad, st.moments.operands(s0 + a, s0 + b, amsgrad), param_lp, step,
                         self.lr, remainder, scratch)
@@ -294,9 +314,13 @@ class Shard:
 
     def nbytes(self) -> dict:
         home = self.home.nbytes()
-        return {"params": home["params"], "grads": home["grads"], **self.state.nbytes(),
-                "padding": home["padding"],
-                "scratch": 0 if self.scratch is None else self.scratch.numel() * self.scratch.element_size()}
+        state = self.state.nbytes()
+        scratch = 0 if self.scratch is None else self.scratch.numel() * self.scratch.element_size()
+        # Offloaded: the state, the scratch, the parameters' mirror and the gradients'
+        # staging are host memory.
+        host = sum(state.values()) + scratch + self.place.host_bytes() if self.place.offloaded else 0
+        return {"params": home["params"], "grads": home["grads"], **state,
+                "padding": home["padding"], "scratch": scratch, "host": host}
 
 
 def written_values(part: torch.Tensor, master: torch.Tensor, comm: Comm) -> torch.Tensor:

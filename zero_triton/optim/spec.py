@@ -19,6 +19,7 @@ import torch
 from zero_triton.comm import buckets, grads
 from zero_triton.comm.compressed import CODECS  # what can be sent compressed
 from zero_triton.native import backends
+from zero_triton.optim import offload as offloads
 from zero_triton.optim.checks import check_flag
 from zero_triton.state import moments as moment_formats
 
@@ -54,7 +55,9 @@ class Spec:
     ``gather_codec``: how the parameters' all-gather is sent (None: in their dtype;
     "int8"); ``reduce_codec``: how the gradients' average is sent (None: in
     ``reduce_dtype``; "int8", summed in float32); ``error_feedback``: the dtype of the
-    int8 average's error buffers (None: none)."""
+    int8 average's error buffers (None: none); ``offload``: where the optimizer
+    state lives when not beside the parameters (None; "cpu": host memory,
+    ``zero_triton.optim.offload``)."""
 
     backend: str = "auto"
     master_weights: bool | str = True
@@ -67,6 +70,7 @@ class Spec:
     gather_codec: str | None = None
     reduce_codec: str | None = None
     error_feedback: torch.dtype | None = None
+    offload: str | None = None
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
@@ -123,6 +127,35 @@ class Spec:
                    differentiable=bool(differentiable), moments=moments,
                    reduce_codec=reduce_codec,
                    error_feedback=FEEDBACK[True] if reduce_codec else None)
+
+    def with_offload(self, offload=None, offload_fraction=None) -> "Spec":
+        """This spec with the optimizer state placed by ``offload`` (None: beside the
+        parameters; "cpu": in host memory, ``zero_triton.optim.offload``), checked.
+        ``offload_fraction``: the share of the state offloaded (None: all of it)."""
+        if offload is not None and offload not in offloads.PLACEMENTS:
+            raise ValueError(f"offload must be None (the state beside the parameters) or one of "
+                             f"{offloads.PLACEMENTS} (the optimizer state in host memory, stepped "
+                             f"there), got {offload!r}")
+        if offload_fraction is not None:
+            if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)) \
+                    or not 0 <= offload_fraction <= 1:
+                raise ValueError(f"offload_fraction must be a number in [0, 1] (the share of the "
+                                 f"optimizer state in host memory), got {offload_fraction!r}")
+            if offload is None:
+                raise ValueError("offload_fraction applies to offload='cpu'; pass offload='cpu' "
+                                 "or leave offload_fraction out")
+            if offload_fraction not in (0, 1):
+                raise NotImplementedError(
+                    f"offload_fraction={offload_fraction} (a part of the state on the device, "
+                    "the rest in host memory) is not built yet: use offload_fraction=1 (all of "
+                    "it offloaded) or leave offload out")
+            if offload_fraction == 0:
+                offload = None
+        if offload is not None and self.differentiable:
+            raise ValueError("offload='cpu' cannot be used with differentiable=True: autograd "
+                             "through the step needs torch's own state beside the parameters; "
+                             "leave offload out")
+        return dataclasses.replace(self, offload=offload)
 
     def with_wire(self, gather_dtype=None, error_feedback=True) -> "Spec":
         """This spec with ZeroAdam's parameter gathers (``gather_dtype``) and the int8
@@ -234,4 +267,5 @@ class Spec:
     def options(self) -> dict:
         """What a copy (``copy.deepcopy``, ``pickle``) of a one-process optimizer keeps."""
         return {"master_weights": self.master_weights, "backend": self.backend,
-                "max_grad_norm": self.max_grad_norm, "moments": self.moments}
+                "max_grad_norm": self.max_grad_norm, "moments": self.moments,
+                **({"offload": self.offload} if self.offload else {})}

@@ -123,7 +123,7 @@ class ZeroAdam(FusedAdam, Joinable):
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
                  max_grad_norm=None, bucket_cap_mb=25, stage=1, moments="fp32", foreach=None,
                  fused=None, capturable=False, differentiable=False, device_mesh=None,
-                 gather_dtype=None, error_feedback=True):
+                 gather_dtype=None, error_feedback=True, offload=None, offload_fraction=None):
         # torch.optim.Adam's order and messages: the hyperparameters, then the parameters;
         # all before the first collective (the model check), so a bad argument fails on
         # each rank alone.
@@ -139,7 +139,8 @@ class ZeroAdam(FusedAdam, Joinable):
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
-                          moments=moments).with_wire(gather_dtype, error_feedback)
+                          moments=moments).with_wire(gather_dtype, error_feedback) \
+            .with_offload(offload, offload_fraction)
         compress = _compressing(spec)
         if device_mesh is not None and device_mesh.ndim == 2:
             comm = HybridComm(device_mesh, wrap=compress)

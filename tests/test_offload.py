@@ -1,0 +1,276 @@
+"""offload="cpu": the optimizer state in host memory, stepped there segment by segment
+(``zero_triton.optim.offload``), gives the same bits as the state beside the parameters,
+for every state format, stage, world size, clipping and GradScaler, with delays
+injected at random points of the pipeline; the ways out of the state interchange with a
+state that is not offloaded. On CPU ranks the copies are host to host: what is proven
+here is the pipeline and its order (the state lives in buffers of its own, the
+parameters reach the optimizer's all-gathers only through the copy back)."""
+from __future__ import annotations
+
+import io
+import random
+import time
+
+import pytest
+import torch
+
+import zero_triton
+from dist_utils import run_ranks
+
+RANK_TIMEOUT_S = 240
+
+# (name, dtype, ZeroAdamW keywords, extra): the matrix every world size runs.
+CONFIGS = [
+    ("fp32 stage 1, buckets", torch.float32, dict(stage=1, bucket_cap_mb=0.002), {}),
+    ("fp32 stage 2, buckets, clipped", torch.float32,
+     dict(stage=2, bucket_cap_mb=0.002, max_grad_norm=0.05), {}),
+    ("fp32 stage 1, one bucket, GradScaler", torch.float32, dict(stage=1, bucket_cap_mb=None),
+     {"scaler": True}),
+    ("bf16 fp32 master, int8 moments, stage 2", torch.bfloat16,
+     dict(stage=2, bucket_cap_mb=0.002, moments="int8"), {}),
+    ("bf16 remainder, int8 moments, stage 1", torch.bfloat16,
+     dict(stage=1, bucket_cap_mb=0.002, master_weights="remainder", moments="int8"), {}),
+    ("bf16 stochastic, bf16 moments, stage 2", torch.bfloat16,
+     dict(stage=2, bucket_cap_mb=0.002, master_weights="stochastic", moments="bf16"), {}),
+    ("bf16 int8 collectives, stage 1, clipped", torch.bfloat16,
+     dict(stage=1, bucket_cap_mb=0.002, reduce_dtype="int8", gather_dtype="int8",
+          max_grad_norm=0.05), {}),
+    ("fp32 stage 2, some parameters without a gradient", torch.float32,
+     dict(stage=2, bucket_cap_mb=0.002), {"partial": True}),
+]
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 32),
+                               torch.nn.Tanh(), torch.nn.Linear(32, 8)).to(dtype)
+
+
+def _delayed(opt, rng: random.Random, most_s: float = 0.004) -> None:
+    """Sleep a random while before each stage of the offload pipeline and each gather."""
+    def late(fn):
+        def call(*args):
+            time.sleep(rng.random() * most_s)
+            return fn(*args)
+        return call
+    for flats in opt._flats:
+        for f in flats:
+            for name in ("fetch", "grad", "done"):
+                setattr(f.place, name, late(getattr(f.place, name)))
+            f.gather_bucket = late(f.gather_bucket)
+
+
+def _train(rank, world, dtype, kw, extra, offload, seed, steps=4):
+    model = _model(dtype)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
+    if offload and seed is not None:
+        _delayed(opt, random.Random(seed * 100 + rank))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2) \
+        if extra.get("scaler") else None
+    for t in range(steps):
+        g = torch.Generator().manual_seed(1000 * t + rank)
+        x = torch.randn(6, 24, generator=g).to(dtype)
+        if scaler is not None and t == 1 and rank == 0:
+            x[0, 0] = float("inf")  # an inf gradient: GradScaler skips the step everywhere
+        out = model(x)
+        if extra.get("partial") and t % 2:
+            out = model[:3](x)  # the last layer has no gradient at odd steps
+        loss = out.float().pow(2).mean()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _rank_matrix(rank, world, seed):
+    out = []
+    for name, dtype, kw, extra in CONFIGS:
+        plain_model, plain = _train(rank, world, dtype, kw, extra, None, None)
+        host_model, host = _train(rank, world, dtype, kw, extra, "cpu", seed)
+        same_params = all(torch.equal(a, b) for a, b in zip(plain_model.parameters(),
+                                                           host_model.parameters()))
+        a, b = plain.state_dict(), host.state_dict()
+        same_state = a["state"].keys() == b["state"].keys() and all(
+            torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
+        state_on_host = all(t.device.type == "cpu" and t.data_ptr() != f.flat_param.data_ptr()
+                            for fl in host._flats for f in fl for t in [f.state.master.parameters()])
+        report = host.memory_report()
+        out.append((name, same_params, same_state, state_on_host, report["host"] > 0,
+                    plain.memory_report()["host"]))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_offloaded_state_steps_to_the_same_bits_at_every_world_size(world):
+    results = run_ranks(_rank_matrix, world, world, timeout=RANK_TIMEOUT_S)
+    for rank, rows in enumerate(results):
+        for name, same_params, same_state, on_host, host_bytes, plain_host in rows:
+            where = f"{name}, rank {rank} of {world}"
+            assert same_params, f"parameters differ: {where}"
+            assert same_state, f"state differs: {where}"
+            assert on_host and host_bytes and plain_host == 0, where
+
+
+def _rank_delays(rank, world, seeds):
+    rows = []
+    for seed in seeds:
+        for name, dtype, kw, extra in CONFIGS[:2] + CONFIGS[3:4]:
+            plain_model, _ = _train(rank, world, dtype, kw, extra, None, None, steps=3)
+            host_model, _ = _train(rank, world, dtype, kw, extra, "cpu", seed, steps=3)
+            rows.append((seed, name, all(torch.equal(a, b) for a, b in zip(
+                plain_model.parameters(), host_model.parameters()))))
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_delays_in_the_pipeline_change_no_bit(world):
+    """Seeded schedules of sleeps before each gradient copy, host step, copy back and
+    all-gather, different on every rank."""
+    for rank, rows in enumerate(run_ranks(_rank_delays, world, [11, 12, 13], timeout=RANK_TIMEOUT_S)):
+        for seed, name, same in rows:
+            assert same, f"{name}: schedule {seed}, rank {rank} of {world}"
+
+
+def _rank_parameters_reach_the_gather_only_through_the_copy_back(rank, world):
+    model = _model(torch.float32)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-1, offload="cpu", bucket_cap_mb=0.002)
+    before = [p.detach().clone() for p in model.parameters()]
+    for fl in opt._flats:
+        for f in fl:
+            f.place.done = lambda ks: None  # the updated mirrors never go back
+    model(torch.randn(4, 24)).pow(2).sum().backward()
+    opt.step()
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_parameters_come_back_from_the_host_mirrors():
+    """With the copy back taken out the parameters never change: the host kernel steps
+    mirrors of its own, not the device's parameters."""
+    assert all(run_ranks(_rank_parameters_reach_the_gather_only_through_the_copy_back, 2,
+                         timeout=RANK_TIMEOUT_S))
+
+
+def _bytes(obj) -> bytes:
+    """``obj`` through torch.save: tensors cross the rank's queue as bytes, not as
+    shared memory that dies with the rank."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _rank_checkpoints(rank, world, path, save_offloaded):
+    dtype, kw = torch.bfloat16, dict(stage=2, bucket_cap_mb=0.002, moments="int8")
+    model, opt = _train(rank, world, dtype, kw, {}, "cpu" if save_offloaded else None, None)
+    zero_triton.checkpoint.save(path, opt, model)
+    return _bytes(opt.state_dict())
+
+
+def _rank_load(rank, world, path, offload):
+    dtype, kw = torch.bfloat16, dict(stage=2, bucket_cap_mb=0.002, moments="int8")
+    model = _model(dtype)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
+    zero_triton.checkpoint.load(path, opt, model)
+    sd = opt.state_dict()
+    # One more step from the loaded state, for both placements to compare.
+    model(torch.randn(6, 24, generator=torch.Generator().manual_seed(rank)).to(dtype)).float().pow(2).mean().backward()
+    opt.step()
+    return _bytes((sd, [p.detach().clone() for p in model.parameters()]))
+
+
+@pytest.mark.parametrize("saved_offloaded", [True, False])
+def test_a_checkpoint_moves_between_offloaded_and_not_at_another_world_size(tmp_path, saved_offloaded):
+    saved = torch.load(io.BytesIO(run_ranks(_rank_checkpoints, 2, str(tmp_path / "ck"),
+                                            saved_offloaded, timeout=RANK_TIMEOUT_S)[0]))
+    got = {off: [torch.load(io.BytesIO(b)) for b in run_ranks(
+        _rank_load, 3, str(tmp_path / "ck"), off, timeout=RANK_TIMEOUT_S)] for off in (None, "cpu")}
+    for off, ranks in got.items():
+        sd = ranks[0][0]
+        for k, entry in saved["state"].items():
+            for n, v in entry.items():
+                assert torch.equal(sd["state"][k][n], v), (off, k, n)
+    for r in range(3):  # the step after the load: the same bits offloaded or not
+        assert all(torch.equal(a, b) for a, b in zip(got[None][r][1], got["cpu"][r][1]))
+
+
+def test_fused_adam_offloaded_is_the_same_bits_and_its_state_lives_apart():
+    for dtype, kw in [(torch.float32, {}), (torch.bfloat16, {"moments": "int8"}),
+                      (torch.bfloat16, {"master_weights": "remainder"})]:
+        runs = []
+        for offload in (None, "cpu"):
+            model = _model(dtype)
+            opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload,
+                                         max_grad_norm=0.1, **kw)
+            for t in range(3):
+                model(torch.randn(5, 24, generator=torch.Generator().manual_seed(t)).to(dtype)) \
+                    .float().pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            runs.append((model, opt))
+        (m0, o0), (m1, o1) = runs
+        assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters())), (dtype, kw)
+        s0, s1 = o0.state_dict(), o1.state_dict()
+        assert all(torch.equal(s0["state"][k][n], s1["state"][k][n])
+                   for k in s0["state"] for n in s0["state"][k]), (dtype, kw)
+        flat = o1._flats[0][0]
+        assert flat.state.master.parameters().data_ptr() != flat.flat_param.data_ptr()
+        # The user writes a parameter: the host mirror follows (the next step starts there).
+        with torch.no_grad():
+            for p0, p1 in zip(m0.parameters(), m1.parameters()):
+                p0.mul_(0.5)
+                p1.mul_(0.5)
+        for m, o in runs:
+            m(torch.randn(5, 24, generator=torch.Generator().manual_seed(9)).to(dtype)) \
+                .float().pow(2).sum().backward()
+            o.step()
+        assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters())), (dtype, kw)
+        # A state dict saved offloaded loads without offload, and the reverse.
+        o0.load_state_dict(s1)
+        o1.load_state_dict(s0)
+
+
+def test_a_copy_keeps_the_offload():
+    import copy
+    model = _model(torch.float32)
+    opt = zero_triton.FusedAdamW(model.parameters(), offload="cpu")
+    model(torch.randn(2, 24)).sum().backward()
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert twin._flats[0][0].place.offloaded
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(offload="gpu"), "offload must be None"),
+    (dict(offload="cpu", offload_fraction=1.5), r"offload_fraction must be a number in \[0, 1\]"),
+    (dict(offload="cpu", offload_fraction=True), "offload_fraction must be a number"),
+    (dict(offload_fraction=1.0), "applies to offload='cpu'"),
+    (dict(offload="cpu", differentiable=True), "differentiable=True"),
+])
+def test_bad_offload_arguments_are_refused_before_anything_changes(kw, match):
+    model = _model(torch.float32)
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        zero_triton.FusedAdamW(model.parameters(), **kw)
+    assert before == [p.data_ptr() for p in model.parameters()]  # nothing was re-homed
+
+
+def test_a_part_offloaded_is_refused_until_it_is_built():
+    with pytest.raises(NotImplementedError, match="offload_fraction=0.5"):
+        zero_triton.FusedAdamW(_model(torch.float32).parameters(), offload="cpu", offload_fraction=0.5)
+
+
+def test_a_host_allocation_that_fails_names_the_bytes_and_the_fix(monkeypatch):
+    from zero_triton.optim import offload
+    real = torch.empty
+
+    def failing(*args, **kwargs):
+        if "pin_memory" in kwargs:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(offload.torch, "empty", failing)
+    with pytest.raises(RuntimeError, match=r"could not allocate \d+ bytes .* leave offload out"):
+        zero_triton.FusedAdamW(_model(torch.float32).parameters(), offload="cpu")
