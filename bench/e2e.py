@@ -39,9 +39,12 @@ they are interleaved. Configurations:
   zero_s1_q          the buckets' configuration with int8 collectives: reduce_dtype="int8"
                      (error feedback on), and gather_dtype="int8" with --dtype bf16/fp16
   zero_s1_hsdp_q     the 2-D mesh with int8 collectives (both hops of the average)
+  zero_s1_offload    the buckets' configuration with offload="cpu" (the state in host
+                     memory, stepped there bucket by bucket; on CPU ranks the copies are
+                     host to host: what it shows is the pipeline's own cost)
 
-and the same five for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
-zero_s2_int8, zero_s2_hsdp).
+and the same six for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
+zero_s2_int8, zero_s2_hsdp, zero_s2_offload).
 The peers a user would pick instead:
 
   fsdp2              torch's FSDP2 (fully_shard per block and the root, reshard after
@@ -127,7 +130,9 @@ def zero_variants(bucket_cap_mb):
             (f"zero_s{s}_int8", {**st, "bucket_cap_mb": cap, "moments": "int8"},
              f"ZeroAdamW (ZeRO-{s}, buckets, int8 moments)", False),
             (f"zero_s{s}_hsdp", {**st, "bucket_cap_mb": cap, "device_mesh": HSDP},
-             f"ZeroAdamW (ZeRO-{s}, buckets, 2-D mesh)", False)]
+             f"ZeroAdamW (ZeRO-{s}, buckets, 2-D mesh)", False),
+            (f"zero_s{s}_offload", {**st, "bucket_cap_mb": cap, "offload": "cpu"},
+             f"ZeroAdamW (ZeRO-{s}, buckets, offload='cpu')", False)]
     quantized = {"stage": 1, "bucket_cap_mb": cap, "reduce_dtype": "int8", "gather_dtype": GATHER}
     variants += [
         ("zero_s1_q", quantized, "ZeroAdamW (ZeRO-1, buckets, int8 wire)", False),

@@ -274,3 +274,168 @@ def test_a_host_allocation_that_fails_names_the_bytes_and_the_fix(monkeypatch):
     monkeypatch.setattr(offload.torch, "empty", failing)
     with pytest.raises(RuntimeError, match=r"could not allocate \d+ bytes .* leave offload out"):
         zero_triton.FusedAdamW(_model(torch.float32).parameters(), offload="cpu")
+
+
+def _rank_fsdp2(rank, world, dtype, kw):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    runs = []
+    for offload in (None, "cpu"):
+        model = _model(dtype)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
+        for t in range(3):
+            x = torch.randn(6, 24, generator=torch.Generator().manual_seed(t)).to(dtype)
+            model(x).float().pow(2).mean().backward()
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+        full = [p.full_tensor() for p in model.parameters()]
+        state = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in opt.state[p].items()}
+                 for p in model.parameters()]
+        runs.append((full, state, opt.memory_report()["host"]))
+    (p0, s0, h0), (p1, s1, h1) = runs
+    same = all(torch.equal(a, b) for a, b in zip(p0, p1))
+    same_state = all(torch.equal(a[k], b[k]) for a, b in zip(s0, s1) for k in a)
+    return same, same_state, h0 == 0 and h1 > 0
+
+
+@pytest.mark.parametrize("dtype, kw", [(torch.float32, {}),
+                                       (torch.bfloat16, {"moments": "int8"}),
+                                       (torch.bfloat16, {"master_weights": "remainder"})])
+def test_fsdp2_parameters_offloaded_step_to_the_same_bits(dtype, kw):
+    for rank, (same, same_state, placed) in enumerate(run_ranks(_rank_fsdp2, 2, dtype, kw,
+                                                                timeout=RANK_TIMEOUT_S)):
+        assert same and same_state and placed, (rank, dtype, kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (offload's pinned "
+                    "buffers and its device-to-host copies)")
+def test_cuda_offload_keeps_the_state_pinned_on_the_host_and_off_the_device():
+    """On a GPU the host kernel (C++) and the device kernel (Triton/CUDA) compute one
+    formula in different code: the parameters agree to float32 rounding, not bit for bit."""
+    results = {}
+    for offload in (None, "cpu"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = _model(torch.float32).cuda()
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload, max_grad_norm=0.1)
+        base = torch.cuda.memory_allocated()
+        for t in range(3):
+            x = torch.randn(5, 24, generator=torch.Generator().manual_seed(t)).cuda()
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        results[offload] = (model, opt, torch.cuda.memory_allocated() - base)
+    (m0, o0, _), (m1, o1, grown) = results[None], results["cpu"]
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    flat = o1._flats[0][0]
+    assert flat.state.moments.storage()[0].device.type == "cpu"
+    assert flat.place.mirror.is_pinned() and flat.place.staging[torch.float32].is_pinned()
+    assert o1.memory_report()["host"] > 0 and grown <= results[None][2]
+
+
+def test_the_memory_model_splits_device_and_host_bytes():
+    from zero_triton.memory.model import memory_table
+    p, n = 70_000_000_000, 64
+    plain = {r["stage"]: r for r in memory_table(p, n)["stages"]}
+    full = {r["stage"]: r for r in memory_table(p, n, offload_fraction=1.0)["stages"]}
+    half = {r["stage"]: r for r in memory_table(p, n, offload_fraction=0.5)["stages"]}
+    shard = -(-p // n)
+    z1 = full["zero1"]
+    assert z1["device_bytes"] == plain["zero1"]["bytes_per_rank"] - 12 * shard  # no state left
+    assert z1["host_bytes"] == 12 * shard + (2 + 2) * shard  # state + mirror + staging
+    assert z1["bus_bytes_per_step"] == (2 + 2) * shard
+    assert half["zero2"]["device_bytes"] == plain["zero2"]["bytes_per_rank"] - 6 * shard
+    int8 = {r["stage"]: r for r in memory_table(p, n, "remainder", "int8", 1.0)["stages"]}
+    assert int8["zero1"]["host_bytes"] == -int(-(2 + 2 + 8 / 256) * shard // 1) + 4 * shard
+
+
+def test_the_memory_command_prints_offload(capsys):
+    from zero_triton.tools.memory import main
+    assert main(["--params", "70B", "--world-size", "64", "--offload", "--moments", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "device GB" in out and "host GB" in out and "offload='cpu'" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--params", "70B", "--world-size", "64", "--offload-fraction", "0.5"])
+    assert exit_.value.code == 2
+    assert "pass --offload too" in capsys.readouterr().err
+
+
+def _rank_killed_mid_step(rank, world, path):
+    import json
+    import os
+    model = _model(torch.float32)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, offload="cpu", bucket_cap_mb=0.002)
+    if rank == 1:
+        def die(ks, done=opt._flats[0][0].place.done):
+            os._exit(3)  # killed between its host step and the copy back
+        opt._flats[0][0].place.done = die
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 24)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        outcome = ["trained on", time.monotonic() - start, ""]
+    except RuntimeError as exc:
+        outcome = ["raised", time.monotonic() - start, str(exc)[:300]]
+    with open(path, "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)  # the group cannot be torn down with a dead peer
+
+
+def test_a_peer_killed_mid_step_fails_the_other_loudly_within_seconds(tmp_path):
+    import json
+    path = tmp_path / "rank0.json"
+    with pytest.raises(RuntimeError, match="died without reporting"):
+        run_ranks(_rank_killed_mid_step, 2, str(path), timeout=90, pg_timeout_s=600)
+    what, seconds, message = json.loads(path.read_text())
+    assert what == "raised", "rank 0 trained on without its peer"
+    assert seconds < 30, seconds
+
+
+def _rank_cycles(rank, world, cycles):
+    import gc
+    import threading
+    import weakref
+    threads, mirrors = threading.active_count(), []
+    for c in range(cycles):
+        model = _model(torch.float32)
+        opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, offload="cpu", stage=1 + c % 2,
+                                    bucket_cap_mb=0.002)
+        model(torch.randn(4, 24)).pow(2).sum().backward()
+        opt.step()
+        opt.state_dict()
+        mirrors.append(weakref.ref(opt._flats[0][0].place.mirror))
+        hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+        del opt
+        gc.collect()
+        assert sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()) < max(hooks, 1)
+    gc.collect()
+    return [m() is None for m in mirrors], threading.active_count() - threads
+
+
+def test_ten_build_and_drop_cycles_leave_no_host_buffers_behind():
+    for alive, threads in run_ranks(_rank_cycles, 2, 10, timeout=RANK_TIMEOUT_S):
+        assert all(alive), alive
+        assert threads <= 1, threads  # at most the shard server's thread, once
+
+
+def _rank_hybrid(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    kw = dict(stage=2, bucket_cap_mb=0.002, device_mesh=mesh, moments="int8")
+    a, _ = _train(rank, world, torch.float32, kw, {}, None, None)
+    b, _ = _train(rank, world, torch.float32, kw, {}, "cpu", 5)
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_hybrid_sharding_offloaded_steps_to_the_same_bits():
+    assert all(run_ranks(_rank_hybrid, 4, timeout=RANK_TIMEOUT_S))

@@ -28,7 +28,12 @@ shard has the same size, and the rank that pays most is the one that runs out of
 memory. Activations, temporary buffers and fragmentation are not modelled. The
 measured counterpart is the optimizer's ``memory_report()``.
 
-Its command line (``zero_triton.tools.memory``): ``python -m zero_triton memory --params 7.5e9 --world-size 64 [--json]``; ``--params``
+Offload (``offloaded``): with ``offload_fraction`` f, each rank's host keeps f of its
+optimizer state, the mirror of those parameters and the staging of their averaged
+gradients; its device keeps the rest; per step f of its shard's gradients cross to the
+host and f of its parameters back.
+
+Its command line (``zero_triton.tools.memory``): ``python -m zero_triton memory --params 7.5e9 --world-size 64 [--offload [--offload-fraction f]] [--json]``; ``--params``
 takes K/M/B/G/T suffixes too (7B = 7e9). ``--measure`` also builds that many parameters
 on ``--world-size`` gloo CPU ranks and prints ZeroAdam stage 1 and 2 measured beside the
 formula (``zero_triton.tools.memory``).
@@ -122,8 +127,31 @@ def stage_bytes(
     return rows
 
 
+def offloaded(rows: List[Dict], params: int, world_size: int, param_bytes, grad_bytes,
+              fraction: float) -> List[Dict]:
+    """``rows`` (``stage_bytes``) with the optimizer state's share ``fraction`` in host
+    memory (``offload="cpu"``, ``zero_triton.optim.offload``): per rank ``host_bytes``
+    (that share of the state, plus the mirror of its parameters and the staging of its
+    averaged gradients, which the host step reads and writes), ``device_bytes`` (the
+    rest) and ``bus_bytes_per_step`` (its gradients to the host, its parameters back)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"offload_fraction must be a number in [0, 1], got {fraction!r}")
+    out = []
+    for row in rows:
+        sharded = STAGES[row["stage"]][3]
+        elems = _shard_elems(params, world_size) if sharded else params
+        state = -int(-row["optimizer_bytes"] * fraction // 1)
+        moved = int(elems * fraction)
+        host = state + moved * (param_bytes + grad_bytes)
+        out.append({**row, "host_bytes": host, "device_bytes": row["bytes_per_rank"] - state,
+                    "device_gb_per_rank": (row["bytes_per_rank"] - state) / 1e9,
+                    "host_gb_per_rank": host / 1e9,
+                    "bus_bytes_per_step": moved * (param_bytes + grad_bytes)})
+    return out
+
+
 def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
-                 moments: str = "fp32") -> Dict:
+                 moments: str = "fp32", offload_fraction: float | None = None) -> Dict:
     """The memory model as one JSON-ready dict.
 
     ``master_dtype``: ``"fp32"`` (fp16/bf16 params and grads, fp32 master, K = 12),
@@ -131,8 +159,12 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
     params and grads, no master: ``master_weights="stochastic"``) or ``"remainder"`` (the
     master's low 16 bits beside bf16 params, K = 10). ``moments``: the
     moments' format, ``"fp32"`` (8 bytes per parameter), ``"bf16"`` (4) or ``"int8"`` (2.03).
+    ``offload_fraction``: the share of the optimizer state in host memory (None: no
+    offload; each stage then also has ``host_bytes``, ``device_bytes`` and
+    ``bus_bytes_per_step``, ``offloaded``).
     Keys: ``params``, ``world_size``, ``master_dtype``, ``moments``, ``K``
-    (optimizer-state bytes per parameter), ``stages`` (the list from ``stage_bytes``).
+    (optimizer-state bytes per parameter), ``offload_fraction``, ``stages`` (the list
+    from ``stage_bytes``).
     """
     if master_dtype not in PRECISIONS:
         raise ValueError(f"master_dtype must be one of {sorted(PRECISIONS)}, got "
@@ -146,8 +178,11 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
     ob = MOMENT_BYTES[moments]
     stages = stage_bytes(params, world_size, param_bytes=pb, grad_bytes=gb,
                          master_bytes=mb, moment_bytes=ob)
+    if offload_fraction is not None:
+        stages = offloaded(stages, params, world_size, pb, gb, offload_fraction)
     return {"params": int(params), "world_size": int(world_size),
-            "master_dtype": master_dtype, "moments": moments, "K": mb + ob, "stages": stages}
+            "master_dtype": master_dtype, "moments": moments, "K": mb + ob,
+            "offload_fraction": offload_fraction, "stages": stages}
 
 
 def _human(n: int) -> str:
@@ -163,11 +198,21 @@ def format_table(table: Dict) -> str:
             f"parameters, N = {table['world_size']} ranks, master = "
             f"{table['master_dtype']}, moments = {table.get('moments', 'fp32')}, "
             f"K = {table['K']:g}")
+    off = table.get("offload_fraction")
+    if off is not None:
+        head += (f"; offload='cpu', {off:g} of the optimizer state in host memory (host: that "
+                 "state, the mirror of its parameters and the staging of its gradients)")
     cols = f"{'stage':<6}  {'sharded':<32}  {'bytes/rank':>20}  {'GB/rank':>10}  {'drop vs DDP':>11}"
+    if off is not None:
+        cols += f"  {'device GB':>10}  {'host GB':>10}  {'bus GB/step':>11}"
     lines = [head, cols, "-" * len(cols)]
     for r in table["stages"]:
-        lines.append(f"{r['stage']:<6}  {r['sharded']:<32}  {r['bytes_per_rank']:>20,}  "
-                     f"{r['gb_per_rank']:>10.3f}  {r['drop_vs_ddp_pct']:>10.1f}%")
+        line = (f"{r['stage']:<6}  {r['sharded']:<32}  {r['bytes_per_rank']:>20,}  "
+                f"{r['gb_per_rank']:>10.3f}  {r['drop_vs_ddp_pct']:>10.1f}%")
+        if off is not None:
+            line += (f"  {r['device_gb_per_rank']:>10.3f}  {r['host_gb_per_rank']:>10.3f}  "
+                     f"{r['bus_bytes_per_step'] / 1e9:>11.3f}")
+        lines.append(line)
     return "\n".join(lines)
 
 

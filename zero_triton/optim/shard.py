@@ -227,11 +227,13 @@ class Shard:
             self.lr.copy_(lr)
         else:
             self.lr.fill_(lr)
-        # The state's device (the host when offloaded: the step's one small copy).
+        # To the state's device: the host when offloaded, where the copy is the step's one
+        # wait on the device (a copy to the host that did not wait would be read early).
+        early = self.state_device.type != "cpu"
         if found_inf is not None:
-            found_inf = found_inf.to(self.state_device, torch.float32, non_blocking=True)
+            found_inf = found_inf.to(self.state_device, torch.float32, non_blocking=early)
         if grad_scale is not None:
-            grad_scale = grad_scale.to(self.state_device, torch.float32, non_blocking=True)
+            grad_scale = grad_scale.to(self.state_device, torch.float32, non_blocking=early)
         if clip_coef is not None:
             clip_coef = clip_coef.to(self.state_device)
         beta1, beta2 = group["betas"]

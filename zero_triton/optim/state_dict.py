@@ -466,7 +466,10 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
         for key, buf in bufs.items():
             for c in range(0, shard, chunk):
                 n = min(chunk, shard - c)
-                got = pieces(buf[c:c + n], rows)
+                part = buf[c:c + n]
+                if not on_host and part.device != flat.device:  # offloaded state: sent from the device
+                    part = part.to(flat.device)
+                got = pieces(part, rows)
                 if not me:
                     continue
                 for r in range(world):

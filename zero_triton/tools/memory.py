@@ -167,6 +167,17 @@ def _world_size(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass e.g. 0.5")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1]; pass the share of the "
+                                         "optimizer state in host memory, e.g. 0.5")
+    return value
+
+
 def build_parser(prog: str = "python -m zero_triton memory") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -184,6 +195,12 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
     parser.add_argument("--moments", choices=sorted(MOMENT_BYTES), default="fp32",
                         help="the Adam moments' format: fp32 (8 bytes per parameter, default), "
                              "bf16 (4) or int8 (2.03: block-scaled 8-bit codes)")
+    parser.add_argument("--offload", action="store_true",
+                        help="the optimizer state in host memory (offload='cpu'): device and "
+                             "host bytes per rank, and what crosses the bus per step")
+    parser.add_argument("--offload-fraction", type=_fraction, default=None,
+                        help="with --offload: the share of the optimizer state in host memory "
+                             "(default 1)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object with a 'stages' list")
     parser.add_argument("--measure", action="store_true",
@@ -211,7 +228,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "more than 16; pass e.g. 2 or 4")
         if not args.bucket_cap_mb > 0:
             parser.error(f"--bucket-cap-mb must be > 0, got {args.bucket_cap_mb}")
-    table = memory_table(args.params, args.world_size, args.master_dtype, args.moments)
+    if args.offload_fraction is not None and not args.offload:
+        parser.error("--offload-fraction applies to --offload; pass --offload too")
+    fraction = (1.0 if args.offload_fraction is None else args.offload_fraction) if args.offload else None
+    table = memory_table(args.params, args.world_size, args.master_dtype, args.moments, fraction)
     measured = None
     if args.measure:
         measured = measure(args.params, args.world_size, args.master_dtype, args.bucket_cap_mb,
