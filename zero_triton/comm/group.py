@@ -362,14 +362,20 @@ class GroupComm:
                 into_out = False
             else:
                 chunks.append(slots.pop(0) if slots else self.buffers.empty(n, inp.dtype, inp.device))
-        # One tag per launch on the group, counted alike on every rank (they launch in the
-        # same order, which the step's agreement checks): the sends and receives of
-        # buckets (of any optimizer) in flight together never pair across buckets.
-        tag = _tags[self.group] = _tags.get(self.group, 0) % _TAGS + 1
-        peers = [k for k in range(w) if k != r]
-        works = [dist.isend(sent[k], dst=self.global_ranks[k], group=self.group, tag=tag) for k in peers]
-        works += [dist.irecv(chunks[k], src=self.global_ranks[k], group=self.group, tag=tag) for k in peers]
+        works = self._swap_rows(sent, chunks)
         return OrderedSum(works, self, name, chunks, out, accumulate, own=chunks[r])
+
+    def _swap_rows(self, send, recv) -> list:
+        """Row ``k`` of ``send`` to each peer ``k`` and its row into ``recv[k]``, one
+        send and one receive per peer. One tag per launch on the group, counted alike on
+        every rank (they launch in the same order, which the step's agreement checks):
+        the rows of launches in flight together (any optimizer's buckets) never pair
+        across launches."""
+        tag = _tags[self.group] = _tags.get(self.group, 0) % _TAGS + 1
+        peers = [k for k in range(self.world_size) if k != self.rank]
+        gr = self.global_ranks
+        works = [dist.isend(send[k], dst=gr[k], group=self.group, tag=tag) for k in peers]
+        return works + [dist.irecv(recv[k], src=gr[k], group=self.group, tag=tag) for k in peers]
 
     @staticmethod
     def _into_out(out, inp, accumulate) -> bool:
@@ -436,19 +442,14 @@ class GroupComm:
     def exchange(self, recv: torch.Tensor, send: torch.Tensor, async_op: bool = False,
                  name: str = "all_to_all", kind: str = "all_to_all"):
         """Row ``k`` of ``send`` to rank ``k``, into its ``recv`` row ``rank``: pairwise on
-        gloo (a send and a receive per peer, tagged per launch as ``_pairwise``'s; this
-        rank's row stays), one ``all_to_all_single`` otherwise."""
-        w, r = self.world_size, self.rank
+        gloo (``_swap_rows``; this rank's row stays), one ``all_to_all_single`` otherwise."""
+        w = self.world_size
         if w == 1:
             return DONE if async_op else None
         self._count(kind, (w - 1) * send[0].numel() * send.element_size())
         with self._collective(name, kind):
             if self.backend == "gloo" and send.device.type == "cpu":
-                tag = _tags[self.group] = _tags.get(self.group, 0) % _TAGS + 1
-                peers = [k for k in range(w) if k != r]
-                gr = self.global_ranks
-                works = [dist.isend(send[k], dst=gr[k], group=self.group, tag=tag) for k in peers]
-                works += [dist.irecv(recv[k], src=gr[k], group=self.group, tag=tag) for k in peers]
+                works = self._swap_rows(send, recv)
             else:
                 works = [dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group,
                                                 async_op=True)]

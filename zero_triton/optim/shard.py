@@ -50,8 +50,12 @@ class Shard:
         # Where the state lives (zero_triton.optim.offload): beside the parameters, or in
         # host memory over mirrors of them (offload="cpu"; parameters on the meta device
         # are offloaded once materialised, when the shard is re-homed).
-        self.place = HostPlace(home, spec.reduce_dtype or self.dtype) \
-            if spec.offload and self.device.type != "meta" else DevicePlace(home)
+        try:
+            self.place = HostPlace(home, spec.reduce_dtype or self.dtype) \
+                if spec.offload and self.device.type != "meta" else DevicePlace(home)
+        except RuntimeError:  # host memory refused: the home's hooks go with it
+            home.remove_hooks()
+            raise
         self.state = ShardState(self.place.parts(home.param_parts), home.segments, home.layout,
                                 master=self.master_format, amsgrad=amsgrad, moments=spec.moments)
         if self.place.offloaded:
@@ -260,8 +264,9 @@ class Shard:
         place = self.place
         place.fetch(ks)  # offloaded: every segment's gradients on their way to the host
         # On the device, one launch list for all; offloaded, segment by segment, each
-        # stepped once its gradients land and sent back before the next is stepped.
-        for batch in ([[k] for k in ks] if place.offloaded else [ks]):
+        # stepped once its gradients land and sent back before the next is stepped (for
+        # its all-gather; the engine's DTensors gather themselves: one list for all).
+        for batch in ([[k] for k in ks] if place.offloaded and not self.home.engine_owned else [ks]):
             launches = []
             for k in batch:
                 lo, _, _ = self.segments[k]
