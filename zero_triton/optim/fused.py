@@ -47,6 +47,8 @@ class FusedAdam(torch.optim.Optimizer):
         moments: "fp32" (default, torch's state) | "bf16" (4 bytes per parameter for both
             moments, stochastic rounding: zero_triton.state.bf16) | "int8" (block-scaled
             8-bit codes, 2.03 bytes: zero_triton.state.int8).
+        offload: None (default) or "cpu": the master and moments in (pinned) host memory,
+            stepped there (zero_triton.optim.offload); offload_fraction: 1 (all of it).
 
     The parameters' storage moves into flat buffers at construction (a later
     ``model.to(device, dtype)`` is followed at the next step). ``zero_grad`` is torch's:

@@ -83,6 +83,9 @@ class ZeroAdam(FusedAdam, Joinable):
         moments: "fp32" (default) | "bf16" | "int8": the Adam moments' format, as
             FusedAdam's; int8's blocks and bf16's rounding are keyed by the layout, so the
             result does not depend on the world size or the bucket size (bitwise).
+        offload: None (default) or "cpu": this rank's master and moments in (pinned)
+            host memory, stepped there bucket by bucket, each bucket's parameters copied
+            back before its all-gather (zero_triton.optim.offload; the same bits).
         stage: 1 (default): the optimizer state is sharded, each rank keeps the full
             local gradients. 2: the gradients too: each bucket's gradients are handed
             to the optimizer as backward produces them (``.grad`` is None afterwards)
