@@ -449,3 +449,26 @@ def _rank_hybrid(rank, world):
 
 def test_hybrid_sharding_offloaded_steps_to_the_same_bits():
     assert all(run_ranks(_rank_hybrid, 4, timeout=RANK_TIMEOUT_S))
+
+
+def test_a_model_cast_after_construction_is_followed_offloaded_as_on_the_device():
+    """``model.to(dtype)`` after the optimizer was built re-homes its shards: the
+    offloaded one builds new host buffers and carries its moments over, as the other."""
+    runs = []
+    for offload in (None, "cpu"):
+        model = _model(torch.float32)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload)
+        for t in range(4):
+            if t == 2:
+                model.to(torch.bfloat16)
+            dtype = next(model.parameters()).dtype
+            model(torch.randn(5, 24, generator=torch.Generator().manual_seed(t)).to(dtype)) \
+                .float().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    (m0, o0), (m1, o1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+    assert o1._flats[0][0].place.offloaded and o1._flats[0][0].dtype == torch.bfloat16
+    s0, s1 = o0.state_dict(), o1.state_dict()
+    assert all(torch.equal(s0["state"][k][n], s1["state"][k][n]) for k in s0["state"] for n in s0["state"][k])
