@@ -57,6 +57,8 @@ The peers a user would pick instead:
                      over N/2 ranks). ZeRO++'s qwZ and qgZ do not run on CPU: DeepSpeed
                      0.19.8 raises "This op had not been implemented on CPU backend" (its
                      quantizer op) at the first step
+  torchao_offload    torchao's CPUOffloadOptimizer(AdamW, fused) + DDP: the optimizer state
+                     in host memory (CUDA only; when torchao is installed)
 
 and the limit beside them:
 
@@ -166,6 +168,17 @@ DEEPSPEED = [(f"ds_z{s}{'_overlap' if o else ''}", f"DeepSpeed ZeRO-{s}{', overl
              for s in (1, 2) for o in (False, True)] + [
     ("ds_z3", "DeepSpeed ZeRO-3"), ("ds_z3_hpz", "DeepSpeed ZeRO++ hpZ (ZeRO-3, weights over N/2)")]
 COMPUTE = ("compute", "compute alone (fwd, bwd, 1/N of the step; no comm)")
+TORCHAO = [("torchao_offload", "torchao CPUOffloadOptimizer(AdamW) + DDP")]
+
+
+def torchao_missing(device: str) -> str | None:
+    """Why torchao's CPU offload cannot run here, or None (it steps CUDA parameters)."""
+    import importlib.util
+    if device != "cuda":
+        return "torchao's CPUOffloadOptimizer offloads CUDA parameters only"
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao)"
+    return None
 
 
 def deepspeed_missing() -> str | None:
@@ -180,7 +193,8 @@ def configurations(args):
     """[(key, label)] in table order; ``args.variants`` holds ZeroAdamW's kwargs."""
     every = [("ddp", "DDP + AdamW"), ("torch_zero", "ZeroRedundancyOptimizer(AdamW) + DDP")] + \
         [(key, label) for key, _, label, _ in args.variants] + PEERS + \
-        ([] if deepspeed_missing() else DEEPSPEED) + [COMPUTE]
+        ([] if deepspeed_missing() else DEEPSPEED) + \
+        ([] if torchao_missing(getattr(args, "device", "cpu")) else TORCHAO) + [COMPUTE]
     wanted = getattr(args, "configs", None)
     return [(k, label) for k, label in every if wanted is None or k in wanted or k == "ddp"]
 
@@ -294,6 +308,11 @@ def build(key, args, device):
     net = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None, **ddp_kwargs)
     opt, how = torch_adamw(model.parameters())
+    if key == "torchao_offload":
+        from torchao.optim import CPUOffloadOptimizer
+        opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, betas=BETAS,
+                                  weight_decay=WEIGHT_DECAY, fused=True)
+        return net, opt, "torchao CPUOffloadOptimizer(AdamW(fused=True)) + DDP"
     if key == "torch_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         flag = {"fused": True} if how.startswith("fused") else {"foreach": True}
@@ -731,7 +750,7 @@ def _ranks(text):
 
 
 ALL_KEYS = ["ddp", "torch_zero"] + [k for k, *_ in zero_variants(None)] + \
-    [k for k, _ in PEERS + DEEPSPEED] + [COMPUTE[0]]
+    [k for k, _ in PEERS + DEEPSPEED + TORCHAO] + [COMPUTE[0]]
 
 
 def _configs(text):
@@ -795,6 +814,8 @@ def parse_args(argv) -> argparse.Namespace:
             ap.error(f"--ranks {max(args.ranks)}: at most {MAX_CPU_RANKS} CPU ranks")
     if args.configs and any(k.startswith("ds_") for k in args.configs) and deepspeed_missing():
         ap.error(f"--configs {','.join(args.configs)}: {deepspeed_missing()}")
+    if args.configs and "torchao_offload" in args.configs and torchao_missing(args.device):
+        ap.error(f"--configs {','.join(args.configs)}: {torchao_missing(args.device)}")
     check_out_dir(ap, args)
     return args
 
