@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -52,20 +51,8 @@ def _model(dtype):
                                torch.nn.Tanh(), torch.nn.Linear(32, 8)).to(dtype)
 
 
-def _delayed(opt, rng: random.Random, most_s: float) -> None:
-    def late(fn):
-        def call(*args):
-            time.sleep(rng.random() * most_s)
-            return fn(*args)
-        return call
-    for flats in opt._flats:
-        for f in flats:
-            for name in ("fetch", "grad", "done"):
-                setattr(f.place, name, late(getattr(f.place, name)))
-            f.gather_bucket = late(f.gather_bucket)
-
-
 def play(rank: int, world: int, seed: int, steps: int) -> tuple:
+    from dist_utils import delay_offload
     from zero_triton import ZeroAdamW
     dtype, kw = draw(seed)
     runs = []
@@ -73,7 +60,7 @@ def play(rank: int, world: int, seed: int, steps: int) -> tuple:
         model = _model(dtype)
         opt = ZeroAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
         if offload:
-            _delayed(opt, random.Random(seed * 1009 + rank), 0.005)
+            delay_offload(opt, random.Random(seed * 1009 + rank), 0.005)
         for t in range(steps):
             x = torch.randn(6, 24, generator=torch.Generator().manual_seed(1000 * t + rank)).to(dtype)
             model(x).float().pow(2).mean().backward()
@@ -96,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from dist_utils import run_ranks
+    from dist_utils import soak_run
     bad = 0
     print(f"{'world':>5} {'runs':>5} {'wrong':>5} {'hangs':>5} {'errors':>6} {'slowest run s':>13}")
     for world in args.worlds:
@@ -104,19 +91,13 @@ def main(argv=None) -> int:
         took = []
         for run in range(args.runs):
             seed = args.seed + 100 * world + run
-            start = time.monotonic()
-            try:
-                results = run_ranks(play, world, seed, args.steps, timeout=args.timeout,
-                                    pg_timeout_s=args.timeout)
-            except TimeoutError as exc:
-                hangs += 1
-                print(f"  world {world} seed {seed}: {exc}", file=sys.stderr)
+            status, results, seconds = soak_run(play, world, seed, args.steps, timeout=args.timeout,
+                                                what=f"world {world} seed {seed}")
+            hangs += status == "hang"
+            errors += status == "error"
+            if results is None:
                 continue
-            except Exception as exc:  # noqa: BLE001 - counted and shown
-                errors += 1
-                print(f"  world {world} seed {seed}: {exc}", file=sys.stderr)
-                continue
-            took.append(time.monotonic() - start)
+            took.append(seconds)
             if not all(results):
                 wrong += 1
                 print(f"  world {world} seed {seed} {draw(seed)}: not the same bits on ranks "

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     if args.accelerate:
         return accelerate_runs(args.accelerate, args.runs, args.timeout)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from dist_utils import run_ranks
+    from dist_utils import soak_run
     bad = 0
     print(f"{'world':>5} {'runs':>5} {'rounds':>6} {'calls':>6} {'wrong':>5} {'hangs':>5} "
           f"{'errors':>6} {'slowest call s':>14} {'run s':>6}")
@@ -160,19 +160,13 @@ def main(argv=None) -> int:
         slowest, took = 0.0, []
         for run in range(args.runs):
             seed = args.seed + run
-            start = time.monotonic()
-            try:
-                results = run_ranks(play, world, seed, args.rounds, 1 + run % 2,
-                                    timeout=args.timeout, pg_timeout_s=args.timeout)
-            except TimeoutError as exc:
-                hangs += 1
-                print(f"  world {world} seed {seed}: {exc}", file=sys.stderr)
+            status, results, seconds = soak_run(play, world, seed, args.rounds, 1 + run % 2,
+                                                timeout=args.timeout, what=f"world {world} seed {seed}")
+            hangs += status == "hang"
+            errors += status == "error"
+            if results is None:
                 continue
-            except Exception as exc:  # noqa: BLE001 - counted and shown
-                errors += 1
-                print(f"  world {world} seed {seed}: {exc}", file=sys.stderr)
-                continue
-            took.append(time.monotonic() - start)
+            took.append(seconds)
             for per_rank in results:
                 for got, ref, s in per_rank:
                     calls += len(got)

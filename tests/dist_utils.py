@@ -135,6 +135,40 @@ def delay_gathers(opt, seconds: float) -> None:
             f.gather_bucket = late
 
 
+def delay_offload(opt, rng, most_s: float = 0.004) -> None:
+    """This rank sleeps a random while (``rng``, up to ``most_s``) before each stage of
+    ``opt``'s offload pipeline (each gradient copy to the host, host step, copy back) and
+    before each all-gather."""
+    import time
+
+    def late(fn):
+        def call(*args):
+            time.sleep(rng.random() * most_s)
+            return fn(*args)
+        return call
+    for flats in opt._flats:
+        for f in flats:
+            for name in ("fetch", "grad", "done"):
+                setattr(f.place, name, late(getattr(f.place, name)))
+            f.gather_bucket = late(f.gather_bucket)
+
+
+def soak_run(fn, world_size, *args, timeout: float, what: str):
+    """One run of a soak (``bench/*_soak.py``): ``("ok", results, seconds)``, or
+    ``("hang" | "error", None, seconds)`` with the reason printed under ``what``."""
+    import time
+    start = time.monotonic()
+    try:
+        results = run_ranks(fn, world_size, *args, timeout=timeout, pg_timeout_s=timeout)
+    except TimeoutError as exc:
+        print(f"  {what}: {exc}", file=sys.stderr)
+        return "hang", None, time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - counted and shown by the soak
+        print(f"  {what}: {exc}", file=sys.stderr)
+        return "error", None, time.monotonic() - start
+    return "ok", results, time.monotonic() - start
+
+
 def _python_entry(argv, caller, out_path, err_path):
     """``python ARGV`` (``-m MODULE ...``, ``-c CODE ...`` or ``SCRIPT.py ...``) in a
     process forked from the server: the caller's environment and folder, the sys.path a

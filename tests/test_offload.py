@@ -7,6 +7,7 @@ here is the pipeline and its order (the state lives in buffers of its own, the
 parameters reach the optimizer's all-gathers only through the copy back)."""
 from __future__ import annotations
 
+import copy
 import io
 import random
 import time
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import zero_triton
-from dist_utils import run_ranks
+from dist_utils import delay_offload, run_ranks
 
 RANK_TIMEOUT_S = 240
 
@@ -46,25 +47,32 @@ def _model(dtype):
                                torch.nn.Tanh(), torch.nn.Linear(32, 8)).to(dtype)
 
 
-def _delayed(opt, rng: random.Random, most_s: float = 0.004) -> None:
-    """Sleep a random while before each stage of the offload pipeline and each gather."""
-    def late(fn):
-        def call(*args):
-            time.sleep(rng.random() * most_s)
-            return fn(*args)
-        return call
-    for flats in opt._flats:
-        for f in flats:
-            for name in ("fetch", "grad", "done"):
-                setattr(f.place, name, late(getattr(f.place, name)))
-            f.gather_bucket = late(f.gather_bucket)
+def _same(xs, ys) -> bool:
+    """Two sequences of tensors (parameters) hold the same bits."""
+    xs, ys = list(xs), list(ys)
+    return len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Two state dicts hold the same entries, bit for bit."""
+    return a["state"].keys() == b["state"].keys() and all(
+        torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
+
+
+def _steps(model, opt, seeds, dtype) -> None:
+    """A step of ``opt`` per seed on a batch drawn from it."""
+    for t in seeds:
+        model(torch.randn(5, 24, generator=torch.Generator().manual_seed(t)).to(dtype)) \
+            .float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def _train(rank, world, dtype, kw, extra, offload, seed, steps=4):
     model = _model(dtype)
     opt = zero_triton.ZeroAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
     if offload and seed is not None:
-        _delayed(opt, random.Random(seed * 100 + rank))
+        delay_offload(opt, random.Random(seed * 100 + rank))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2) \
         if extra.get("scaler") else None
     for t in range(steps):
@@ -92,11 +100,8 @@ def _rank_matrix(rank, world, seed):
     for name, dtype, kw, extra in CONFIGS:
         plain_model, plain = _train(rank, world, dtype, kw, extra, None, None)
         host_model, host = _train(rank, world, dtype, kw, extra, "cpu", seed)
-        same_params = all(torch.equal(a, b) for a, b in zip(plain_model.parameters(),
-                                                           host_model.parameters()))
-        a, b = plain.state_dict(), host.state_dict()
-        same_state = a["state"].keys() == b["state"].keys() and all(
-            torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
+        same_params = _same(plain_model.parameters(), host_model.parameters())
+        same_state = _same_state(plain.state_dict(), host.state_dict())
         state_on_host = all(t.device.type == "cpu" and t.data_ptr() != f.flat_param.data_ptr()
                             for fl in host._flats for f in fl for t in [f.state.master.parameters()])
         report = host.memory_report()
@@ -122,8 +127,7 @@ def _rank_delays(rank, world, seeds):
         for name, dtype, kw, extra in CONFIGS[:2] + CONFIGS[3:4]:
             plain_model, _ = _train(rank, world, dtype, kw, extra, None, None, steps=3)
             host_model, _ = _train(rank, world, dtype, kw, extra, "cpu", seed, steps=3)
-            rows.append((seed, name, all(torch.equal(a, b) for a, b in zip(
-                plain_model.parameters(), host_model.parameters()))))
+            rows.append((seed, name, _same(plain_model.parameters(), host_model.parameters())))
     return rows
 
 
@@ -145,7 +149,7 @@ def _rank_parameters_reach_the_gather_only_through_the_copy_back(rank, world):
             f.place.done = lambda ks: None  # the updated mirrors never go back
     model(torch.randn(4, 24)).pow(2).sum().backward()
     opt.step()
-    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return _same(before, model.parameters())
 
 
 def test_the_parameters_come_back_from_the_host_mirrors():
@@ -194,7 +198,7 @@ def test_a_checkpoint_moves_between_offloaded_and_not_at_another_world_size(tmp_
             for n, v in entry.items():
                 assert torch.equal(sd["state"][k][n], v), (off, k, n)
     for r in range(3):  # the step after the load: the same bits offloaded or not
-        assert all(torch.equal(a, b) for a, b in zip(got[None][r][1], got["cpu"][r][1]))
+        assert _same(got[None][r][1], got["cpu"][r][1])
 
 
 def test_fused_adam_offloaded_is_the_same_bits_and_its_state_lives_apart():
@@ -205,17 +209,12 @@ def test_fused_adam_offloaded_is_the_same_bits_and_its_state_lives_apart():
             model = _model(dtype)
             opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload,
                                          max_grad_norm=0.1, **kw)
-            for t in range(3):
-                model(torch.randn(5, 24, generator=torch.Generator().manual_seed(t)).to(dtype)) \
-                    .float().pow(2).sum().backward()
-                opt.step()
-                opt.zero_grad()
+            _steps(model, opt, range(3), dtype)
             runs.append((model, opt))
         (m0, o0), (m1, o1) = runs
-        assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters())), (dtype, kw)
+        assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
         s0, s1 = o0.state_dict(), o1.state_dict()
-        assert all(torch.equal(s0["state"][k][n], s1["state"][k][n])
-                   for k in s0["state"] for n in s0["state"][k]), (dtype, kw)
+        assert _same_state(s0, s1), (dtype, kw)
         flat = o1._flats[0][0]
         assert flat.state.master.parameters().data_ptr() != flat.flat_param.data_ptr()
         # The user writes a parameter: the host mirror follows (the next step starts there).
@@ -224,17 +223,20 @@ def test_fused_adam_offloaded_is_the_same_bits_and_its_state_lives_apart():
                 p0.mul_(0.5)
                 p1.mul_(0.5)
         for m, o in runs:
-            m(torch.randn(5, 24, generator=torch.Generator().manual_seed(9)).to(dtype)) \
-                .float().pow(2).sum().backward()
-            o.step()
-        assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters())), (dtype, kw)
-        # A state dict saved offloaded loads without offload, and the reverse.
+            _steps(m, o, [9], dtype)
+        assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
+        # A state dict saved offloaded loads without offload, and the reverse: each then
+        # holds what the other saved, and the next steps agree.
+        s0, s1 = copy.deepcopy(o0.state_dict()), copy.deepcopy(o1.state_dict())
         o0.load_state_dict(s1)
         o1.load_state_dict(s0)
+        assert _same_state(o0.state_dict(), s1) and _same_state(o1.state_dict(), s0), (dtype, kw)
+        for m, o in runs:
+            _steps(m, o, [10, 11], dtype)
+        assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
 
 
 def test_a_copy_keeps_the_offload():
-    import copy
     model = _model(torch.float32)
     opt = zero_triton.FusedAdamW(model.parameters(), offload="cpu")
     model(torch.randn(2, 24)).sum().backward()
@@ -279,7 +281,7 @@ def test_a_host_allocation_that_fails_names_the_bytes_and_the_fix(monkeypatch):
     monkeypatch.undo()
     # The parameters keep their values and no hook of the refused optimizer stays behind:
     # an optimizer without offload trains them as one built first would.
-    assert all(torch.equal(a, b) for a, b in zip(values, model.parameters()))
+    assert _same(values, model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
     opt = zero_triton.FusedAdamW(model.parameters())
     model(torch.randn(2, 24)).sum().backward()
@@ -309,7 +311,7 @@ def _rank_fsdp2(rank, world, dtype, kw):
                  for p in model.parameters()]
         runs.append((full, state, opt.memory_report()["host"]))
     (p0, s0, h0), (p1, s1, h1) = runs
-    same = all(torch.equal(a, b) for a, b in zip(p0, p1))
+    same = _same(p0, p1)
     same_state = all(torch.equal(a[k], b[k]) for a, b in zip(s0, s1) for k in a)
     return same, same_state, h0 == 0 and h1 > 0
 
@@ -444,7 +446,7 @@ def _rank_hybrid(rank, world):
     kw = dict(stage=2, bucket_cap_mb=0.002, device_mesh=mesh, moments="int8")
     a, _ = _train(rank, world, torch.float32, kw, {}, None, None)
     b, _ = _train(rank, world, torch.float32, kw, {}, "cpu", 5)
-    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    return _same(a.parameters(), b.parameters())
 
 
 def test_hybrid_sharding_offloaded_steps_to_the_same_bits():
@@ -458,17 +460,11 @@ def test_a_model_cast_after_construction_is_followed_offloaded_as_on_the_device(
     for offload in (None, "cpu"):
         model = _model(torch.float32)
         opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload)
-        for t in range(4):
-            if t == 2:
-                model.to(torch.bfloat16)
-            dtype = next(model.parameters()).dtype
-            model(torch.randn(5, 24, generator=torch.Generator().manual_seed(t)).to(dtype)) \
-                .float().pow(2).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _steps(model, opt, range(2), torch.float32)
+        model.to(torch.bfloat16)
+        _steps(model, opt, range(2, 4), torch.bfloat16)
         runs.append((model, opt))
     (m0, o0), (m1, o1) = runs
-    assert all(torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))
+    assert _same(m0.parameters(), m1.parameters())
     assert o1._flats[0][0].place.offloaded and o1._flats[0][0].dtype == torch.bfloat16
-    s0, s1 = o0.state_dict(), o1.state_dict()
-    assert all(torch.equal(s0["state"][k][n], s1["state"][k][n]) for k in s0["state"] for n in s0["state"][k])
+    assert _same_state(o0.state_dict(), o1.state_dict())

@@ -391,10 +391,9 @@ class FusedAdam(torch.optim.Optimizer):
         cuda = any(flat.fused for _, flat in flats)
         with phase("zero_triton.adam_step", cuda):
             plans = {}
-            for group, flat in flats:
-                coef = self._clipping.coef
-                clip = coef.to(flat.device) if coef is not None else None
-                plans[flat.key] = (flat, flat.prepare(group, grad_scale, found_inf, clip))
+            for group, flat in flats:  # each shard moves the coefficient to its state
+                plans[flat.key] = (flat, flat.prepare(group, grad_scale, found_inf,
+                                                      self._clipping.coef))
             if self._comm.world_size == 1:
                 for flat, plan in plans.values():
                     flat.update(plan)

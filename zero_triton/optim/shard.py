@@ -66,8 +66,7 @@ class Shard:
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
         self.versions = watch.ParamVersions(home.params)
         # The step's scalars live with the state, which the kernel steps where it lives.
-        self.state_device = self.state.device
-        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.state_device)
+        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.state.device)
         if self.dtype == torch.float64 or self.device.type == "meta":
             # The kernels step float32 state: torch's ops step float64. Parameters on the
             # meta device are never stepped (step refuses them until they are materialised).
@@ -79,7 +78,7 @@ class Shard:
         launch = ListLaunch if home.engine_owned else DeviceLaunch
         self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
         self.scratch = torch.empty(home.layout.shard_numel, dtype=self.state.dtype,
-                                   device=self.state_device) if self.backend == "torch" else None
+                                   device=self.state.device) if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
         # Host list: which parameters are stepped this step (None: all of them).
         self.stepped = None
@@ -233,13 +232,14 @@ class Shard:
             self.lr.fill_(lr)
         # To the state's device: the host when offloaded, where the copy is the step's one
         # wait on the device (a copy to the host that did not wait would be read early).
-        early = self.state_device.type != "cpu"
+        where = self.state.device
+        early = where.type != "cpu"
         if found_inf is not None:
-            found_inf = found_inf.to(self.state_device, torch.float32, non_blocking=early)
+            found_inf = found_inf.to(where, torch.float32, non_blocking=early)
         if grad_scale is not None:
-            grad_scale = grad_scale.to(self.state_device, torch.float32, non_blocking=early)
+            grad_scale = grad_scale.to(where, torch.float32, non_blocking=early)
         if clip_coef is not None:
-            clip_coef = clip_coef.to(self.state_device)
+            clip_coef = clip_coef.to(where, non_blocking=early)
         beta1, beta2 = group["betas"]
         args = StepArgs(float(beta1), float(beta2), group["eps"], group["weight_decay"],
                         group["decoupled_weight_decay"], group["amsgrad"], group["maximize"],
