@@ -42,9 +42,11 @@ they are interleaved. Configurations:
   zero_s1_offload    the buckets' configuration with offload="cpu" (the state in host
                      memory, stepped there bucket by bucket; on CPU ranks the copies are
                      host to host: what it shows is the pipeline's own cost)
+  zero_s1_offload_half  the same with offload_fraction=0.5: each rank's shard half on
+                     the device, half in host memory, both stepped at once
 
-and the same six for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
-zero_s2_int8, zero_s2_hsdp, zero_s2_offload).
+and the same seven for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
+zero_s2_int8, zero_s2_hsdp, zero_s2_offload, zero_s2_offload_half).
 The peers a user would pick instead:
 
   fsdp2              torch's FSDP2 (fully_shard per block and the root, reshard after
@@ -134,7 +136,10 @@ def zero_variants(bucket_cap_mb):
             (f"zero_s{s}_hsdp", {**st, "bucket_cap_mb": cap, "device_mesh": HSDP},
              f"ZeroAdamW (ZeRO-{s}, buckets, 2-D mesh)", False),
             (f"zero_s{s}_offload", {**st, "bucket_cap_mb": cap, "offload": "cpu"},
-             f"ZeroAdamW (ZeRO-{s}, buckets, offload='cpu')", False)]
+             f"ZeroAdamW (ZeRO-{s}, buckets, offload='cpu')", False),
+            (f"zero_s{s}_offload_half", {**st, "bucket_cap_mb": cap, "offload": "cpu",
+                                         "offload_fraction": 0.5},
+             f"ZeroAdamW (ZeRO-{s}, buckets, offload_fraction=0.5)", False)]
     quantized = {"stage": 1, "bucket_cap_mb": cap, "reduce_dtype": "int8", "gather_dtype": GATHER}
     variants += [
         ("zero_s1_q", quantized, "ZeroAdamW (ZeRO-1, buckets, int8 wire)", False),

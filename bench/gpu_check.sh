@@ -7,8 +7,8 @@
 #   4. time a GPT-2-small training iteration end to end (bench/e2e.py, world size 1 on
 #      one GPU: DDP, torch's ZeRO, ZeroAdamW stage 1/2 with and without buckets and
 #      overlap(); at one rank there is nothing to hide, so overlap must cost nothing;
-#      and with offload="cpu": the state in pinned host memory, its peak device memory
-#      and iteration time beside the others). The offload tests (tests/test_offload.py,
+#      and with offload="cpu", all of the state or half (offload_fraction=0.5) in pinned
+#      host memory: its peak device memory and iteration time beside the others). The offload tests (tests/test_offload.py,
 #      named cuda: pinned buffers, the state off the device) run in stage 2.
 # Every stage runs under `timeout`; a failing stage does not stop the next one, and a
 # summary with each stage's status closes the run. Logs, CSV, JSON and PNG go to DIR.

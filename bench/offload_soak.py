@@ -11,7 +11,8 @@ counts a failure. Never a hang.
 Each run starts ``world`` gloo ranks (CPU processes) and, for the run's configuration
 (drawn by the seed from: fp32 or bf16 parameters, stage 1 or 2, one bucket or many,
 fp32 / bf16 / int8 moments, an fp32 master, ``"remainder"`` or ``"stochastic"``,
-clipping or not), trains both optimizers for ``--steps`` steps. Prints per world size:
+clipping or not, all of the state offloaded or a part: ``offload_fraction`` 0.25, 0.5 or
+0.75, the rest stepped on the device), trains both optimizers for ``--steps`` steps. Prints per world size:
 runs, wrong results, hangs (a run past ``--timeout``), errors, and the slowest run.
 Exit status 1 on any of them. ``tests/test_offload.py`` plays a few of these schedules
 in the suite.
@@ -36,13 +37,14 @@ CONFIGS = [
 
 
 def draw(seed: int) -> tuple:
-    """The run's configuration: (dtype, ZeroAdamW keywords)."""
+    """The run's configuration: (dtype, ZeroAdamW keywords, the offloaded run's
+    ``offload_fraction``: all of the state, or a part)."""
     rng = random.Random(seed)
     dtype, kw = rng.choice(CONFIGS)
     kw = {**kw, "stage": rng.choice([1, 2]), "bucket_cap_mb": rng.choice([None, 0.002, 0.0005])}
     if rng.random() < 0.5:
         kw["max_grad_norm"] = 0.05
-    return dtype, kw
+    return dtype, kw, rng.choice([1.0, 1.0, 0.25, 0.5, 0.75])
 
 
 def _model(dtype):
@@ -54,11 +56,12 @@ def _model(dtype):
 def play(rank: int, world: int, seed: int, steps: int) -> tuple:
     from dist_utils import delay_offload
     from zero_triton import ZeroAdamW
-    dtype, kw = draw(seed)
+    dtype, kw, fraction = draw(seed)
     runs = []
     for offload in (None, "cpu"):
         model = _model(dtype)
-        opt = ZeroAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
+        placed = {"offload": offload, "offload_fraction": fraction} if offload else {}
+        opt = ZeroAdamW(model.parameters(), lr=2e-2, **placed, **kw)
         if offload:
             delay_offload(opt, random.Random(seed * 1009 + rank), 0.005)
         for t in range(steps):

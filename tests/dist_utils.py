@@ -148,8 +148,9 @@ def delay_offload(opt, rng, most_s: float = 0.004) -> None:
         return call
     for flats in opt._flats:
         for f in flats:
-            for name in ("fetch", "grad", "done"):
-                setattr(f.place, name, late(getattr(f.place, name)))
+            for side in f.sides:  # a part offloaded: the device's side too
+                for name in ("fetch", "grad", "done"):
+                    setattr(side.place, name, late(getattr(side.place, name)))
             f.gather_bucket = late(f.gather_bucket)
 
 

@@ -68,9 +68,17 @@ def _steps(model, opt, seeds, dtype) -> None:
         opt.zero_grad()
 
 
+def _placed(offload) -> dict:
+    """The optimizer's keywords for ``offload``: None, "cpu" (all of the state) or a
+    fraction (that share of it offloaded, the rest beside the parameters)."""
+    if isinstance(offload, float):
+        return dict(offload="cpu", offload_fraction=offload)
+    return dict(offload=offload)
+
+
 def _train(rank, world, dtype, kw, extra, offload, seed, steps=4):
     model = _model(dtype)
-    opt = zero_triton.ZeroAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=2e-2, **_placed(offload), **kw)
     if offload and seed is not None:
         delay_offload(opt, random.Random(seed * 100 + rank))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2) \
@@ -95,30 +103,57 @@ def _train(rank, world, dtype, kw, extra, offload, seed, steps=4):
     return model, opt
 
 
+FRACTIONS = (0.25, 0.5, 0.75)  # a part offloaded: config i offloads FRACTIONS[i % 3] of it
+
+
+def _expected_cut(layout, f) -> int:
+    """The docs' rule: the first state element in host memory is the one nearest
+    (1 - f) of the shard, on the moments' alignment; between parameters where the shard
+    is a whole buffer (one process), so that each parameter's state lies on one side."""
+    n = layout.shard_numel
+    target = (1 - f) * n
+    if layout.world_size == 1:
+        return min(list(layout.offsets) + [n], key=lambda o: (abs(o - target), o))
+    return min(n, round(target / layout.align) * layout.align)
+
+
 def _rank_matrix(rank, world, seed):
     out = []
-    for name, dtype, kw, extra in CONFIGS:
+    for c, (name, dtype, kw, extra) in enumerate(CONFIGS):
         plain_model, plain = _train(rank, world, dtype, kw, extra, None, None)
         host_model, host = _train(rank, world, dtype, kw, extra, "cpu", seed)
-        same_params = _same(plain_model.parameters(), host_model.parameters())
-        same_state = _same_state(plain.state_dict(), host.state_dict())
+        part_model, part = _train(rank, world, dtype, kw, extra, FRACTIONS[c % 3], seed)
         state_on_host = all(t.device.type == "cpu" and t.data_ptr() != f.flat_param.data_ptr()
                             for fl in host._flats for f in fl for t in [f.state.master.parameters()])
-        report = host.memory_report()
-        out.append((name, same_params, same_state, state_on_host, report["host"] > 0,
-                    plain.memory_report()["host"]))
+        # A part offloaded: each shard in two sides, split where the fraction says (on
+        # the moments' alignment), the second over mirrors of its own.
+        f = part._flats[0][0]
+        n, cut = f.layout.shard_numel, _expected_cut(f.layout, FRACTIONS[c % 3])
+        sides = [(type(side.place).__name__, side.state.moments.numel) for side in f.sides]
+        split_right = sides == [("DevicePlace", cut), ("HostPlace", n - cut)] and \
+            f.sides[1].place.mirror.data_ptr() != f.flat_param.data_ptr()
+        hosts = [o.memory_report()["host"] for o in (plain, part, host)]
+        out.append((name, _same(plain_model.parameters(), host_model.parameters()),
+                    _same_state(plain.state_dict(), host.state_dict()),
+                    _same(plain_model.parameters(), part_model.parameters()),
+                    _same_state(plain.state_dict(), part.state_dict()), state_on_host,
+                    split_right or sides, hosts))
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_offloaded_state_steps_to_the_same_bits_at_every_world_size(world):
+    """All of the state offloaded, and a part of it (``offload_fraction``): the same
+    parameters and state as beside the parameters, bit for bit."""
     results = run_ranks(_rank_matrix, world, world, timeout=RANK_TIMEOUT_S)
     for rank, rows in enumerate(results):
-        for name, same_params, same_state, on_host, host_bytes, plain_host in rows:
+        for name, params, state, part_params, part_state, on_host, split, hosts in rows:
             where = f"{name}, rank {rank} of {world}"
-            assert same_params, f"parameters differ: {where}"
-            assert same_state, f"state differs: {where}"
-            assert on_host and host_bytes and plain_host == 0, where
+            assert params and part_params, f"parameters differ: {where} ({params}, {part_params})"
+            assert state and part_state, f"state differs: {where} ({state}, {part_state})"
+            assert on_host, where
+            assert split is True, f"{where}: sides {split}"
+            assert 0 == hosts[0] < hosts[1] < hosts[2], f"{where}: host bytes {hosts}"
 
 
 def _rank_delays(rank, world, seeds):
@@ -126,8 +161,10 @@ def _rank_delays(rank, world, seeds):
     for seed in seeds:
         for name, dtype, kw, extra in CONFIGS[:2] + CONFIGS[3:4]:
             plain_model, _ = _train(rank, world, dtype, kw, extra, None, None, steps=3)
-            host_model, _ = _train(rank, world, dtype, kw, extra, "cpu", seed, steps=3)
-            rows.append((seed, name, _same(plain_model.parameters(), host_model.parameters())))
+            for offload in ("cpu", 0.5):
+                host_model, _ = _train(rank, world, dtype, kw, extra, offload, seed, steps=3)
+                rows.append((seed, f"{name}, offload {offload}",
+                             _same(plain_model.parameters(), host_model.parameters())))
     return rows
 
 
@@ -167,9 +204,9 @@ def _bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def _rank_checkpoints(rank, world, path, save_offloaded):
+def _rank_checkpoints(rank, world, path, saved):
     dtype, kw = torch.bfloat16, dict(stage=2, bucket_cap_mb=0.002, moments="int8")
-    model, opt = _train(rank, world, dtype, kw, {}, "cpu" if save_offloaded else None, None)
+    model, opt = _train(rank, world, dtype, kw, {}, saved, None)
     zero_triton.checkpoint.save(path, opt, model)
     return _bytes(opt.state_dict())
 
@@ -177,7 +214,7 @@ def _rank_checkpoints(rank, world, path, save_offloaded):
 def _rank_load(rank, world, path, offload):
     dtype, kw = torch.bfloat16, dict(stage=2, bucket_cap_mb=0.002, moments="int8")
     model = _model(dtype)
-    opt = zero_triton.ZeroAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=2e-2, **_placed(offload), **kw)
     zero_triton.checkpoint.load(path, opt, model)
     sd = opt.state_dict()
     # One more step from the loaded state, for both placements to compare.
@@ -186,54 +223,60 @@ def _rank_load(rank, world, path, offload):
     return _bytes((sd, [p.detach().clone() for p in model.parameters()]))
 
 
-@pytest.mark.parametrize("saved_offloaded", [True, False])
-def test_a_checkpoint_moves_between_offloaded_and_not_at_another_world_size(tmp_path, saved_offloaded):
-    saved = torch.load(io.BytesIO(run_ranks(_rank_checkpoints, 2, str(tmp_path / "ck"),
-                                            saved_offloaded, timeout=RANK_TIMEOUT_S)[0]))
+@pytest.mark.parametrize("saved", ["cpu", None, 0.5])
+def test_a_checkpoint_moves_between_offloaded_and_not_at_another_world_size(tmp_path, saved):
+    """Saved at 2 ranks offloaded, not, or half offloaded; loaded at 3 each of the three
+    ways: every load holds what was saved, and the step after it is the same bits."""
+    saved_sd = torch.load(io.BytesIO(run_ranks(_rank_checkpoints, 2, str(tmp_path / "ck"),
+                                               saved, timeout=RANK_TIMEOUT_S)[0]))
     got = {off: [torch.load(io.BytesIO(b)) for b in run_ranks(
-        _rank_load, 3, str(tmp_path / "ck"), off, timeout=RANK_TIMEOUT_S)] for off in (None, "cpu")}
+        _rank_load, 3, str(tmp_path / "ck"), off, timeout=RANK_TIMEOUT_S)]
+        for off in (None, "cpu", 0.5)}
     for off, ranks in got.items():
         sd = ranks[0][0]
-        for k, entry in saved["state"].items():
+        for k, entry in saved_sd["state"].items():
             for n, v in entry.items():
                 assert torch.equal(sd["state"][k][n], v), (off, k, n)
     for r in range(3):  # the step after the load: the same bits offloaded or not
-        assert _same(got[None][r][1], got["cpu"][r][1])
+        assert _same(got[None][r][1], got["cpu"][r][1]) and _same(got[None][r][1], got[0.5][r][1])
 
 
 def test_fused_adam_offloaded_is_the_same_bits_and_its_state_lives_apart():
     for dtype, kw in [(torch.float32, {}), (torch.bfloat16, {"moments": "int8"}),
                       (torch.bfloat16, {"master_weights": "remainder"})]:
         runs = []
-        for offload in (None, "cpu"):
+        for offload in (None, "cpu", 0.5):
             model = _model(dtype)
-            opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload,
-                                         max_grad_norm=0.1, **kw)
+            opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.1,
+                                         **_placed(offload), **kw)
             _steps(model, opt, range(3), dtype)
             runs.append((model, opt))
-        (m0, o0), (m1, o1) = runs
-        assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
-        s0, s1 = o0.state_dict(), o1.state_dict()
-        assert _same_state(s0, s1), (dtype, kw)
-        flat = o1._flats[0][0]
+        (m0, o0), *others = runs
+        for m1, o1 in others:
+            assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
+            assert _same_state(o0.state_dict(), o1.state_dict()), (dtype, kw)
+        flat = runs[1][1]._flats[0][0]
         assert flat.state.master.parameters().data_ptr() != flat.flat_param.data_ptr()
         # The user writes a parameter: the host mirror follows (the next step starts there).
         with torch.no_grad():
-            for p0, p1 in zip(m0.parameters(), m1.parameters()):
-                p0.mul_(0.5)
-                p1.mul_(0.5)
+            for m, _ in runs:
+                for p in m.parameters():
+                    p.mul_(0.5)
         for m, o in runs:
             _steps(m, o, [9], dtype)
-        assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
-        # A state dict saved offloaded loads without offload, and the reverse: each then
-        # holds what the other saved, and the next steps agree.
-        s0, s1 = copy.deepcopy(o0.state_dict()), copy.deepcopy(o1.state_dict())
-        o0.load_state_dict(s1)
-        o1.load_state_dict(s0)
-        assert _same_state(o0.state_dict(), s1) and _same_state(o1.state_dict(), s0), (dtype, kw)
+        for m1, _ in others:
+            assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
+        # A state dict saved offloaded (all or half) loads without offload, and the
+        # reverse: each then holds what the other saved, and the next steps agree.
+        for m1, o1 in others:
+            s0, s1 = copy.deepcopy(o0.state_dict()), copy.deepcopy(o1.state_dict())
+            o0.load_state_dict(s1)
+            o1.load_state_dict(s0)
+            assert _same_state(o0.state_dict(), s1) and _same_state(o1.state_dict(), s0), (dtype, kw)
         for m, o in runs:
             _steps(m, o, [10, 11], dtype)
-        assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
+        for m1, _ in others:
+            assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
 
 
 def test_a_copy_keeps_the_offload():
@@ -260,9 +303,60 @@ def test_bad_offload_arguments_are_refused_before_anything_changes(kw, match):
     assert before == [p.data_ptr() for p in model.parameters()]  # nothing was re-homed
 
 
-def test_a_part_offloaded_is_refused_until_it_is_built():
-    with pytest.raises(NotImplementedError, match="offload_fraction=0.5"):
-        zero_triton.FusedAdamW(_model(torch.float32).parameters(), offload="cpu", offload_fraction=0.5)
+def test_a_fraction_splits_each_shard_on_the_moments_alignment():
+    """``offload_fraction``: the last f of each shard's state elements in host memory,
+    rounded to the format's alignment (an int8 block is never cut), between parameters
+    in one process; a fraction that rounds to none or all of a shard keeps it on one
+    side."""
+    for moments, f in [("fp32", 0.3), ("int8", 0.5), ("bf16", 0.9), ("fp32", 0.001), ("fp32", 0.999)]:
+        model = _model(torch.float32)
+        opt = zero_triton.FusedAdamW(model.parameters(), moments=moments, offload="cpu",
+                                     offload_fraction=f)
+        flat = opt._flats[0][0]
+        n, cut = flat.layout.shard_numel, _expected_cut(flat.layout, f)
+        assert cut % flat.layout.align == 0 and cut in (*flat.layout.offsets, n)
+        places = [(type(s.place).__name__, s.state.moments.numel) for s in flat.sides]
+        if cut == n:
+            assert places == [("DevicePlace", n)] and opt.memory_report()["host"] == 0, places
+        elif cut == 0:
+            assert places == [("HostPlace", n)], places
+        else:
+            assert places == [("DevicePlace", cut), ("HostPlace", n - cut)], places
+            assert flat.sides[1].place.mirror.numel() == n - cut
+            if moments == "fp32":  # opt.state: views of the live state on either side
+                _steps(model, opt, [0], torch.float32)
+                sides = {side.state.moments.exp_avg.untyped_storage().data_ptr(): k
+                         for k, side in enumerate(flat.sides)}
+                held = [sides.get(opt.state[p]["exp_avg"].untyped_storage().data_ptr())
+                        for p in model.parameters()]
+                assert set(held) == {0, 1}, held  # each a view of one side's storage
+                first = next(iter(model.parameters()))
+                opt.state[first]["exp_avg"].add_(1.0)  # written in place: the state itself
+                assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt.state[first]["exp_avg"])
+        assert opt.memory_report()["host"] <= zero_triton.FusedAdamW(
+            _model(torch.float32).parameters(), moments=moments, offload="cpu").memory_report()["host"]
+    # Several ranks cut anywhere on the alignment: ZeroAdam's shards (the matrix tests).
+
+
+def test_a_split_state_reads_and_writes_as_one():
+    """The ways out see one state: an export joins the sides, a commit and a user's
+    write that straddles the cut reach both."""
+    model = _model(torch.bfloat16)
+    opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, moments="int8", offload="cpu",
+                                 offload_fraction=0.5)
+    _steps(model, opt, range(2), torch.bfloat16)
+    flat = opt._flats[0][0]
+    state, cut = flat.state, flat.sides[1].cut
+    bufs = state.buffers()
+    assert all(b.numel() == flat.layout.shard_numel for b in bufs.values())
+    first = flat.sides[0].state.buffers()
+    assert all(torch.equal(bufs[k][:cut], first[k]) for k in first)
+    bufs["master_param"][cut - 3:cut + 3] = 7.0  # across the cut
+    state.commit(bufs)
+    assert torch.equal(state.buffers()["master_param"], bufs["master_param"])
+    state.master.publish()  # the parameters from the master, on both sides of the cut
+    assert torch.equal(flat.flat_param[cut - 3:cut + 3].float(), torch.full((6,), 7.0))
+    assert torch.equal(flat.sides[1].place.mirror[:3].float(), torch.full((3,), 7.0))
 
 
 def test_a_host_allocation_that_fails_names_the_bytes_and_the_fix(monkeypatch):
@@ -293,13 +387,13 @@ def _rank_fsdp2(rank, world, dtype, kw):
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (world,))
     runs = []
-    for offload in (None, "cpu"):
+    for offload in (None, "cpu", 0.5):
         model = _model(dtype)
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = zero_triton.FusedAdamW(model.parameters(), lr=2e-2, offload=offload, **kw)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=2e-2, **_placed(offload), **kw)
         for t in range(3):
             x = torch.randn(6, 24, generator=torch.Generator().manual_seed(t)).to(dtype)
             model(x).float().pow(2).mean().backward()
@@ -310,10 +404,10 @@ def _rank_fsdp2(rank, world, dtype, kw):
         state = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in opt.state[p].items()}
                  for p in model.parameters()]
         runs.append((full, state, opt.memory_report()["host"]))
-    (p0, s0, h0), (p1, s1, h1) = runs
-    same = _same(p0, p1)
-    same_state = all(torch.equal(a[k], b[k]) for a, b in zip(s0, s1) for k in a)
-    return same, same_state, h0 == 0 and h1 > 0
+    (p0, s0, h0), *others = runs
+    same = all(_same(p0, p1) for p1, _, _ in others)
+    same_state = all(torch.equal(a[k], b[k]) for _, s1, _ in others for a, b in zip(s0, s1) for k in a)
+    return same, same_state, 0 == h0 < others[1][2] < others[0][2]
 
 
 @pytest.mark.parametrize("dtype, kw", [(torch.float32, {}),
@@ -331,12 +425,13 @@ def test_cuda_offload_keeps_the_state_pinned_on_the_host_and_off_the_device():
     """On a GPU the host kernel (C++) and the device kernel (Triton/CUDA) compute one
     formula in different code: the parameters agree to float32 rounding, not bit for bit."""
     results = {}
-    for offload in (None, "cpu"):
+    for offload in (None, "cpu", 0.5):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         model = _model(torch.float32).cuda()
         base = torch.cuda.memory_allocated()  # the optimizer's device bytes count from here
-        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload, max_grad_norm=0.1)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=0.1,
+                                     **_placed(offload))
         for t in range(3):
             x = torch.randn(5, 24, generator=torch.Generator().manual_seed(t)).cuda()
             model(x).pow(2).sum().backward()
@@ -351,6 +446,14 @@ def test_cuda_offload_keeps_the_state_pinned_on_the_host_and_off_the_device():
     assert flat.state.moments.storage()[0].device.type == "cpu"
     assert flat.place.mirror.is_pinned() and flat.place.staging[torch.float32].is_pinned()
     assert o1.memory_report()["host"] > 0 and grown < kept  # the moments are not on the device
+    # Half offloaded: the first part's state on the GPU, the rest pinned on the host, the
+    # two stepped in one step (the parameters as close as the whole offload's).
+    m2, o2, half = results[0.5]
+    for a, b in zip(m0.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    first, second = o2._flats[0][0].sides
+    assert first.state.moments.storage()[0].is_cuda and not second.state.moments.storage()[0].is_cuda
+    assert second.place.mirror.is_pinned() and grown < half < kept
 
 
 def test_the_memory_model_splits_device_and_host_bytes():
@@ -420,11 +523,12 @@ def _rank_cycles(rank, world, cycles):
     threads, mirrors = threading.active_count(), []
     for c in range(cycles):
         model = _model(torch.float32)
-        opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, offload="cpu", stage=1 + c % 2,
-                                    bucket_cap_mb=0.002)
+        opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, stage=1 + c % 2,
+                                    bucket_cap_mb=0.002, **_placed("cpu" if c % 3 else 0.5))
         model(torch.randn(4, 24)).pow(2).sum().backward()
         opt.step()
         opt.state_dict()
+        torch.distributed.barrier()  # every rank's state_dict served before any drops its optimizer
         mirrors.append(weakref.ref(opt._flats[0][0].place.mirror))
         hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
         del opt
@@ -446,7 +550,8 @@ def _rank_hybrid(rank, world):
     kw = dict(stage=2, bucket_cap_mb=0.002, device_mesh=mesh, moments="int8")
     a, _ = _train(rank, world, torch.float32, kw, {}, None, None)
     b, _ = _train(rank, world, torch.float32, kw, {}, "cpu", 5)
-    return _same(a.parameters(), b.parameters())
+    c, _ = _train(rank, world, torch.float32, kw, {}, 0.5, 6)
+    return _same(a.parameters(), b.parameters()) and _same(a.parameters(), c.parameters())
 
 
 def test_hybrid_sharding_offloaded_steps_to_the_same_bits():
@@ -457,14 +562,16 @@ def test_a_model_cast_after_construction_is_followed_offloaded_as_on_the_device(
     """``model.to(dtype)`` after the optimizer was built re-homes its shards: the
     offloaded one builds new host buffers and carries its moments over, as the other."""
     runs = []
-    for offload in (None, "cpu"):
+    for offload in (None, "cpu", 0.5):
         model = _model(torch.float32)
-        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, offload=offload)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, **_placed(offload))
         _steps(model, opt, range(2), torch.float32)
         model.to(torch.bfloat16)
         _steps(model, opt, range(2, 4), torch.bfloat16)
         runs.append((model, opt))
-    (m0, o0), (m1, o1) = runs
-    assert _same(m0.parameters(), m1.parameters())
-    assert o1._flats[0][0].place.offloaded and o1._flats[0][0].dtype == torch.bfloat16
-    assert _same_state(o0.state_dict(), o1.state_dict())
+    (m0, o0), *others = runs
+    for m1, o1 in others:
+        assert _same(m0.parameters(), m1.parameters())
+        assert o1._flats[0][0].place.offloaded and o1._flats[0][0].dtype == torch.bfloat16
+        assert _same_state(o0.state_dict(), o1.state_dict())
+    assert len(others[1][1]._flats[0][0].sides) == 2

@@ -48,7 +48,8 @@ class FusedAdam(torch.optim.Optimizer):
             moments, stochastic rounding: zero_triton.state.bf16) | "int8" (block-scaled
             8-bit codes, 2.03 bytes: zero_triton.state.int8).
         offload: None (default) or "cpu": the master and moments in (pinned) host memory,
-            stepped there (zero_triton.optim.offload); offload_fraction: 1 (all of it).
+            stepped there (zero_triton.optim.offload); offload_fraction: the share offloaded
+            (1, the default: all; 0.5: the last half, the rest stepped on the device meanwhile).
 
     The parameters' storage moves into flat buffers at construction (a later
     ``model.to(device, dtype)`` is followed at the next step). ``zero_grad`` is torch's:
@@ -521,5 +522,7 @@ def _unpickled(opt, saved: dict) -> None:
         return
     groups, hyper, options = adam_state.pickled(saved)
     offload = options.pop("offload", None)
-    opt._build(groups, hyper, Spec.build(**options).with_offload(offload), LocalComm(), OneRank())
+    fraction = options.pop("offload_fraction", None)
+    opt._build(groups, hyper, Spec.build(**options).with_offload(offload, fraction), LocalComm(),
+               OneRank())
     opt.load_state_dict(saved["state_dict"])

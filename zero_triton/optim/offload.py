@@ -21,6 +21,8 @@ tested on machines without a GPU).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from zero_triton.native import backends
@@ -50,95 +52,159 @@ def _host_empty(numel: int, dtype: torch.dtype, pin: bool, what: str) -> torch.T
             "(moments='int8' or 'bf16'), or leave offload out") from exc
 
 
-class DevicePlace:
+class Piece(NamedTuple):
+    """A run of one of the home's segments that one part of the state holds: segment
+    ``k``'s elements [off, off + hi - lo), flat buffer [lo, hi), at ``s0`` in its part."""
+    k: int
+    off: int
+    lo: int
+    hi: int
+    s0: int
+
+
+def whole(segments) -> list:
+    """The home's ``segments`` (lo, hi, state offset) as the pieces of one part."""
+    return [Piece(k, 0, lo, hi, s0) for k, (lo, hi, s0) in enumerate(segments)]
+
+
+def split(segments, cut: int) -> tuple:
+    """The home's ``segments`` cut at state element ``cut``: the pieces before it and
+    after it (empty ones left out), each at its offset from its own part's start."""
+    first, second = [], []
+    for k, (lo, hi, s0) in enumerate(segments):
+        x = min(max(cut - s0, 0), hi - lo)  # elements of segment k before the cut
+        if x > 0:
+            first.append(Piece(k, 0, lo, lo + x, s0))
+        if x < hi - lo:
+            second.append(Piece(k, x, lo + x, hi, s0 + x - cut))
+    return first, second
+
+
+class _Place:
+    """What both places share: the pieces each holds and, per home segment, which."""
+
+    def __init__(self, home, held):
+        self.home, self.pieces = home, held
+        # Whether the pieces are the home's segments themselves (there is no split).
+        self.whole = len(held) == len(home.segments) and all(
+            p.off == 0 and p.hi - p.lo == home.segments[p.k][1] - home.segments[p.k][0]
+            for p in held)
+        self.of_segment = {}
+        for j, p in enumerate(held):
+            self.of_segment.setdefault(p.k, []).append(j)
+
+    def device_part(self, j: int) -> torch.Tensor:
+        """Piece ``j``'s parameters on the device (the home's view of them)."""
+        p = self.pieces[j]
+        part = self.home.param_parts[p.k]
+        return part if self.whole else part[p.off:p.off + p.hi - p.lo]
+
+    def home_grad(self, j: int) -> torch.Tensor:
+        """Piece ``j``'s averaged gradients where the home keeps them."""
+        p = self.pieces[j]
+        grad = self.home.grad(p.k)
+        return grad if self.whole else grad[p.off:p.off + p.hi - p.lo]
+
+
+class DevicePlace(_Place):
     """The state beside the parameters: nothing moves."""
 
     offloaded = False
 
-    def __init__(self, home):
-        self.home = home
+    def __init__(self, home, held):
+        super().__init__(home, held)
+        self.device_parts = home.param_parts if self.whole else \
+            [self.device_part(j) for j in range(len(held))]
 
-    def parts(self, param_parts: list) -> list:
-        """The parameter views the state is built over: the device's own."""
-        return param_parts
+    def parts(self) -> list:
+        """The parameter views the state is built over: the device's own (a list the
+        home, or ``refresh``, updates in place)."""
+        return self.device_parts
 
-    def fetch(self, ks) -> None:
+    def refresh(self) -> None:
+        """The engine swapped parameters: the views of a part of them follow."""
+        if not self.whole:
+            self.device_parts[:] = [self.device_part(j) for j in range(len(self.pieces))]
+
+    def fetch(self, js) -> None:
         pass
 
-    def grad(self, k: int) -> torch.Tensor:
-        return self.home.grad(k)
+    def grad(self, j: int) -> torch.Tensor:
+        return self.home_grad(j)
 
-    def done(self, ks) -> None:
+    def done(self, js) -> None:
         pass
 
     def host_bytes(self) -> int:
         return 0
 
 
-class HostPlace:
-    """The state in host memory, over mirrors of ``home``'s parameter shard (one buffer
-    in state order); the averaged gradients staged through a host buffer of the shard's
-    size in their dtype."""
+class HostPlace(_Place):
+    """The state in host memory, over mirrors of the ``held`` pieces of ``home``'s
+    parameter shard (one buffer of the part's ``n`` state elements, in state order); the
+    averaged gradients staged through a host buffer of the mirror's size in their dtype."""
 
     offloaded = True
 
-    def __init__(self, home, grad_dtype: torch.dtype):
-        self.home = home
-        layout, segments = home.layout, home.segments
+    def __init__(self, home, grad_dtype: torch.dtype, held, n: int):
+        super().__init__(home, held)
         self.cuda = home.device.type == "cuda"
-        n = layout.shard_numel
         self.mirror = _host_empty(n, home.dtype, self.cuda, "the parameters' mirror")
         self.staging = {grad_dtype: _host_empty(n, grad_dtype, self.cuda, "the gradients' staging")}
-        self.spans = [(s0, s0 + hi - lo) for lo, hi, s0 in segments]
+        self.spans = [(p.s0, p.s0 + p.hi - p.lo) for p in held]
         self.host_parts = [self.mirror[a:b] for a, b in self.spans]
         self.pull()
-        self.fetched = {}  # segment -> (its staged gradients, the event its copy records)
+        self.fetched = {}  # piece -> (its staged gradients, the event its copy records)
 
-    def parts(self, param_parts: list) -> list:
+    def parts(self) -> list:
         return self.host_parts
 
+    def refresh(self) -> None:  # the device's views are looked up at each copy
+        pass
+
     # -- the step: gradients in, parameters out ---------------------------------------
-    def fetch(self, ks) -> None:
-        """Queue the copy of each segment's averaged gradients to the host, in order."""
-        for k in ks:
-            g = self.home.grad(k)
+    def fetch(self, js) -> None:
+        """Queue the copy of each piece's averaged gradients to the host, in order."""
+        for j in js:
+            g = self.home_grad(j)
             buf = self.staging.get(g.dtype)
             if buf is None:  # averages in another dtype than the one staged so far
                 buf = self.staging[g.dtype] = _host_empty(self.mirror.numel(), g.dtype, self.cuda,
                                                           "the gradients' staging")
-            a, b = self.spans[k]
+            a, b = self.spans[j]
             out = buf[a:b]
             out.copy_(g, non_blocking=self.cuda)
             event = None
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record()
-            self.fetched[k] = (out, event)
+            self.fetched[j] = (out, event)
 
-    def grad(self, k: int) -> torch.Tensor:
-        """Segment ``k``'s gradients on the host, once their copy has landed."""
-        out, event = self.fetched.pop(k)
+    def grad(self, j: int) -> torch.Tensor:
+        """Piece ``j``'s gradients on the host, once their copy has landed."""
+        out, event = self.fetched.pop(j)
         if event is not None:
             event.synchronize()
         return out
 
-    def done(self, ks) -> None:
-        """Segments ``ks`` were stepped: their parameters back to the device (queued on
+    def done(self, js) -> None:
+        """Pieces ``js`` were stepped: their parameters back to the device (queued on
         the device's stream, ahead of the all-gathers the optimizer starts next)."""
-        for k in ks:
-            self.home.param_parts[k].copy_(self.host_parts[k], non_blocking=self.cuda)
+        for j in js:
+            self.device_part(j).copy_(self.host_parts[j], non_blocking=self.cuda)
 
     # -- the mirrors follow the device's parameters ------------------------------------
     def pull(self) -> None:
         """The mirrors from the device's parameters (the user wrote them, a re-seed)."""
-        for part, host in zip(self.home.param_parts, self.host_parts):
+        for j, host in enumerate(self.host_parts):
+            part = self.device_part(j)
             if part.device.type != "meta":
                 host.copy_(part)
 
     def push(self) -> None:
         """The device's parameters from the mirrors (the master wrote them: a load)."""
-        for part, host in zip(self.home.param_parts, self.host_parts):
-            part.copy_(host)
+        for j, host in enumerate(self.host_parts):
+            self.device_part(j).copy_(host)
 
     def write(self, a: int, b: int, values: torch.Tensor) -> torch.Tensor:
         """State elements [a, b) of the mirror (it is in state order) set to ``values``;

@@ -23,12 +23,13 @@ from zero_triton.native import backends
 from zero_triton.optim.engine_home import EngineHome
 from zero_triton.optim.flat_home import FLAT_DTYPES, LOW_PRECISION, SUPPORTED, FlatHome, one_kind
 from zero_triton.optim.launch import DeviceLaunch, ListLaunch
-from zero_triton.optim.offload import DevicePlace, HostPlace, MirroredMaster, host_backend
+from zero_triton.optim.offload import DevicePlace, HostPlace, MirroredMaster, host_backend, split, whole
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
 from zero_triton.state.flat import real_dtype
 from zero_triton.state.param_view import ParamView
 from zero_triton.state.shards import ShardState
+from zero_triton.state.split import SplitState
 
 __all__ = ["Shard", "FLAT_DTYPES", "LOW_PRECISION", "SUPPORTED", "one_kind"]
 
@@ -47,38 +48,26 @@ class Shard:
         # fp16/bf16 ones (or its low half: "remainder"), none ("stochastic"), or their own.
         self.master_format = spec.master_format(self.dtype)
         self.has_master = master_formats.FORMATS[self.master_format].exact
-        # Where the state lives (zero_triton.optim.offload): beside the parameters, or in
-        # host memory over mirrors of them (offload="cpu"; parameters on the meta device
-        # are offloaded once materialised, when the shard is re-homed).
+        # Where the state lives (zero_triton.optim.offload), in one or two sides: beside
+        # the parameters, in host memory over mirrors of them (offload="cpu"), or its
+        # first elements beside them and the rest (offload_fraction) in host memory.
+        # Parameters on the meta device are offloaded once materialised (re-homed).
         try:
-            self.place = HostPlace(home, spec.reduce_dtype or self.dtype) \
-                if spec.offload and self.device.type != "meta" else DevicePlace(home)
+            self.sides = self._sides(home, spec, amsgrad)
         except RuntimeError:  # host memory refused: the home's hooks go with it
             home.remove_hooks()
             raise
-        self.state = ShardState(self.place.parts(home.param_parts), home.segments, home.layout,
-                                master=self.master_format, amsgrad=amsgrad, moments=spec.moments)
-        if self.place.offloaded:
-            self.state.master = MirroredMaster(self.state.master, self.place)
+        self.state = self.sides[0].state if len(self.sides) == 1 else SplitState(
+            self.sides[0].state, self.sides[1].state, self.sides[1].cut, home.layout, home.segments)
+        host = [side for side in self.sides if side.place.offloaded]
+        self.offloaded = bool(host)
+        self.place = host[0].place if host else self.sides[0].place  # the offloaded side's
+        self.backend = self.sides[0].backend
         # Where each parameter's state lives in every rank's shard: what every way out of
         # the state reads and writes it by (zero_triton.state.param_view).
         self.by_param = ParamView(home.layout, home.segments)
         # The parameters' writes since the master was last taken from them (zero_triton.state.watch).
         self.versions = watch.ParamVersions(home.params)
-        # The step's scalars live with the state, which the kernel steps where it lives.
-        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.state.device)
-        if self.dtype == torch.float64 or self.device.type == "meta":
-            # The kernels step float32 state: torch's ops step float64. Parameters on the
-            # meta device are never stepped (step refuses them until they are materialised).
-            self.backend = "torch"
-        elif self.place.offloaded:
-            self.backend = host_backend(spec.backend)
-        else:
-            self.backend = backends.resolve(spec.backend, self.device)
-        launch = ListLaunch if home.engine_owned else DeviceLaunch
-        self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
-        self.scratch = torch.empty(home.layout.shard_numel, dtype=self.state.dtype,
-                                   device=self.state.device) if self.backend == "torch" else None
         self.fused = self.device.type == "cuda"
         # Host list: which parameters are stepped this step (None: all of them).
         self.stepped = None
@@ -86,7 +75,22 @@ class Shard:
         # Rounding keyed by the element's place in the canonical layout (bf16 moments, a
         # stochastically rounded parameter): the launches carry their first element's index.
         self.keyed = self.state.moments.keyed or self.state.master.keyed
-        self._whole, self._whole_key = None, None  # each segment's operands (``_segments``)
+
+    def _sides(self, home, spec, amsgrad: bool) -> list:
+        """The state's sides: one (beside the parameters, or offloaded), or two split at
+        an element on the moments' alignment (``offload_fraction``: the first on the
+        device, the rest in host memory)."""
+        n, grad_dtype = home.layout.shard_numel, spec.reduce_dtype or self.dtype
+        if not spec.offload or self.device.type == "meta":
+            return [Side(self, DevicePlace(home, whole(home.segments)), n, amsgrad)]
+        cut = cut_at(home.layout, spec.offload_fraction)
+        if cut == 0:
+            return [Side(self, HostPlace(home, grad_dtype, whole(home.segments), n), n, amsgrad)]
+        if cut == n:  # too few elements to split: all of them beside the parameters
+            return [Side(self, DevicePlace(home, whole(home.segments)), n, amsgrad)]
+        first, second = split(home.segments, cut)
+        return [Side(self, DevicePlace(home, first), cut, amsgrad),
+                Side(self, HostPlace(home, grad_dtype, second, n - cut), n - cut, amsgrad, cut=cut)]
 
     @classmethod
     def flat(cls, params, comm: Comm, spec, *, amsgrad=False, key=0, reducer=None,
@@ -154,7 +158,9 @@ class Shard:
         kind are followed here, their masters re-seeded where their values differ."""
         i, swapped = self.home.first_moved(hint)
         if swapped:
-            self._whole_key = None  # the kernel's operands name the parameters' views
+            for side in self.sides:  # the kernel's operands name the parameters' views
+                side.place.refresh()
+                side.whole_key = None
             self.reseed(swapped)
         return i
 
@@ -181,7 +187,7 @@ class Shard:
         if not indices:
             return
         wanted = set(indices)
-        if self.has_master or self.place.offloaded:  # offloaded: the host mirrors follow
+        if self.has_master or self.offloaded:  # offloaded: the host mirrors follow
             layout = self.layout
             for part, (lo, hi, s0) in zip(self.param_parts, self.segments):
                 ranges = [(i, a, b) for i, a, b in layout.ranges_in(lo, hi) if i in wanted]
@@ -223,29 +229,25 @@ class Shard:
 
     # -- the step ------------------------------------------------------------------------
     def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
-        """Count this step and return its plan for ``update``/``update_bucket``: the
-        step's ``StepArgs`` and the runs of parameters that step (None: every segment whole)."""
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            self.lr.copy_(lr)
-        else:
-            self.lr.fill_(lr)
-        # To the state's device: the host when offloaded, where the copy is the step's one
-        # wait on the device (a copy to the host that did not wait would be read early).
-        where = self.state.device
-        early = where.type != "cpu"
-        if found_inf is not None:
-            found_inf = found_inf.to(where, torch.float32, non_blocking=early)
-        if grad_scale is not None:
-            grad_scale = grad_scale.to(where, torch.float32, non_blocking=early)
-        if clip_coef is not None:
-            clip_coef = clip_coef.to(where, non_blocking=early)
+        """Count this step and return its plan for ``update``/``update_bucket``: per
+        side, the step's ``StepArgs`` and the runs of parameters that step (None: every
+        piece whole)."""
         beta1, beta2 = group["betas"]
-        args = StepArgs(float(beta1), float(beta2), group["eps"], group["weight_decay"],
-                        group["decoupled_weight_decay"], group["amsgrad"], group["maximize"],
-                        grad_scale, found_inf, clip_coef, self.state.master.stochastic,
-                        self.key if self.keyed else 0)
-        return {"args": args, "runs": self.state.count(self.stepped, found_inf)}
+        hyper = (float(beta1), float(beta2), group["eps"], group["weight_decay"],
+                 group["decoupled_weight_decay"], group["amsgrad"], group["maximize"])
+        plan = []
+        for n, side in enumerate(self.sides):
+            # To the side's device: the host when offloaded, where the copy is the step's
+            # one wait on the device (a copy to the host that did not wait would be read early).
+            scalars = side.scalars(group["lr"], grad_scale, found_inf, clip_coef)
+            args = StepArgs(*hyper, *scalars, self.state.master.stochastic,
+                            self.key if self.keyed else 0)
+            if n == 0:
+                runs = side.state.count(self.stepped, args.found_inf)
+            else:  # the second side counts as the first did (the same parameters)
+                runs = side.state.follow(self.sides[0].state, self.stepped, plan[0][1])
+            plan.append((args, runs))
+        return {"sides": plan}
 
     def update(self, plan: dict) -> None:
         """The fused kernel over this rank's whole shard (one process: every segment)."""
@@ -256,53 +258,17 @@ class Shard:
         self._step((k,), plan)
 
     def _step(self, ks, plan: dict) -> None:
-        """Hand the launch part the runs of segments ``ks`` that step, then tell the home
-        they are done."""
-        args, runs = plan["args"], plan["runs"]
-        whole = self._segments(args.amsgrad)
+        """Each side steps its pieces of segments ``ks`` (the offloaded side's gradients
+        queued to the host before the device side's kernels, so that the two step at
+        once), then the home is told they are done."""
         ks = [k for k in ks if self.segments[k][1] > self.segments[k][0]]
-        place = self.place
-        place.fetch(ks)  # offloaded: every segment's gradients on their way to the host
-        # On the device, one launch list for all; offloaded, segment by segment, each
-        # stepped once its gradients land and sent back before the next is stepped (for
-        # its all-gather; the engine's DTensors gather themselves: one list for all).
-        for batch in ([[k] for k in ks] if place.offloaded and not self.home.engine_owned else [ks]):
-            launches = []
-            for k in batch:
-                lo, _, _ = self.segments[k]
-                grad = place.grad(k)
-                index = self.home.canonical(k) if self.keyed else 0
-                if runs is None:
-                    launches.append((whole[k]._replace(grad=grad), index))
-                    continue
-                for start, end, i in runs[k]:
-                    a, b = start - lo, end - lo
-                    ops = self._operands(k, a, b, grad[a:b], self.state.step_of(i), args.amsgrad)
-                    launches.append((ops, index + a if self.keyed else 0))
-            self.launch.run(launches, args)
-            place.done(batch)
+        held = [[j for k in ks for j in side.place.of_segment.get(k, ())] for side in self.sides]
+        for side, js in zip(self.sides, held):
+            side.place.fetch(js)  # offloaded: every piece's gradients on their way to the host
+        for side, js, (args, runs) in zip(self.sides, held, plan["sides"]):
+            side.step(js, args, runs)
         for k in ks:
             self.home.finished(k)
-
-    def _operands(self, k: int, a: int, b: int, grad, step, amsgrad: bool) -> Operands:
-        """The operands of elements [a, b) of segment ``k``."""
-        st, s0 = self.state, self.segments[k][2]
-        param, param_lp, remainder = st.master.operands(s0 + a, s0 + b, st.param_parts[k][a:b])
-        scratch = None if self.scratch is None else self.scratch[s0 + a:s0 + b]
-        return Operands(param, grad, st.moments.operands(s0 + a, s0 + b, amsgrad), param_lp, step,
-                        self.lr, remainder, scratch)
-
-    def _segments(self, amsgrad: bool) -> list:
-        """Per segment, its whole operands but the gradient (None), made again only when a
-        parameter's view or a state buffer is replaced (amsgrad switched on, a re-home, a
-        swap by the engine, per-parameter step counts) or amsgrad changes."""
-        st = self.state
-        key = (st.master, st.moments, st.amsgrad, amsgrad, st.steps)
-        if self._whole_key is None or any(a is not b for a, b in zip(key, self._whole_key)):
-            self._whole = [self._operands(k, 0, hi - lo, None, st.step, amsgrad)
-                           for k, (lo, hi, _) in enumerate(self.segments)]
-            self._whole_key = key
-        return self._whole
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
         """This rank's part of the gradient norm, in ``dtype`` (the home's: over the
@@ -322,12 +288,127 @@ class Shard:
     def nbytes(self) -> dict:
         home = self.home.nbytes()
         state = self.state.nbytes()
-        scratch = 0 if self.scratch is None else self.scratch.numel() * self.scratch.element_size()
+        scratch = sum(side.scratch_bytes() for side in self.sides)
         # Offloaded: the state, the scratch, the parameters' mirror and the gradients'
-        # staging are host memory.
-        host = sum(state.values()) + scratch + self.place.host_bytes() if self.place.offloaded else 0
+        # staging of the offloaded side are host memory.
+        host = sum(side.host_bytes() for side in self.sides)
         return {"params": home["params"], "grads": home["grads"], **state,
                 "padding": home["padding"], "scratch": scratch, "host": host}
+
+
+class Side:
+    """One part of a shard's state (``ShardState``) over the pieces of the home's
+    segments its ``place`` holds (``zero_triton.optim.offload``), and how it is stepped:
+    its backend, launch, lr and scratch live where the state does. ``cut``: the state
+    element of the whole shard where this part starts."""
+
+    def __init__(self, shard: Shard, place, n: int, amsgrad: bool, cut: int = 0):
+        self.shard, self.place, self.cut = shard, place, cut
+        spec, home = shard.spec, shard.home
+        self.state = ShardState(place.parts(), [(p.lo, p.hi, p.s0) for p in place.pieces],
+                                home.layout, master=shard.master_format, amsgrad=amsgrad,
+                                moments=spec.moments, numel=n)
+        if place.offloaded:
+            self.state.master = MirroredMaster(self.state.master, place)
+        if shard.dtype == torch.float64 or shard.device.type == "meta":
+            # The kernels step float32 state: torch's ops step float64. Parameters on the
+            # meta device are never stepped (step refuses them until they are materialised).
+            self.backend = "torch"
+        elif place.offloaded:
+            self.backend = host_backend(spec.backend)
+        else:
+            self.backend = backends.resolve(spec.backend, shard.device)
+        launch = ListLaunch if home.engine_owned else DeviceLaunch
+        self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
+        self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.state.device)
+        self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.state.device) \
+            if self.backend == "torch" else None
+        self.whole, self.whole_key = None, None  # each piece's operands (``_pieces``)
+
+    def scalars(self, lr, grad_scale, found_inf, clip_coef) -> tuple:
+        """The step's lr (into ``self.lr``), grad scale, inf flag and clip coefficient
+        on this side's device."""
+        if isinstance(lr, torch.Tensor):
+            self.lr.copy_(lr)
+        else:
+            self.lr.fill_(lr)
+        where = self.state.device
+        early = where.type != "cpu"
+        if found_inf is not None:
+            found_inf = found_inf.to(where, torch.float32, non_blocking=early)
+        if grad_scale is not None:
+            grad_scale = grad_scale.to(where, torch.float32, non_blocking=early)
+        if clip_coef is not None:
+            clip_coef = clip_coef.to(where, non_blocking=early)
+        return grad_scale, found_inf, clip_coef
+
+    def step(self, js, args: StepArgs, runs) -> None:
+        """Hand the launch the runs of pieces ``js`` that step: on the device one launch
+        list for all; offloaded, piece by piece, each stepped once its gradients land and
+        sent back before the next (for its all-gather; the engine's DTensors gather
+        themselves: one list for all)."""
+        place, home, keyed = self.place, self.shard.home, self.shard.keyed
+        whole = self._pieces(args.amsgrad)
+        for batch in ([[j] for j in js] if place.offloaded and not home.engine_owned else [js]):
+            launches = []
+            for j in batch:
+                piece = place.pieces[j]
+                grad = place.grad(j)
+                index = home.canonical(piece.k) + piece.off if keyed else 0
+                if runs is None:
+                    launches.append((whole[j]._replace(grad=grad), index))
+                    continue
+                for start, end, i in runs[j]:
+                    a, b = start - piece.lo, end - piece.lo
+                    ops = self._operands(j, a, b, grad[a:b], self.state.step_of(i), args.amsgrad)
+                    launches.append((ops, index + a if keyed else 0))
+            self.launch.run(launches, args)
+            place.done(batch)
+
+    def _operands(self, j: int, a: int, b: int, grad, step, amsgrad: bool) -> Operands:
+        """The operands of elements [a, b) of piece ``j``."""
+        st, s0 = self.state, self.state.segments[j][2]
+        param, param_lp, remainder = st.master.operands(s0 + a, s0 + b, st.param_parts[j][a:b])
+        scratch = None if self.scratch is None else self.scratch[s0 + a:s0 + b]
+        return Operands(param, grad, st.moments.operands(s0 + a, s0 + b, amsgrad), param_lp, step,
+                        self.lr, remainder, scratch)
+
+    def _pieces(self, amsgrad: bool) -> list:
+        """Per piece, its whole operands but the gradient (None), made again only when a
+        parameter's view or a state buffer is replaced (amsgrad switched on, a re-home, a
+        swap by the engine, per-parameter step counts) or amsgrad changes."""
+        st = self.state
+        key = (st.master, st.moments, st.amsgrad, amsgrad, st.steps)
+        if self.whole_key is None or any(a is not b for a, b in zip(key, self.whole_key)):
+            self.whole = [self._operands(j, 0, hi - lo, None, st.step, amsgrad)
+                          for j, (lo, hi, _) in enumerate(st.segments)]
+            self.whole_key = key
+        return self.whole
+
+    def scratch_bytes(self) -> int:
+        return 0 if self.scratch is None else self.scratch.numel() * self.scratch.element_size()
+
+    def host_bytes(self) -> int:
+        """Bytes this side keeps in host memory for an offloaded state: the state, its
+        scratch, the parameters' mirror and the gradients' staging."""
+        if not self.place.offloaded:
+            return 0
+        return sum(self.state.nbytes().values()) + self.scratch_bytes() + self.place.host_bytes()
+
+
+def cut_at(layout, fraction: float) -> int:
+    """Where a shard of ``layout`` splits for ``offload_fraction``: the state element
+    nearest (1 - fraction) of the shard on the moments' alignment (an int8 block is never
+    cut). A shard that is a whole buffer (one process; an engine's local shards) splits
+    between parameters, nearest the same point, so that each parameter's state lies on one
+    side and ``opt.state`` shows views of it, as torch's optimizers do."""
+    n = layout.shard_numel
+    if fraction >= 1:
+        return 0
+    target = (1.0 - fraction) * n
+    if layout.world_size == 1:
+        return min((*layout.offsets, n), key=lambda o: (abs(o - target), o))
+    return min(n, round(target / layout.align) * layout.align)
 
 
 def written_values(part: torch.Tensor, master: torch.Tensor, comm: Comm) -> torch.Tensor:

@@ -57,7 +57,8 @@ class Spec:
     ``reduce_dtype``; "int8", summed in float32); ``error_feedback``: the dtype of the
     int8 average's error buffers (None: none); ``offload``: where the optimizer
     state lives when not beside the parameters (None; "cpu": host memory,
-    ``zero_triton.optim.offload``)."""
+    ``zero_triton.optim.offload``); ``offload_fraction``: the share of it offloaded (1: all;
+    between 0 and 1: the rest of each shard stays beside the parameters)."""
 
     backend: str = "auto"
     master_weights: bool | str = True
@@ -71,6 +72,7 @@ class Spec:
     reduce_codec: str | None = None
     error_feedback: torch.dtype | None = None
     offload: str | None = None
+    offload_fraction: float = 1.0
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
@@ -144,18 +146,14 @@ class Spec:
             if offload is None:
                 raise ValueError("offload_fraction applies to offload='cpu'; pass offload='cpu' "
                                  "or leave offload_fraction out")
-            if offload_fraction not in (0, 1):
-                raise NotImplementedError(
-                    f"offload_fraction={offload_fraction} (a part of the state on the device, "
-                    "the rest in host memory) is not built yet: use offload_fraction=1 (all of "
-                    "it offloaded) or leave offload out")
             if offload_fraction == 0:
                 offload = None
         if offload is not None and self.differentiable:
             raise ValueError("offload='cpu' cannot be used with differentiable=True: autograd "
                              "through the step needs torch's own state beside the parameters; "
                              "leave offload out")
-        return dataclasses.replace(self, offload=offload)
+        fraction = 1.0 if offload_fraction is None or offload is None else float(offload_fraction)
+        return dataclasses.replace(self, offload=offload, offload_fraction=fraction)
 
     def with_wire(self, gather_dtype=None, error_feedback=True) -> "Spec":
         """This spec with ZeroAdam's parameter gathers (``gather_dtype``) and the int8
@@ -268,4 +266,5 @@ class Spec:
         """What a copy (``copy.deepcopy``, ``pickle``) of a one-process optimizer keeps."""
         return {"master_weights": self.master_weights, "backend": self.backend,
                 "max_grad_norm": self.max_grad_norm, "moments": self.moments,
-                **({"offload": self.offload} if self.offload else {})}
+                **({"offload": self.offload, "offload_fraction": self.offload_fraction}
+                   if self.offload else {})}

@@ -86,6 +86,8 @@ class ZeroAdam(FusedAdam, Joinable):
         offload: None (default) or "cpu": this rank's master and moments in (pinned)
             host memory, stepped there bucket by bucket, each bucket's parameters copied
             back before its all-gather (zero_triton.optim.offload; the same bits).
+            offload_fraction: the share of the state offloaded (1, the default: all; f in
+            (0, 1): the last f of each rank's shard, the rest stepped on the device meanwhile).
         stage: 1 (default): the optimizer state is sharded, each rank keeps the full
             local gradients. 2: the gradients too: each bucket's gradients are handed
             to the optimizer as backward produces them (``.grad`` is None afterwards)

@@ -141,6 +141,10 @@ class FlatLayout:
         """Elements of the buffer that belong to no parameter (alignment and tail)."""
         return self.padded_numel - sum(_numel(s) for s in self.shapes)
 
+    def numels(self) -> list[int]:
+        """Each parameter's number of elements."""
+        return [_numel(s) for s in self.shapes]
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` per parameter, shaped (and strided) like it."""
         return [shaped(flat[o:o + _numel(s)], s, st)

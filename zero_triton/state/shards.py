@@ -35,10 +35,10 @@ class ShardState:
     segment; ``layout``: the buffer's FlatLayout; ``segments``: this rank's."""
 
     def __init__(self, param_parts, segments, layout, *, master: str = "own", amsgrad: bool,
-                 moments: str = "fp32"):
+                 moments: str = "fp32", numel: int | None = None):
         self.param_parts, self.segments, self.layout = param_parts, segments, layout
         self.device = param_parts[0].device
-        n = layout.shard_numel
+        n = layout.shard_numel if numel is None else numel  # a part of the shard: its own size
         self.master = make_master(master, param_parts, segments, n, self.device)
         # float64 parameters keep float64 state (torch steps them in float64); every
         # other dtype float32.
@@ -161,8 +161,7 @@ class ShardState:
             if found_inf is not None:
                 self.step.sub_(self.skipped)
             return None
-        layout = self.layout
-        n = len(layout.offsets)
+        n = len(self.layout.offsets)
         stepped = stepped if stepped is not None else [True] * n
         if self.steps is None:
             self.steps = self.step.expand(n).clone()
@@ -177,7 +176,26 @@ class ShardState:
         if len(labels) == 1:  # one history for all (e.g. none had a gradient): one step again
             self.step.copy_(self.steps[0:1])
             self.steps, self.history = None, None
-        history = self.history
+        return self.runs(stepped)
+
+    def follow(self, lead: "ShardState", stepped, runs) -> list | None:
+        """Take the step counts ``lead`` (the state of the same parameters' other
+        elements) just counted, which returned ``runs``, and return this state's runs
+        for the same ``stepped``: two parts of one shard count as one."""
+        self.step.copy_(lead.step)
+        if lead.steps is None:
+            self.steps, self.history = None, None
+        else:
+            self.steps, self.history = lead.steps.to(self.device), list(lead.history)
+        if runs is None:
+            return None
+        return self.runs(stepped if stepped is not None else [True] * len(self.layout.offsets))
+
+    def runs(self, stepped: list) -> list:
+        """Per segment, the (start, end, first parameter) buffer ranges whose parameters
+        are ``stepped`` (host list of bools) and share one step count (padding between
+        them included)."""
+        layout, history = self.layout, self.history
         out = []
         for lo, hi, _ in self.segments:
             runs, last = [], None
