@@ -432,9 +432,8 @@ def _job_fsdp2_dcp(rank, world_size, path):
 
 
 def test_int8_on_fsdp2_dtensors_resumes_through_dcp_bitwise(tmp_path):
-    """FSDP2's DTensor parameters: each local shard's state in its own blocks (the engine
-    picks the shards, so the blocks follow them); DCP saves it as DTensors and a new
-    optimizer resumes exactly at the same world size."""
+    """FSDP2's DTensor parameters: DCP saves the state as DTensors and a new optimizer
+    resumes exactly at the same world size (another world size: tests/test_fsdp2_blocks.py)."""
     pytest.importorskip("torch.distributed.fsdp")
     for kinds, same, losses_same in run_ranks(_job_fsdp2_dcp, 2, os.fspath(tmp_path / "c"),
                                               timeout=300):

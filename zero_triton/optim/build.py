@@ -3,9 +3,12 @@ plain tensors re-homed into a flat buffer per dtype (``Shard.flat``), DTensor pa
 left where their engine keeps them, a shard per dtype (``Shard.engine``)."""
 from __future__ import annotations
 
+import dataclasses
+
 from zero_triton.native import backends
-from zero_triton.optim.engine_home import is_dtensor
+from zero_triton.optim.engine_home import is_dtensor, keeps_blocks
 from zero_triton.optim.shard import FLAT_DTYPES, Shard
+from zero_triton.state import moments as moment_formats
 from zero_triton.state.flat import real_dtype
 
 
@@ -28,9 +31,19 @@ def build_flats(trainable: list, comm, spec, *, amsgrad: bool, key: int, reducer
             if members:
                 flats.append(Shard.flat(members, comm, spec, amsgrad=amsgrad,
                                         key=key + len(flats), reducer=reducer))
+        block = moment_formats.FORMATS[spec.moments].block
         for dtype in dict.fromkeys(p.dtype for p in engine):
             members = [p for p in engine if p.dtype == dtype]
-            flats.append(Shard.engine(members, comm, spec, amsgrad=amsgrad, key=key + len(flats)))
+            # A block-quantized format steps the parameters whose blocks stay whole on one
+            # rank (``keeps_blocks``: the same codes at every world size); the others keep
+            # fp32 moments, in a shard of their own.
+            whole = [keeps_blocks(p, block) for p in members]
+            kept = [p for p, w in zip(members, whole) if w]
+            thin = [p for p, w in zip(members, whole) if not w]
+            for part, part_spec in ((kept, spec), (thin, dataclasses.replace(spec, moments="fp32"))):
+                if part:
+                    flats.append(Shard.engine(part, comm, part_spec, amsgrad=amsgrad,
+                                              key=key + len(flats)))
     except BaseException:
         for flat in flats:
             flat.remove_hooks()

@@ -72,6 +72,53 @@ def _replicas(p) -> int:
     return n
 
 
+def keeps_blocks(p, block: int) -> bool:
+    """Whether every run of ``block`` elements of DTensor ``p``'s rows (its global shape
+    flattened from the second dimension on) lies whole in one rank's local shard, for
+    its placements: a block-quantized state of its local shard then holds the same
+    blocks, and the same codes, as the whole parameter's would.
+
+    - ``Shard(0)`` (FSDP2, HSDP's shard dimension) and ``Replicate``: the rows must be a
+      multiple of ``block`` long; then it holds at every world size (each rank holds
+      whole rows; uneven last shards and empty ones too).
+    - ``Shard(d)``, d >= 1 (a tensor-parallel column split): each rank's part of a row
+      must be a multiple of ``block`` long, at this mesh size (``cols / n`` and ``cols``
+      both: resharding to another size keeps the blocks where that holds too).
+
+    Rows that fail (1-D biases and norms, thin weights) keep unquantized moments."""
+    if block == 1:
+        return True
+    shape = tuple(p.shape)
+    if len(shape) < 2 or math.prod(shape[1:]) % block:
+        return False
+    for d, placement in enumerate(p.placements):
+        if not placement.is_shard():
+            continue
+        dim = placement.dim % len(shape)
+        if dim == 0:
+            continue
+        inner = math.prod(shape[dim + 1:])
+        chunk = -(-shape[dim] // p.device_mesh.size(d))
+        if (chunk * inner) % block or (shape[dim] * inner) % block:
+            return False
+    return True
+
+
+def global_start(p) -> int | None:
+    """The index, in ``p``'s global shape flattened, of its local shard's first element
+    where the local shard is one run of it (whole rows: ``Shard(0)``, ``Replicate``);
+    None where it is not."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch < 2.4
+        return None
+    shape = tuple(p.shape)
+    local, offset = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
+    if tuple(local[1:]) != shape[1:] or any(offset[1:]):
+        return None
+    return offset[0] * math.prod(shape[1:]) if shape else 0
+
+
 def _check_local(p, t, i: int) -> None:
     if t.numel() and not t.is_contiguous():
         raise ValueError(
@@ -183,6 +230,13 @@ class EngineHome:
         self.layout = FlatLayout.build([tuple(t.shape) for t in locals_], align=spec.align)
         self.segments = [(o, o + t.numel(), o) for o, t in zip(self.layout.offsets, locals_)]
         self.locals = locals_
+        # Where each local shard's stochastic rounding is keyed: the index of its first
+        # element in the parameters' global shapes laid out one after another, the same
+        # at every world size where the local shard is a run of whole rows; else its slot.
+        whole = FlatLayout.build([tuple(p.shape) for p in params], align=spec.align)
+        starts = [global_start(p) for p in params]
+        self.keys = [g + o if o is not None else s0 for g, o, (_, _, s0)
+                     in zip(whole.offsets, starts, self.segments)]
         self.param_parts = [t.view(-1) for t in locals_]  # updated in place if the engine swaps
         self.param_views = self.param_parts
         self.grad_buffer = EngineGrads(params, locals_)
@@ -196,9 +250,8 @@ class EngineHome:
         return self.grad_buffer.grads[k]
 
     def canonical(self, k: int) -> int:
-        """Where segment ``k``'s stochastic rounding is keyed: its slot (the engine's
-        placement decides what a rank holds)."""
-        return self.segments[k][2]
+        """Where segment ``k``'s stochastic rounding is keyed (``keys``)."""
+        return self.keys[k]
 
     def finished(self, k: int) -> None:
         pass

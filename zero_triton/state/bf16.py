@@ -31,6 +31,7 @@ class Bf16Moments(NoMaximum):
 
     format = "bf16"
     align = ALIGN
+    block = 1  # each element rounded by itself
     live = False   # export() is a float32 copy
     keyed = True   # the step's rounding is keyed by element index
 

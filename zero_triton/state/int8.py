@@ -45,6 +45,7 @@ class Int8Moments(NoMaximum):
 
     format = "int8"
     align = ALIGN
+    block = BLOCK  # elements quantized together (one scale per moment)
     live = False  # export() is a dequantized copy
     keyed = False  # its rounding is to nearest: the step takes no element index
 

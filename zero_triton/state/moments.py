@@ -31,6 +31,7 @@ class Fp32Moments:
 
     format = "fp32"
     align = ALIGN  # the flat layout's alignment this format needs
+    block = 1      # each element stored by itself
     live = True    # export() is the storage itself
     keyed = False  # the step takes no element index
 

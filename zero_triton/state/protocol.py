@@ -19,7 +19,8 @@ checkpoint layer reach the moments only through it:
 - ``align``: the flat layout's alignment the format needs (every parameter, bucket and
   shard starts on a multiple of it: a block-quantized format's blocks are then the
   layout's, never a shard's); ``live``: whether ``export()`` is the storage itself
-  (``opt.state`` then holds views of it, as torch.optim.Adam's state); ``keyed``: whether
+  (``opt.state`` then holds views of it, as torch.optim.Adam's state); ``block``: how
+  many consecutive state elements share a scale (1: none do); ``keyed``: whether
   its kernels round by a generator keyed by element, and so take ``seed`` (the flat
   buffer's number) and ``index`` (the canonical index of the run's first element).
 
@@ -38,6 +39,7 @@ class MomentStore(Protocol):
     dtype: torch.dtype  # what the kernels compute the moments in
     numel: int          # state elements of the shard
     align: int          # the flat layout's alignment (elements) the format needs
+    block: int          # elements stored together (one scale): 1 where each is by itself
     live: bool          # export() returns the storage itself, not a copy
     keyed: bool         # the step takes ``seed`` and ``index`` (its rounding is keyed by element)
 

@@ -1,0 +1,83 @@
+"""Low-bit state on FSDP2's DTensors is the parameter's, not the shard's: int8 blocks
+chosen from the global shape stay whole on one rank at every world size (parameters
+whose rows cannot keep them keep fp32 moments), stochastic rounding is keyed by the
+element's global index, so FusedAdamW over ``fully_shard`` gives the same bits at 2 and
+3 ranks (an empty local shard included) and a DCP checkpoint reshards exactly
+(``bench/fsdp2_reshard.py`` is the full table)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("torch.distributed.fsdp")
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+
+from zero_triton.optim.engine_home import keeps_blocks  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _param(shape, placements, mesh):
+    """What ``keeps_blocks`` reads of a DTensor: its global shape, placements and mesh."""
+    return SimpleNamespace(shape=torch.Size(shape), placements=tuple(placements),
+                           device_mesh=SimpleNamespace(size=lambda d: mesh[d]))
+
+
+@pytest.mark.parametrize("shape, placements, mesh, kept", [
+    ((50257, 768), [Shard(0)], (8,), True),           # rows of 3 blocks, any world size
+    ((7, 512), [Shard(0)], (3,), True),               # uneven and empty last shards
+    ((11008, 4096), [Replicate(), Shard(0)], (2, 4), True),  # HSDP
+    ((768,), [Shard(0)], (2,), False),                # a bias: no rows to keep
+    ((40, 24), [Shard(0)], (2,), False),              # thin rows: 24 elements
+    ((3072, 768), [Shard(1)], (3,), True),            # a column split: 256 columns each
+    ((4096, 4096), [Shard(0), Shard(1)], (2, 4), True),   # FSDP + TP: 1024 columns each
+    ((4096, 1000), [Shard(1)], (4,), False),          # 250 columns each
+    ((4096, 2048, 3), [Shard(0)], (2,), True),        # rows of 6144
+    ((16, 32, 16), [Shard(1)], (2,), True),           # 16 x 16 = 256 per rank's part of a row
+])
+def test_the_rule_that_keeps_blocks_whole(shape, placements, mesh, kept):
+    assert keeps_blocks(_param(shape, placements, mesh), 256) is kept
+    assert keeps_blocks(_param(shape, placements, mesh), 1)  # unblocked formats keep all
+
+
+@pytest.mark.parametrize("formats", ["int8,stochastic+int8", "bf16,remainder+int8"])
+def test_low_bit_state_on_fsdp2_is_the_same_bits_at_another_world_size(formats, capsys):
+    """Trained at 2 and 3 ranks on the same global gradients: the same parameters and
+    state; saved by DCP at 2 and loaded at 3: what was saved. At 3 ranks the last
+    layer's 2 rows leave rank 2 an empty shard."""
+    sys.path.insert(0, str(BENCH))
+    import fsdp2_reshard
+    assert fsdp2_reshard.main(["--formats", formats, "--pairs", "2:3", "--steps", "2"]) == 0, \
+        capsys.readouterr().out
+
+
+def _rank_bytes(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import zero_triton
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 40))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = zero_triton.FusedAdamW(model.parameters(), moments="int8")
+    shards = [(f.spec.moments, [tuple(p.shape) for p in f.params]) for fl in opt._flats for f in fl]
+    return shards, opt.memory_report()["moments"]
+
+
+def test_thin_parameters_keep_fp32_moments_in_a_shard_of_their_own():
+    from dist_utils import run_ranks
+    for shards, moments in run_ranks(_rank_bytes, 2, timeout=120):
+        assert shards == [("int8", [(1024, 512), (40, 1024)]),
+                          ("fp32", [(1024,), (40,)])], shards
+        # int8: 2 bytes and two scales per 256 of this rank's half; fp32: 8 bytes (the
+        # biases' slots padded to 16 elements)
+        quantized = (1024 * 512 + 40 * 1024) // 2
+        thin = -(-(1024 // 2 + 40 // 2) // 16) * 16
+        assert moments == quantized * 2 + quantized // 256 * 8 + 8 * thin
