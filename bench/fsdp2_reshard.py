@@ -1,6 +1,7 @@
 """Low-bit state on FSDP2 across world sizes: FusedAdamW over ``fully_shard`` DTensors
 at one world size against another, fed the same global gradients, and a DCP checkpoint
-saved at one world size loaded at another.
+saved at one world size loaded at another (``--compact``: the compact form,
+``zero_triton.compact_state_dicts``; the optimizer's checkpoint bytes on disk are printed).
 
     python bench/fsdp2_reshard.py                         # the formats at 2 -> 1, 3, 4 and 4 -> 2
     python bench/fsdp2_reshard.py --formats int8 --pairs 2:3 --hsdp
@@ -21,6 +22,7 @@ import argparse
 import io
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -33,14 +35,15 @@ FORMATS = {  # name: (parameter dtype, FusedAdamW keywords)
 }
 
 
-def model(dtype):
-    """Shapes a transformer has: rows of 256 and 512 elements (blockable), a thin
-    weight (rows of 24) and biases; the last layer's 2 rows leave a rank of 3 or more
-    an empty local shard."""
+def model(dtype, wide: int = 1):
+    """Shapes a transformer has: rows of 256 and 512 elements (blockable; ``wide`` times
+    as wide), a thin weight (rows of 24) and biases; the last layer's 2 rows leave a
+    rank of 3 or more an empty local shard."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 256),
-                               torch.nn.Tanh(), torch.nn.Linear(256, 512), torch.nn.Tanh(),
-                               torch.nn.Linear(512, 2)).to(dtype)
+    h = 256 * wide
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, h),
+                               torch.nn.Tanh(), torch.nn.Linear(h, 2 * h), torch.nn.Tanh(),
+                               torch.nn.Linear(2 * h, 2)).to(dtype)
 
 
 def _mesh(world: int, hsdp: bool):
@@ -50,9 +53,9 @@ def _mesh(world: int, hsdp: bool):
     return init_device_mesh("cpu", (world,))
 
 
-def _sharded(dtype, mesh):
+def _sharded(dtype, mesh, wide):
     from torch.distributed.fsdp import fully_shard
-    m = model(dtype)
+    m = model(dtype, wide)
     for layer in m:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -79,7 +82,15 @@ def _full(model, opt) -> bytes:
     return _bytes(out)
 
 
-def _train(rank, world, fmt, steps, hsdp, save):
+def _placed(opt, compact: bool):
+    """The state dicts DCP sees: the compact form (``compact_state_dicts``) or torch's."""
+    import contextlib
+
+    import zero_triton
+    return zero_triton.compact_state_dicts(opt) if compact else contextlib.nullcontext()
+
+
+def _train(rank, world, fmt, steps, hsdp, save, compact=False, wide=1):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import distribute_tensor
@@ -87,7 +98,7 @@ def _train(rank, world, fmt, steps, hsdp, save):
     import zero_triton
     dtype, kw = FORMATS[fmt]
     mesh = _mesh(world, hsdp)
-    m = _sharded(dtype, mesh)
+    m = _sharded(dtype, mesh, wide)
     opt = zero_triton.FusedAdamW(m.parameters(), lr=1e-2, **kw)
     for t in range(steps):
         for i, p in enumerate(m.parameters()):
@@ -96,24 +107,28 @@ def _train(rank, world, fmt, steps, hsdp, save):
         opt.step()
         opt.zero_grad()
     if save:
-        msd, osd = get_state_dict(m, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=save)
+        with _placed(opt, compact):
+            msd, osd = get_state_dict(m, opt)
+        dcp.save({"model": msd}, checkpoint_id=f"{save}/model")
+        dcp.save({"optim": osd}, checkpoint_id=f"{save}/optim")  # its bytes on their own
     return _full(m, opt)
 
 
-def _resume(rank, world, fmt, hsdp, path):
+def _resume(rank, world, fmt, hsdp, path, compact=False, wide=1):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import zero_triton
     dtype, kw = FORMATS[fmt]
-    m = _sharded(dtype, _mesh(world, hsdp))
+    m = _sharded(dtype, _mesh(world, hsdp), wide)
     opt = zero_triton.FusedAdamW(m.parameters(), lr=1e-2, **kw)
-    msd, osd = get_state_dict(m, opt)
-    sd = {"model": msd, "optim": osd}
-    dcp.load(sd, checkpoint_id=path)
-    set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    return _full(m, opt)
+    dcp.load({"model": get_state_dict(m, opt)[0]}, checkpoint_id=f"{path}/model")
+    start = time.perf_counter()
+    with _placed(opt, compact):  # the template: what dcp.load reads into
+        msd, osd = get_state_dict(m, opt)
+    dcp.load({"optim": osd}, checkpoint_id=f"{path}/optim")
+    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+    return _full(m, opt), time.perf_counter() - start
 
 
 def compare(a: dict, b: dict) -> tuple:
@@ -130,31 +145,45 @@ def compare(a: dict, b: dict) -> tuple:
     return same, len(a), worst
 
 
+def pair(fmt: str, a: int, b: int, *, steps: int = 4, hsdp: bool = False,
+         compact: bool = False, wide: int = 1) -> dict:
+    """One row: ``fmt`` trained at ``a`` and ``b`` ranks, and ``a``'s checkpoint resumed
+    at ``b``."""
+    from dist_utils import run_ranks
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = run_ranks(_train, a, fmt, steps, hsdp, tmp, compact, wide, timeout=600)[0]
+        other = run_ranks(_train, b, fmt, steps, hsdp, None, False, wide, timeout=600)[0]
+        resumed, load_s = run_ranks(_resume, b, fmt, hsdp, tmp, compact, wide, timeout=600)[0]
+        disk = sum(f.stat().st_size for f in Path(tmp, "optim").rglob("*") if f.is_file())
+    saved, other, resumed = (torch.load(io.BytesIO(x)) for x in (saved, other, resumed))
+    return {"trained": compare(saved, other), "resumed": compare(saved, resumed),
+            "bytes": disk, "load_s": load_s}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--pairs", default="2:1,2:3,2:4,4:2", help="a:b world sizes")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--hsdp", action="store_true")
+    ap.add_argument("--compact", action="store_true",
+                    help="checkpoint the compact form (zero_triton.compact_state_dicts)")
+    ap.add_argument("--wide", type=int, default=1, help="the blockable layers this many times wider")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from dist_utils import run_ranks
     bad = 0
     print(f"{'format':<16} {'a -> b':>7} {'trained: same / all':>20} {'worst':>9} "
-          f"{'resumed: same / all':>20} {'worst':>9}")
+          f"{'resumed: same / all':>20} {'worst':>9} {'optimizer bytes':>16} {'load s':>7}")
     for fmt in args.formats.split(","):
-        for pair in args.pairs.split(","):
-            a, b = (int(x) for x in pair.split(":"))
-            with tempfile.TemporaryDirectory() as tmp:
-                saved, other, resumed = (torch.load(io.BytesIO(run[0])) for run in (
-                    run_ranks(_train, a, fmt, args.steps, args.hsdp, tmp, timeout=600),
-                    run_ranks(_train, b, fmt, args.steps, args.hsdp, None, timeout=600),
-                    run_ranks(_resume, b, fmt, args.hsdp, tmp, timeout=600)))
-            t_same, t_all, t_worst = compare(saved, other)
-            r_same, r_all, r_worst = compare(saved, resumed)
+        for ab in args.pairs.split(","):
+            a, b = (int(x) for x in ab.split(":"))
+            row = pair(fmt, a, b, steps=args.steps, hsdp=args.hsdp, compact=args.compact,
+                       wide=args.wide)
+            (t_same, t_all, t_worst), (r_same, r_all, r_worst) = row["trained"], row["resumed"]
             bad += (t_same != t_all) + (r_same != r_all)
             print(f"{fmt:<16} {a:>3} -> {b:<2} {f'{t_same} / {t_all}':>20} {t_worst:>9.2e} "
-                  f"{f'{r_same} / {r_all}':>20} {r_worst:>9.2e}", flush=True)
+                  f"{f'{r_same} / {r_all}':>20} {r_worst:>9.2e} {row['bytes']:>16} "
+                  f"{row['load_s']:>7.3f}", flush=True)
     return 1 if bad else 0
 
 

@@ -6,6 +6,7 @@ element's global index, so FusedAdamW over ``fully_shard`` gives the same bits a
 (``bench/fsdp2_reshard.py`` is the full table)."""
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -81,3 +82,44 @@ def test_thin_parameters_keep_fp32_moments_in_a_shard_of_their_own():
         quantized = (1024 * 512 + 40 * 1024) // 2
         thin = -(-(1024 // 2 + 40 // 2) // 16) * 16
         assert moments == quantized * 2 + quantized // 256 * 8 + 8 * thin
+
+
+def _reshard():
+    sys.path.insert(0, str(BENCH))
+    import fsdp2_reshard
+    return fsdp2_reshard
+
+
+def test_a_compact_dcp_checkpoint_is_about_a_quarter_and_reshards_exactly():
+    """``zero_triton.compact_state_dicts``: DCP saves int8 codes and scales as DTensors of
+    the parameters' placements; loaded at 3 ranks from 2 under the same context, the
+    state is what was saved, bit for bit, in about a quarter of fp32's bytes."""
+    bench = _reshard()
+    plain = bench.pair("int8", 2, 3, steps=2, wide=4)
+    small = bench.pair("int8", 2, 3, steps=2, wide=4, compact=True)
+    for row in (plain, small):
+        assert row["trained"][0] == row["trained"][1] and row["resumed"][0] == row["resumed"][1], row
+    assert small["bytes"] < 0.30 * plain["bytes"], (small["bytes"], plain["bytes"])
+
+
+def test_a_compact_dcp_checkpoint_expands_to_torch_format(tmp_path):
+    """The documented way to torch's AdamW: ``dcp_to_torch_save`` and ``expand``; the
+    moments are those the optimizer held (torch's AdamW then loads them)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from dist_utils import run_ranks
+    from zero_triton.optim.compact import expand
+    bench = _reshard()
+    full = torch.load(io.BytesIO(run_ranks(bench._train, 2, "int8", 2, False, str(tmp_path),
+                                           True, timeout=300)[0]))
+    dcp_to_torch_save(tmp_path / "optim", tmp_path / "optim.pt")
+    osd = expand(torch.load(tmp_path / "optim.pt", weights_only=False)["optim"])
+    moments = {f"{k}.{n}": v for k, e in osd["state"].items() for n, v in e.items() if n.startswith("exp_avg")}
+    assert moments and all(torch.equal(v, full[k]) for k, v in moments.items()), sorted(moments)
+    assert any(k.endswith("exp_avg") and full[k].abs().sum() > 0 for k in moments)
+    model = bench.model(torch.float32)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    set_optimizer_state_dict(model, adamw, osd, options=StateDictOptions(full_state_dict=True))
+    first = adamw.state[model[0].weight]["exp_avg"]
+    assert torch.equal(first, full["0.weight.exp_avg"])

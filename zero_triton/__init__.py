@@ -10,6 +10,7 @@ float64 reference the tests hold every backend to, and the seed's ZeRO step
 """
 from zero_triton import checkpoint, integrations, reference
 from zero_triton.integrations import ZeroGradScaler, ddp_local_grads_hook
+from zero_triton.optim.compact import state_dicts as compact_state_dicts
 from zero_triton.optim.fused import FusedAdam, FusedAdamW
 from zero_triton.optim.overlap import overlap
 from zero_triton.optim.zero import ZeroAdam, ZeroAdamW
@@ -19,4 +20,4 @@ integrations.install()  # armed here, applied when the first ZeroAdam is built
 
 __version__ = "0.1.0"
 
-__all__ = ["checkpoint", "reference", "FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "ZeroGradScaler", "ddp_local_grads_hook", "overlap", "FlatLayout", "flatten_params", "unflatten_into", "__version__"]
+__all__ = ["checkpoint", "reference", "FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "ZeroGradScaler", "ddp_local_grads_hook", "overlap", "compact_state_dicts", "FlatLayout", "flatten_params", "unflatten_into", "__version__"]

@@ -446,14 +446,14 @@ class FusedAdam(torch.optim.Optimizer):
 
     # -- state dict (torch.optim.Adam format: zero_triton.optim.state_dict) ------------------
     @disable_dynamo
-    def state_dict(self, compact: bool = False) -> dict:
-        """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``,
-        ``exp_avg_sq`` (``max_exp_avg_sq``), plus ``master_param`` for fp16/bf16
-        parameters. Tensors are views of the live state, as torch's are (copies for
-        moments stored in low bits). ``compact=True``: the moments as the store keeps
-        them (int8 codes and their blocks' scales, or bfloat16), which
-        ``load_state_dict`` takes back bit for bit (``zero_triton.optim.compact``).
-        State-dict hooks registered on the optimizer run as torch runs them."""
+    def state_dict(self, compact: bool | None = None) -> dict:
+        """torch.optim.Adam's format: per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``
+        (``max_exp_avg_sq``), ``master_param`` for fp16/bf16 parameters: views of the live
+        state (copies of low-bit moments). ``compact=True``: the moments as the store keeps
+        them, which ``load_state_dict`` takes back bit for bit (``zero_triton.optim.compact``;
+        None: compact within ``zero_triton.compact_state_dicts(opt)``, for DCP). State-dict
+        hooks registered on the optimizer run as torch runs them."""
+        compact = compact_state.wanted(self, compact)
         check_flag("compact", compact)
         if self._differentiable:
             if compact:

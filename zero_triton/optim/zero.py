@@ -289,7 +289,7 @@ class ZeroAdam(FusedAdam, Joinable):
     _GATHER_CHUNK = adam_state.GATHER_CHUNK
 
     @disable_dynamo  # as torch.optim.Optimizer's
-    def state_dict(self, compact: bool = False) -> dict:
+    def state_dict(self, compact: bool | None = None) -> dict:
         """The full state in torch.optim.Adam's format, as CPU tensors, on the rank that
         calls it: on one rank alone (``if rank == 0: torch.save(opt.state_dict())``, HF
         Trainer's checkpoint) or on every rank. The other ranks' shards come from their
