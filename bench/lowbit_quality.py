@@ -25,6 +25,12 @@ Rows (each when it can run here):
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
                   elements keep 32-bit state)
   torchao 8bit    torchao.optim.AdamW8bit
+  zt int8 FSDP2   FusedAdamW(moments="int8") over the same GPT under FSDP2 (``fully_shard``
+                  per block and the root) at 2 gloo ranks, each rank given the whole batch
+                  (their average is the batch's gradient): the int8 blocks are the
+                  parameters' rows, 1-D parameters keep fp32 moments
+                  (``docs/low-bit-state.md``); also ``zt_bf16p_rem_int8_fsdp2`` and
+                  ``zt_bf16p_sr_int8_fsdp2``
 
 Reported: the training loss averaged over the last ``--tail`` steps, the validation loss
 at the end (``--val-batches`` fixed batches), each over torch fp32's, and the state bytes
@@ -55,12 +61,15 @@ from zero_triton import FusedAdamW  # noqa: E402
 from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 
 ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf16p_sr",
-        "zt_bf16p_sr_int8", "zt_bf16p_rem", "zt_bf16p_rem_int8", "bnb_8bit", "torchao_8bit")
+        "zt_bf16p_sr_int8", "zt_bf16p_rem", "zt_bf16p_rem_int8", "bnb_8bit", "torchao_8bit",
+        "zt_int8_fsdp2", "zt_bf16p_rem_int8_fsdp2", "zt_bf16p_sr_int8_fsdp2")
+FSDP2 = "_fsdp2"  # a row's suffix: the same optimizer under FSDP2 at 2 ranks
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
           "zt_bf16": "zt bf16", "zt_bf16p_master": "bf16p + master", "zt_bf16p_sr": "bf16p sr",
           "zt_bf16p_sr_int8": "bf16p sr int8", "zt_bf16p_rem": "bf16p rem",
           "zt_bf16p_rem_int8": "bf16p rem int8", "bnb_8bit": "bnb 8bit",
-          "torchao_8bit": "torchao 8bit"}
+          "torchao_8bit": "torchao 8bit", "zt_int8_fsdp2": "zt int8 FSDP2",
+          "zt_bf16p_rem_int8_fsdp2": "rem int8 FSDP2", "zt_bf16p_sr_int8_fsdp2": "sr int8 FSDP2"}
 # rows whose model is in bfloat16
 BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr", "zt_bf16p_sr_int8", "zt_bf16p_rem",
                "zt_bf16p_rem_int8")
@@ -180,14 +189,34 @@ def train_steps(model, opt, it, args, before_step=None):
     return losses, time.perf_counter() - t0
 
 
-def train(row: str, train_tokens, val, config, args) -> dict:
+def _train_fsdp2(rank, world, row, train_tokens, val, config, args) -> dict:
+    """``row`` (its optimizer) under FSDP2 on this rank of ``world``: rank 0's result."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    result = train(row, train_tokens, val, config, args, shard=lambda m: [
+        fully_shard(b, mesh=mesh) for b in m.blocks] + [fully_shard(m, mesh=mesh)])
+    return result
+
+
+def train(row: str, train_tokens, val, config, args, shard=None) -> dict:
+    if row.endswith(FSDP2):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from dist_utils import run_ranks
+        out = run_ranks(_train_fsdp2, 2, row[:-len(FSDP2)], train_tokens, val, config, args,
+                        timeout=24 * 3600)[0]
+        return {**out, "row": row, "label": LABELS[row]}
     model = build_gpt(config, dtype=torch.bfloat16 if row in BF16_PARAMS else torch.float32,
                       seed=args.seed)
+    if shard is not None:
+        shard(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(row, params, args.lr, args.weight_decay)
     it = batches(train_tokens, args.batch, args.seq, seed=1 + args.seed)
     losses, seconds = train_steps(model, opt, it, args)
-    n = sum(p.numel() for p in params)
+    # this rank's parameters (its local shards under FSDP2), whose state it holds
+    n = sum(getattr(p, "_local_tensor", p).numel() for p in params)
     tail = losses[-args.tail:]
     return {"row": row, "label": LABELS[row], "losses": losses, "seconds": seconds,
             "train_loss": sum(tail) / len(tail), "val_loss": evaluate(model, val, args),
