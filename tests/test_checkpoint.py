@@ -702,3 +702,70 @@ def test_soak_500_steps_restart_and_flat_memory(tmp_path, monkeypatch):
         assert_state_equal(resumed, final, f"rank {rank}: resumed from step {restart} vs uninterrupted")
         assert grow <= 2**20, f"rank {rank}: RSS grew {grow / 2**20:.2f} MiB from step 100 to {SOAK_STEPS}"
     assert_state_equal(results[0][0], results[1][0], "ranks disagree on the final parameters")
+
+
+# -- compact files: int8 moments as their codes and scales ------------------------------
+def _int8_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(37, 300), torch.nn.Linear(300, 5),
+                               torch.nn.Linear(5, 600)).to(torch.bfloat16)
+
+
+def _compact_ranks(rank, world_size, path, compact, bucket_cap_mb, save):
+    net = _int8_net()
+    opt = ZeroAdam(net.parameters(), lr=1e-2, moments="int8", bucket_cap_mb=bucket_cap_mb)
+    if save:
+        for t in range(3):
+            x = torch.randn(4, 37, generator=torch.Generator().manual_seed(10 * t + rank))
+            net(x.to(torch.bfloat16)).float().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        checkpoint.save(path, opt, net, compact=compact)
+    else:
+        checkpoint.load(path, opt, net)
+    return portable(opt.state_dict()["state"])
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_compact_files_hold_the_codes_and_load_bit_for_bit_at_another_world_size(tmp_path, compact):
+    """``save(..., compact=True)``: each rank writes its int8 codes and scales as the
+    store keeps them; loaded at 3 ranks (another bucket size) from 2, and consolidated
+    offline into torch's format, the state is what was saved, bit for bit."""
+    path = str(tmp_path / "ck")
+    saved = run_ranks(_compact_ranks, 2, path, compact, 0.002, True, timeout=180)[0]
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    names = ["master", "exp_avg_codes", "exp_avg_sq_codes", "moment_scales"] if compact \
+        else ["master", "exp_avg", "exp_avg_sq"]
+    assert manifest["flats"][0]["states"] == names
+    loaded = run_ranks(_compact_ranks, 3, path, compact, 0.003, False, timeout=180)[0]
+    assert_state_equal(loaded, saved, "loaded at 3 ranks")
+    offline, _ = checkpoint.consolidate(path)
+    assert_state_equal(portable(offline["state"]), saved, "consolidated")
+    # Bytes of the moments in the rank files: one per element per moment, two scales per
+    # block, against float32's eight per element.
+    moments = sum(seg["end"] - seg["start"] for rec in manifest["files"].values()
+                  for seg in rec.get("segments", ()) if seg.get("state") in ("exp_avg", "exp_avg_codes"))
+    on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.startswith("rank"))
+    master = moments * 4
+    if compact:
+        assert on_disk - master < moments * (2 + 8 / 256) + 64 * 2 + 8 * 2 * 4
+    else:
+        assert on_disk - master >= moments * 8
+
+
+def test_a_compact_manifest_is_checked_whole(tmp_path):
+    """A compact manifest that names both kinds of moments, or a scales segment off a
+    block, is refused before a byte of data is read."""
+    path = tmp_path / "ck"
+    run_ranks(_compact_ranks, 2, str(path), True, 0.002, True, timeout=180)
+    good = json.loads((path / "manifest.json").read_text())
+    both = json.loads(json.dumps(good))
+    both["flats"][0]["states"].append("exp_avg")
+    off = json.loads(json.dumps(good))
+    seg = next(s for rec in off["files"].values() for s in rec.get("segments", ())
+               if s.get("state") == "moment_scales" and s["start"] > 0)
+    seg["start"] += 16
+    for bad, match in ((both, "compact"), (off, "starts on a block")):
+        reseal(path, bad)
+        with pytest.raises(CheckpointError, match=match):
+            checkpoint.consolidate(path)

@@ -24,14 +24,27 @@ from zero_triton.checkpoint.errors import CheckpointError, ModelMismatchError
 from zero_triton.checkpoint.files import (EXTRA_FILE, HEADER_BYTES, MAX_MANIFEST_BYTES,
                                           MODEL_EXTRA_FILE, MODEL_FILE, file_crc, rank_file)
 from zero_triton.state.flat import is_dense
+from zero_triton.state.int8 import BLOCK, Int8Moments
 from zero_triton.state.moments import KEYS as MOMENT_KEYS
 
 FORMAT = "zero_triton.checkpoint"
 VERSION = 2
 # The states a shard file holds, in file order: the master, then the moments by torch's
-# names (the store's export, zero_triton.state.moments); the running maximum is optional.
-STATES = ("master", *MOMENT_KEYS)
+# names (the store's export, zero_triton.state.moments; float32), the running maximum
+# optional; or, saved compact (``save(..., compact=True)`` of int8 moments), the codes
+# (one byte an element) and the scales (two float32 per block of ``BLOCK`` elements,
+# a segment [start, end) holding its blocks from start / BLOCK on).
+COMPACT_STATES = Int8Moments.COMPACT
+STATES = ("master", *MOMENT_KEYS, *COMPACT_STATES)
 REQUIRED_STATES = STATES[:3]
+_BYTES = {COMPACT_STATES[0]: 1, COMPACT_STATES[1]: 1}  # an element's; float32 by default
+
+
+def segment_bytes(state: str, start: int, end: int) -> int:
+    """Bytes a file's segment of ``state`` over elements [start, end) takes."""
+    if state == COMPACT_STATES[2]:
+        return (-(-end // BLOCK) - start // BLOCK) * 8
+    return (end - start) * _BYTES.get(state, 4)
 FLAT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Keys of a param group that are bookkeeping, not hyperparameters of the step.
 NOT_HYPER = {"params", "param_names", "foreach", "capturable", "differentiable", "fused"}
@@ -226,10 +239,14 @@ def _validate_flat(v, field: str, flat: dict, ngroups: int) -> None:
     v.get(flat, "has_master", f"{field}.has_master", bool)
     step = v.number(flat, "step", f"{field}.step")
     states = v.list(flat, "states", f"{field}.states", max_len=len(STATES))
+    compact = [s for s in states if s in COMPACT_STATES]
+    required = ["master", *COMPACT_STATES] if compact else list(REQUIRED_STATES)
     if any(s not in STATES for s in states) or len(set(states)) != len(states) or \
-            any(s not in states for s in REQUIRED_STATES):
+            any(s not in states for s in required) or (compact and any(
+                s in states for s in MOMENT_KEYS)):
         v.fail(f"{field}.states", f"is {states}: it must name each of {list(REQUIRED_STATES)} "
-               f"once, and {STATES[3]} at most once")
+               f"once, and {STATES[3]} at most once (or, compact, each of "
+               f"{['master', *COMPACT_STATES]} once)")
     if "param_steps" in flat:
         for i, _ in enumerate(v.list(flat, "param_steps", f"{field}.param_steps")):
             v.number(flat["param_steps"], i, f"{field}.param_steps[{i}]", 0.0, step)
@@ -346,8 +363,10 @@ def _validate_segment(v, sf: str, seg: dict, s: int, model: bool, at: int, flats
         v.fail(f"{sf}.state", f"is {state!r}, not one of flat buffer {k}'s states")
     start = v.int(seg, "start", f"{sf}.start", 0, flats[k]["numel"])
     end = v.int(seg, "end", f"{sf}.end", start + 1, flats[k]["numel"])
+    if state == COMPACT_STATES[2] and start % BLOCK:
+        v.fail(f"{sf}.start", f"is {start}: a segment of {state} starts on a block ({BLOCK})")
     covered.setdefault((k, state), []).append((start, end, f"{sf}"))
-    return at + (end - start) * 4
+    return at + segment_bytes(state, start, end)
 
 
 def _validate_coverage(v, flats: list, covered: dict) -> None:

@@ -10,7 +10,7 @@ import torch
 from zero_triton.checkpoint import directory as dirs
 from zero_triton.checkpoint.errors import CheckpointError
 from zero_triton.checkpoint.files import HEADER_BYTES, MODEL_EXTRA_FILE, Readers, file_crc, header
-from zero_triton.checkpoint.protocol import read_model_flat, read_state_range
+from zero_triton.checkpoint.protocol import read_model_flat, read_states
 from zero_triton.checkpoint.target import own_bytes
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.state.flat import shaped
@@ -41,12 +41,10 @@ def consolidate(path) -> tuple[dict, dict]:
                 seen_in_flat[k] = index + 1
                 step = saved["param_steps"][index] if "param_steps" in saved else saved["step"]
                 s = {"step": torch.tensor(step, dtype=torch.float32)}
-                for name in saved["states"]:
+                got = read_states(readers, manifest, k, [(lo, end, 0)] if numel else [], numel)
+                for name, t in got.items():
                     if name == "master" and not saved["has_master"]:
                         continue
-                    t = torch.empty(numel, dtype=torch.float32)
-                    if numel:
-                        read_state_range(readers, manifest, k, name, lo, end, t)
                     s[MASTER if name == "master" else name] = shaped(
                         t, entry["shape"], entry.get("stride"))
                 state[entry["index"]] = s

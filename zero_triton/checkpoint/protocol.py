@@ -15,6 +15,9 @@ from zero_triton.checkpoint.errors import CheckpointError
 from zero_triton.checkpoint.files import (EXTRA_FILE, MODEL_EXTRA_FILE, MODEL_FILE, Readers,
                                           Writer, as_bytes, encode, one_line, rank_file)
 from zero_triton.checkpoint.target import Target
+from zero_triton.state.int8 import BLOCK, Int8Moments
+
+CODES = {mf.COMPACT_STATES[0]: torch.int8, mf.COMPACT_STATES[1]: torch.uint8}
 
 LOCK_TIMEOUT_S = 300.0
 
@@ -57,7 +60,8 @@ def agree(comm, phase: str, what: str, fn, share=lambda value: None, after: str 
 
 
 # -- save -------------------------------------------------------------------------------
-def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_TIMEOUT_S) -> None:
+def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_TIMEOUT_S,
+         compact: bool = False) -> None:
     """Write a sharded checkpoint of ``optimizer`` (and ``model``) to the directory ``path``.
 
     Collective over the optimizer's process group (every rank calls it with the same
@@ -71,8 +75,10 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
     directory with a file the checkpoint did not write) is refused. The previous
     checkpoint is replaced atomically; on any failure on any rank it stays, and every
     rank raises. Saves to one path are serialised: a second one waits up to
-    ``lock_timeout`` seconds, then raises."""
-    target = Target(optimizer)
+    ``lock_timeout`` seconds, then raises. ``compact=True``: int8 moments as their codes
+    and scales (a quarter of the float32 bytes; ``load`` and ``consolidate`` decode them
+    into any optimizer's format)."""
+    target = Target(optimizer, compact=compact)
     # Agreed over every rank; written by the ranks of one copy of the shards (hybrid
     # sharding's replica 0), the lead (its shard 0) starting, writing the model's files
     # and committing.
@@ -140,9 +146,13 @@ def _write_files(tmp, save_id, target: Target, blobs: dict) -> dict:
         for k, flat in enumerate(target.flats):
             # Canonical coordinates (no buckets, no padding): any layout can read them.
             pieces = flat.by_param.canonical(rank)
-            for name, buf in target.states(flat).items():
+            for name, buf in target.saved_states(flat).items():
                 for lo, end, s0 in pieces:
-                    offset = w.write(as_bytes(buf[s0:s0 + end - lo]))
+                    if name == mf.COMPACT_STATES[2]:  # the scales of the range's blocks
+                        part = buf[s0 // BLOCK:s0 // BLOCK + mf.segment_bytes(name, lo, end) // 8]
+                    else:
+                        part = buf[s0:s0 + end - lo]
+                    offset = w.write(as_bytes(part))
                     segments.append({"flat": k, "state": name, "start": lo, "end": end,
                                      "offset": offset})
         records = {rank_file(rank): {"rank": rank, "segments": segments, **w.close()}}
@@ -167,18 +177,48 @@ def _write_files(tmp, save_id, target: Target, blobs: dict) -> dict:
 
 # -- load -------------------------------------------------------------------------------
 def read_state_range(readers: Readers, manifest, k, name, lo, end, out: torch.Tensor) -> None:
-    """Fill ``out`` (float32, ``end - lo`` elements) with state ``name`` of flat ``k``
-    over the buffer range [lo, end), from whichever rank files hold it (the manifest's
-    segments cover every state exactly once: checked by ``validate``)."""
-    dest = memoryview(out.view(torch.uint8).numpy())
+    """Fill ``out`` with state ``name`` of flat ``k`` over the buffer range [lo, end)
+    (``end - lo`` elements in the state's dtype; for the scales of a compact save, the
+    range's blocks, [blocks, 2] float32, ``lo`` on a block), from whichever rank files
+    hold it (the manifest's segments cover every state exactly once: checked by
+    ``validate``)."""
+    dest = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     for fname, record in manifest["files"].items():
         for seg in record.get("segments", ()):
             if seg["flat"] != k or seg.get("state") != name:
                 continue
             a, b = max(lo, seg["start"]), min(end, seg["end"])
             if a < b:
-                readers.get_reader(fname).read_into(seg["offset"] + (a - seg["start"]) * 4,
-                                                    dest[(a - lo) * 4:(b - lo) * 4])
+                skip = mf.segment_bytes(name, seg["start"], a) if a > seg["start"] else 0
+                at = mf.segment_bytes(name, lo, a) if a > lo else 0
+                readers.get_reader(fname).read_into(
+                    seg["offset"] + skip, dest[at:at + mf.segment_bytes(name, a, b)])
+
+
+def read_states(readers: Readers, manifest, k, ranges, numel: int) -> dict:
+    """Every state of flat ``k`` over ``ranges`` ((lo, end, at): buffer range [lo, end)
+    put at element ``at``) as float32 tensors of ``numel`` elements (zero elsewhere),
+    torch's names: a compact save's codes and scales decoded."""
+    saved = manifest["flats"][k]["states"]
+    compact = mf.COMPACT_STATES[0] in saved
+    out = {}
+    for name in saved:
+        if name == mf.COMPACT_STATES[2]:
+            t = torch.zeros(-(-numel // BLOCK), 2, dtype=torch.float32)
+        else:
+            t = torch.zeros(numel, dtype=CODES.get(name, torch.float32))
+        for lo, end, at in ranges:
+            if name == mf.COMPACT_STATES[2]:
+                read_state_range(readers, manifest, k, name, lo, end,
+                                 t[at // BLOCK:at // BLOCK + mf.segment_bytes(name, lo, end) // 8])
+            else:
+                read_state_range(readers, manifest, k, name, lo, end, t[at:at + end - lo])
+        out[name] = t
+    if compact:
+        codes = [out.pop(name) for name in mf.COMPACT_STATES[:2]]
+        scales = out.pop(mf.COMPACT_STATES[2])
+        out.update(Int8Moments.decoded(codes[0], codes[1], scales))
+    return out
 
 
 def read_model_flat(readers: Readers, manifest, k) -> torch.Tensor:
@@ -209,14 +249,9 @@ def _read(directory, manifest, target: Target, model) -> dict:
     readers = Readers(directory, manifest)
     try:
         states, params = [], []
-        for k, flat in enumerate(target.flats):
-            got = {}
-            for name in manifest["flats"][k]["states"]:
-                t = torch.zeros(flat.layout.shard_numel, dtype=torch.float32)  # padding stays zero
-                for lo, end, s0 in flat.by_param.canonical(target.rank):
-                    read_state_range(readers, manifest, k, name, lo, end, t[s0:s0 + end - lo])
-                got[name] = t
-            states.append(got)
+        for k, flat in enumerate(target.flats):  # padding stays zero
+            states.append(read_states(readers, manifest, k, flat.by_param.canonical(target.rank),
+                                      flat.layout.shard_numel))
             params.append(read_model_flat(readers, manifest, k))
         model_extra = extra = None
         if model is not None and manifest["model_extra"]:

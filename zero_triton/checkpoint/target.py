@@ -44,13 +44,14 @@ def own_bytes(t: torch.Tensor) -> torch.Tensor:
 class Target:
     """One optimizer (FusedAdam or ZeroAdam), seen as a checkpoint sees it."""
 
-    def __init__(self, optimizer, entry: str = "checkpoint.save"):
+    def __init__(self, optimizer, entry: str = "checkpoint.save", compact: bool = False):
         view = internals(optimizer)
         if view is None:
             raise TypeError(f"zero_triton.checkpoint saves and loads zero_triton optimizers "
                             f"(FusedAdam, FusedAdamW, ZeroAdam, ZeroAdamW), not "
                             f"{type(optimizer).__name__}; use torch.save(optimizer.state_dict())")
         self.optimizer = optimizer
+        self.compact = compact  # int8 moments saved as their codes and scales
         self.view = view
         self.comm = view.comm
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -85,6 +86,15 @@ class Target:
         buckets is a copy)."""
         return flat.state.checkpointed()
 
+    def saved_states(self, flat) -> dict:
+        """What a save writes of ``flat``: ``states``, or with ``compact`` the int8 store's
+        codes and scales as they are (``ShardState.compact_checkpointed``)."""
+        if self.compact:
+            stored = flat.state.compact_checkpointed()
+            if stored is not None:
+                return stored
+        return self.states(flat)
+
     def flat_entries(self) -> list[dict]:
         """Per flat buffer: group, dtype, numel, whether it keeps an fp32 master, step(s)."""
         out = []
@@ -92,7 +102,7 @@ class Target:
             steps = flat.state.param_steps()
             entry = {"group": gi, "dtype": dtype_name(flat.dtype), "numel": flat.layout.numel,
                      "has_master": flat.has_master, "step": float(max(steps, default=0.0)),
-                     "states": list(self.states(flat))}
+                     "states": list(self.saved_states(flat))}
             if flat.state.steps is not None:  # parameters that missed steps count their own
                 entry["param_steps"] = [float(s) for s in steps]
             out.append(entry)

@@ -89,6 +89,18 @@ class Int8Moments(NoMaximum):
     COMPACT = ("exp_avg_codes", "exp_avg_sq_codes", "moment_scales")
 
     @staticmethod
+    def decoded(first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor) -> dict:
+        """Codes over a run of whole blocks and their scales [blocks, 2] as torch's
+        float32 moments."""
+        return {FIRST: quant.decode(first, scales[:, 0], quant.FIRST),
+                SECOND: quant.decode(second, scales[:, 1], quant.SECOND)}
+
+    def stored(self) -> dict:
+        """The storage itself under the compact names (codes over the shard in state
+        order, scales [blocks, 2]): what a compact checkpoint file writes."""
+        return dict(zip(self.COMPACT, (self.exp_avg, self.exp_avg_sq, self.scales)))
+
+    @staticmethod
     def compact(first: torch.Tensor, second: torch.Tensor, shape, stride) -> dict:
         """One parameter's moments (float32, flat in its memory order ``stride``, whose
         blocks are the store's: a parameter starts on a block boundary) as the compact

@@ -106,6 +106,12 @@ class ShardState:
         one tensor over the shard is a copy)."""
         return {"master": self.master.checkpointed(), **self.moments.export()}
 
+    def compact_checkpointed(self) -> dict | None:
+        """``checkpointed()`` with the moments as their store keeps them (int8 codes and
+        scales, the storage itself), or None for a store without a compact form."""
+        stored = getattr(self.moments, "stored", None)
+        return None if stored is None else {"master": self.master.checkpointed(), **stored()}
+
     def restore(self, bufs: dict) -> None:
         """Take back what was written into ``checkpointed()``'s tensors: the moments, the
         master and the parameters from it."""
