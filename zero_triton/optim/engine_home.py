@@ -112,6 +112,8 @@ def global_start(p) -> int | None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     except ImportError:  # torch < 2.4
         return None
+    if any(type(pl).__name__ not in ("Shard", "Replicate") for pl in p.placements):
+        return None  # a strided shard (FSDP over tensor parallel) interleaves its rows
     shape = tuple(p.shape)
     local, offset = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
     if tuple(local[1:]) != shape[1:] or any(offset[1:]):
