@@ -159,3 +159,15 @@ def test_tensor_parallel_column_and_row_splits_keep_the_blocks():
                 for w in (1, 2))
     same, total, worst = bench.compare(one, two)
     assert same == total, (same, total, worst)
+
+
+def test_compact_state_dicts_refuses_an_optimizer_that_is_not_ours():
+    import zero_triton
+    adamw = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(TypeError, match="zero_triton optimizer"):
+        with zero_triton.compact_state_dicts(adamw):
+            pass
+    opt = zero_triton.FusedAdamW(torch.nn.Linear(2, 2).parameters(), moments="int8")
+    with zero_triton.compact_state_dicts(opt):
+        assert opt.state_dict()["compact"]["moments"] == "int8"
+    assert "compact" not in opt.state_dict()  # the context is over

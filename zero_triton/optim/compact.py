@@ -67,6 +67,11 @@ _WANTED = weakref.WeakSet()  # optimizers whose state_dict() is the compact form
 def state_dicts(opt):
     """Within it, ``opt.state_dict()`` (and so DCP's ``get_optimizer_state_dict``)
     returns the compact form (``state_dict(compact=False)`` still asks for torch's)."""
+    import inspect
+    if "compact" not in inspect.signature(getattr(opt, "state_dict", lambda: None)).parameters:
+        raise TypeError(f"compact_state_dicts takes a zero_triton optimizer (FusedAdam(W), "
+                        f"ZeroAdam(W)), not {type(opt).__name__}: only their state has a "
+                        "compact form; save the others' state_dict() as it is")
     held = opt in _WANTED
     _WANTED.add(opt)
     try:

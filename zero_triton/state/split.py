@@ -26,6 +26,15 @@ def _joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return torch.cat([first.to(second.device), second])
 
 
+def _carry_pairwise(new, old) -> None:
+    """``new``'s parts take ``old``'s, part by part (a re-home: the same split)."""
+    if type(old) is not type(new) or old.cut != new.cut:
+        raise ValueError(f"a {type(new).__name__} carries over only from one split at the same "
+                         f"element ({new.cut}), not from {type(old).__name__}")
+    new.first.carry_over(old.first)
+    new.second.carry_over(old.second)
+
+
 class _Split:
     """What the two parts of one kind (master or moments) hold, as one."""
 
@@ -46,6 +55,9 @@ class _Split:
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self._parts())
+
+    def carry_over(self, old) -> None:
+        _carry_pairwise(self, old)
 
     def storage(self) -> list:
         return [t for p in self._parts() for t in p.storage()]
@@ -92,14 +104,6 @@ class SplitMaster(_Split):
         if b > c:
             self.second.reseed(max(a, c) - c, b - c, part[max(a, c) - a:])
 
-    def carry_over(self, old) -> None:
-        if isinstance(old, SplitMaster) and old.cut == self.cut:
-            self.first.carry_over(old.first)
-            self.second.carry_over(old.second)
-            return
-        raise ValueError("a split master carries over only from one split at the same element")
-
-
 class SplitMoments(_Split):
     """A moment store (``zero_triton.state.protocol.MomentStore``) in two parts."""
 
@@ -137,14 +141,6 @@ class SplitMoments(_Split):
                 if key in mine:
                     mine[key].copy_(value[span])
             part.commit(mine)
-
-    def carry_over(self, old) -> None:
-        if isinstance(old, SplitMoments) and old.cut == self.cut:
-            self.first.carry_over(old.first)
-            self.second.carry_over(old.second)
-            return
-        raise ValueError("split moments carry over only from ones split at the same element")
-
 
 class _SideBuffers(dict):
     """{key: (the first side's buffer, the second's)}: what ``SplitState.live_buffers``
@@ -193,8 +189,4 @@ class SplitState(ShardState):
             part.set_param_steps(steps)
 
     def carry_over(self, old: "ShardState") -> None:
-        if isinstance(old, SplitState) and old.cut == self.cut:
-            self.first.carry_over(old.first)
-            self.second.carry_over(old.second)
-            return
-        raise ValueError("a split state carries over only from one split at the same element")
+        _carry_pairwise(self, old)
