@@ -575,3 +575,100 @@ def test_a_model_cast_after_construction_is_followed_offloaded_as_on_the_device(
         assert o1._flats[0][0].place.offloaded and o1._flats[0][0].dtype == torch.bfloat16
         assert _same_state(o0.state_dict(), o1.state_dict())
     assert len(others[1][1]._flats[0][0].sides) == 2
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes ``SLOW_S``: a bucket's average lands before
+    backward reaches the next one (as on a model whose layers take time)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(SLOW_S)
+        return g
+
+
+SLOW_S = 0.03
+
+
+class _Slow(torch.nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+# (name, ZeroAdamW keywords, what happens between backward and step): each writes the
+# averages after they landed, so the copies taken then must be taken again.
+EARLY_CASES = [
+    ("stage 1", dict(stage=1), None),
+    ("stage 2", dict(stage=2), None),
+    ("stage 2, GradScaler.unscale_ then clip_grad_norm_", dict(stage=2), "unscale"),
+    ("stage 1, GradScaler.unscale_", dict(stage=1), "unscale"),
+    ("stage 2, two micro-batches outside no_sync", dict(stage=2), "accumulate"),
+    ("stage 1, zero_grad and another backward", dict(stage=1), "again"),
+    ("stage 1, a .grad written by hand", dict(stage=1), "write"),
+]
+
+
+def _early_train(rank, kw, what, offload):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(32, 32), _Slow()]
+    model = torch.nn.Sequential(*layers)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.004, **_placed(offload), **kw)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if what == "unscale" else None
+    places = [side.place for fl in opt._flats for f in fl for side in f.sides if side.place.offloaded]
+    early = 0
+    for t in range(3):
+        before = sum(p.copies for p in places)
+
+        def backward(s):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * t + 10 * rank + s))
+            loss = model(x).pow(2).mean()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        backward(0)
+        if what == "accumulate":
+            backward(1)
+        elif what == "again":
+            opt.zero_grad()
+            backward(2)
+        elif what == "write":
+            model[0].weight.grad.mul_(0.5)
+        copies = sum(p.copies for p in places)
+        if scaler is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if t:  # the order of the buckets is learned at the first step: none launch before it
+            early += copies - before
+        opt.zero_grad()
+    return model, opt, early
+
+
+def _rank_early(rank, world):
+    rows = []
+    for name, kw, what in EARLY_CASES:
+        plain, plain_opt, _ = _early_train(rank, kw, what, None)
+        for offload in ("cpu", 0.5):
+            model, opt, early = _early_train(rank, kw, what, offload)
+            rows.append((f"{name}, offload {offload}", early,
+                         _same(plain.parameters(), model.parameters()),
+                         _same_state(plain_opt.state_dict(), opt.state_dict())))
+    return rows
+
+
+def test_averages_are_copied_to_the_host_as_they_land_and_again_once_written():
+    """Each bucket's averaged shard is copied to the host while backward still runs (a
+    backward slow enough that an average lands before the next bucket's launch); one
+    written afterwards (GradScaler's unscale, another micro-batch, zero_grad and a new
+    backward, a .grad edited by hand) is copied again: the same bits as no offload."""
+    for rank, rows in enumerate(run_ranks(_rank_early, 2, timeout=RANK_TIMEOUT_S)):
+        for name, early, params, state in rows:
+            assert params and state, f"{name}, rank {rank}: parameters {params}, state {state}"
+            assert early > 0, f"{name}, rank {rank}: no copy was taken during backward"

@@ -88,7 +88,8 @@ def loss_of(model, x, y):
 
 
 def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, no_sync=True,
-          touch_grads=False, steps=STEPS, scaler=False, inf_at=None, device="cpu", clip="opt"):
+          touch_grads=False, steps=STEPS, scaler=False, inf_at=None, device="cpu", clip="opt",
+          offload=None):
     """Train a fresh Net; returns losses, parameters and the consolidated state. ``clip``:
     "opt" (max_grad_norm=0.5), "torch" (torch.nn.utils.clip_grad_norm_ after backward,
     after GradScaler.unscale_ with a scaler: nanoGPT's loop), "log" (max_grad_norm=0.5
@@ -98,12 +99,12 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
     imported before the optimizer was built), "split" (torch's two calls by such names:
     get_total_norm over each ``.grad``, then clip_grads_with_norm_), "split_opt" (the norm
     from the optimizer's total_grad_norm, then torch's clip_grads_with_norm_), "none",
-    or "unscale" (no clipping, GradScaler.unscale_ after backward)."""
+    or "unscale" (no clipping, GradScaler.unscale_ after backward). ``offload``: ZeroAdamW's."""
     model = Net().to(device)
     opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95),
                     max_grad_norm=0.5 if clip in ("opt", "log") else None,
                     reduce_dtype=torch.float32, backend="torch", bucket_cap_mb=bucket_cap_mb,
-                    stage=stage)
+                    stage=stage, offload=offload)
     amp = torch.amp.GradScaler(device, init_scale=2.0 ** 10) if scaler else None
     handle = zero_triton.overlap(model, opt) if use_overlap else None
     losses, launched, norms = [], [], []

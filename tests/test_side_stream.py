@@ -44,8 +44,11 @@ class HostSide:
     def __init__(self, log, lag):
         self.log, self.lag, self.recent = log, lag, []
 
-    def run(self, start):
+    def run(self, start, landed=None):
         start().wait()
+        if landed is not None:  # offload's copy, behind the average on the side stream
+            landed()
+            self.log["landed"] += 1
         done = HostDone(self.log)
         self.recent.append(done)
         while len(self.recent) > self.lag:
@@ -62,6 +65,9 @@ RUNS = {
                                                    accumulate=3, no_sync=False),
     "stage 1, GradScaler skipping a step": dict(bucket_cap_mb=TINY, use_overlap=True, scaler=True,
                                                 inf_at=1),
+    # The state in host memory: each average copied to the host as it lands.
+    "stage 2, offloaded, unscaled and clipped": dict(bucket_cap_mb=TINY, use_overlap=True, stage=2,
+                                                     offload="cpu", scaler=True, clip="torch"),
 }
 
 
@@ -73,7 +79,7 @@ def _job_side(rank, world_size):
         for lag in (None, 2, 10**9):  # None: the CPU mode
             if lag == 10**9 and kwargs.get("stage") != 2:
                 continue
-            log = {"backward_waits": 0, "runs": 0}
+            log = {"backward_waits": 0, "runs": 0, "landed": 0}
             if lag is not None:
                 zero_triton.comm.streams.side_stream = lambda device, lag=lag, log=log: HostSide(log, lag)
             try:
@@ -90,6 +96,7 @@ def test_gpu_mode_changes_no_bit_and_backward_never_waits():
             assert cpu["log"]["runs"] == 0
             gpu = out[name, 2]
             assert gpu["log"]["runs"] > 0, f"{name}: the side stream was not used"
+            assert (gpu["log"]["landed"] > 0) == ("offload" in kwargs), f"{name}: {gpu['log']}"
             assert_bitwise(gpu, cpu, f"rank {rank}, {name}: GPU mode (events pass 2 launches "
                                      "later) vs CPU mode")
             if kwargs.get("no_sync", True):  # without no_sync a micro-batch waits for its own bucket

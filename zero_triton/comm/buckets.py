@@ -117,6 +117,12 @@ class Bucket:
         self.pool = None
         self.gather = None      # Pending all-gather of the updated parameters
         self.versions = None    # under overlap(): the members' versions when it started
+        # ``watch(landed)``: told when an average of the bucket starts (False: what was
+        # taken of the last one is stale) and when it has landed (True), on the side
+        # stream on GPUs, at the host's wait on CPUs (offload copies it to the host then:
+        # ``FlatHome.watch_averages``). None: nobody watches.
+        self.watch = None
+        self.landing = None     # CPU: ``watch``, due at the wait for the average in flight
 
     def averaged(self) -> torch.Tensor:
         """This rank's averaged shard of the bucket: what the step's kernel, clipping and
@@ -150,6 +156,7 @@ class Bucket:
         pending = self.reduce
         if pending is None:
             return
+        landing, self.landing = self.landing, None
         try:
             pending.wait()
         finally:
@@ -159,6 +166,8 @@ class Bucket:
                 self.recv = None
             if self.staged is not None:
                 self.staged.sent()
+        if landing is not None:
+            landing(True)
 
     def wait_gather(self) -> None:
         pending, self.gather = self.gather, None
@@ -336,6 +345,9 @@ class Reducer:
             recv = self.pools.take(bucket.pool, bucket, "recv", grow, self.in_flight)
         bucket.ready = bucket.stale = False
         bucket.launched = True
+        watch = bucket.watch
+        if watch is not None:
+            watch(False)
         self.signature = (self.signature * 1009 + bucket.key[0] * 4099 + bucket.key[1] + 1) % SIGNATURE_MOD
 
         def start():
@@ -344,7 +356,7 @@ class Reducer:
                 async_op=True, name=bucket.name("reduce_scatter"), accumulate=accumulate)
 
         if side is not None:
-            done = bucket.reduce = side.run(start)
+            done = bucket.reduce = side.run(start, None if watch is None else lambda: watch(True))
             if recv is not None:  # reused in the side stream's order
                 bucket.pool.append((recv, None))
             if bucket.sharded:  # reused once the compute stream may write it
@@ -352,12 +364,27 @@ class Reducer:
             return
         bucket.recv = recv
         bucket.reduce = start()
+        bucket.landing = watch
         if bucket.sharded:  # held until the wait; the next micro-batch stages into another
             self.staging.launched(bucket)
         if self.comm.everyone.world_size > 1:
             self.in_flight.append(bucket)
+            if watch is not None:
+                self._settle()
         else:
             bucket.wait_reduce()  # one rank: a copy, done
+
+    def _settle(self) -> None:
+        """Wait for the averages in flight before the newest, oldest first, so that whoever
+        watches them (offload, copying each to the host) hears of them while backward
+        runs rather than at ``step``. CPUs only: gloo's sends and receives say they have
+        landed only once waited for, and the rank-order sum runs on this thread at the
+        wait anyway; ranks in step with each other have sent them by then (a rank whose
+        backward never reaches a bucket launches the rest of the round at its ``step``
+        before any agreement: ``complete_round``)."""
+        in_flight = self.in_flight
+        while len(in_flight) > 1:
+            in_flight.popleft().wait_reduce()
 
     # -- step -----------------------------------------------------------------------
     def changed_since_launch(self, grad_buffers) -> bool:

@@ -290,6 +290,7 @@ def unscale_averaged_(flats, inv_scale, found_inf, per_device: dict, allow_fp16:
         if flag is None:
             flag = per_device[flat.device] = torch.zeros_like(found_inf, device=flat.device)
         torch._amp_foreach_non_finite_check_and_unscale_(shards, flag, inv_scale.to(flat.device))
+        flat.averages_written()  # in place, without bumping their version
 
 
 def _first_moved(params, param_views, dtype, device) -> int:

@@ -53,13 +53,16 @@ class SideStream:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def run(self, start) -> Done:
+    def run(self, start, landed=None) -> Done:
         """Run ``start()`` (a function starting a collective and returning its Pending)
         and the wait for its result on the side stream, after the work already queued
-        on the current stream; returns the event to wait for."""
+        on the current stream, then ``landed()`` (None: nothing) behind them there;
+        returns the event to wait for."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start().wait()  # the side stream waits, and the rank-order sum runs on it
+            if landed is not None:  # offload's copy of the average to the host
+                landed()
             event = torch.cuda.Event()
             event.record(self.stream)
         return Done(event, self.device)

@@ -246,6 +246,11 @@ class EngineHome:
     def remove_hooks(self) -> None:
         pass
 
+    def watch_averages(self, watcher) -> None:
+        """The engine averages these gradients in its own hooks and hands them over at
+        the step (``EngineGrads.sync``): there is no landing to tell of, so offload
+        copies them when the step begins."""
+
     # -- the step's operands ---------------------------------------------------------------
     def grad(self, k: int) -> torch.Tensor:
         """Parameter ``k``'s local gradient at this step (``EngineGrads.sync``)."""

@@ -5,6 +5,7 @@ ZeRO-1's local buffer or ZeRO-2's hand-over) and the buckets that average them
 ``engine_home.EngineHome`` (DTensor parameters, where their engine keeps them)."""
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -52,6 +53,12 @@ def norm_term(g: torch.Tensor, norm_type: float, dtype) -> torch.Tensor:
     if norm_type == math.inf:
         return g.abs().max().to(dtype) if g.numel() else torch.zeros((), dtype=dtype, device=g.device)
     return torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
+
+
+def _tell(watcher: weakref.WeakMethod, k: int, landed: bool) -> None:
+    w = watcher()
+    if w is not None:
+        w(k, landed)
 
 
 def _remove_all(handles: list) -> None:
@@ -115,6 +122,15 @@ class FlatHome:
 
     def remove_hooks(self) -> None:
         _remove_all(self.hooks)
+
+    def watch_averages(self, watcher) -> None:
+        """``watcher(k, landed)`` (a bound method, held weakly: the buckets outlive no
+        optimizer) is told when an average of bucket ``k`` starts (``landed`` False) and
+        when it has landed (True): offload copies segment ``k``'s to the host then,
+        while backward runs (``buckets.Bucket.watch``)."""
+        ref = weakref.WeakMethod(watcher)
+        for k, b in enumerate(self.buckets):
+            b.watch = functools.partial(_tell, ref, k)
 
     @property
     def flat_grad(self):

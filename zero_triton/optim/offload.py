@@ -6,12 +6,13 @@
   GPU. The state is a ``ShardState`` over *host mirrors* of this rank's parameter shard
   (``parts``), so every master and moment format is stepped by the host's kernel as it
   is stepped on the device, and every way out of the state (state dicts, DCP,
-  checkpoints, the served state) reads host memory. Per segment (a bucket's shard), in
-  the order the optimizer steps them: its averaged gradients are copied into a host
-  staging buffer (``fetch``, every segment's copy queued before the first waits, in
-  order on the device's stream), the host kernel steps the segment once its copy has
-  landed (``grad``), and its parameters go back to the device (``done``) before the
-  optimizer starts the segment's all-gather. ``MirroredMaster`` keeps the mirrors and
+  checkpoints, the served state) reads host memory. Per segment (a bucket's shard):
+  its averaged gradients are copied into a host staging buffer as the bucket's average
+  lands during backward (``averaged``: on the side stream behind the average on GPUs,
+  at the reducer's wait on CPUs), or at the step for buckets backward did not average
+  and averages written since (``fetch``); in the order the optimizer steps them, the
+  host kernel steps the segment once its copy has landed (``grad``), and its parameters
+  go back to the device (``done``) before the optimizer starts the segment's all-gather. ``MirroredMaster`` keeps the mirrors and
   the device's parameters equal wherever the master reads or writes parameters (a
   load, the user's writes, a re-seed).
 
@@ -129,6 +130,9 @@ class DevicePlace(_Place):
     def fetch(self, js) -> None:
         pass
 
+    def forget(self) -> None:
+        pass
+
     def grad(self, j: int) -> torch.Tensor:
         return self.home_grad(j)
 
@@ -154,7 +158,11 @@ class HostPlace(_Place):
         self.spans = [(p.s0, p.s0 + p.hi - p.lo) for p in held]
         self.host_parts = [self.mirror[a:b] for a, b in self.spans]
         self.pull()
-        self.fetched = {}  # piece -> (its staged gradients, the event its copy records)
+        # piece -> (its staged gradients, the event its copy records, the averaged
+        # tensor's (address, version) copied; None: stale)
+        self.fetched = {}
+        self.copies = 0  # gradient copies to the host so far
+        home.watch_averages(self.averaged)
 
     def parts(self) -> list:
         return self.host_parts
@@ -163,10 +171,40 @@ class HostPlace(_Place):
         pass
 
     # -- the step: gradients in, parameters out ---------------------------------------
+    def averaged(self, k: int, landed: bool) -> None:
+        """The home's bucket ``k`` was averaged (``landed``: its average is in, during
+        backward; else one has started, and what was copied of the last is stale):
+        copy segment ``k``'s pieces to the host now (``FlatHome.watch_averages``)."""
+        js = self.of_segment.get(k, ())
+        if landed:
+            self.fetch(js)
+        else:
+            self._stale(js)
+
+    def forget(self) -> None:
+        """The averages were written where the copies cannot see it (GradScaler's
+        unscale of ZeRO-2's shards, ``zero_grad``): every copy taken is stale."""
+        self._stale(list(self.fetched))
+
+    def _stale(self, js) -> None:
+        for j in js:
+            taken = self.fetched.get(j)
+            if taken is not None:
+                self.fetched[j] = (taken[0], taken[1], None)
+
     def fetch(self, js) -> None:
-        """Queue the copy of each piece's averaged gradients to the host, in order."""
+        """Queue the copy of each piece's averaged gradients to the host, in order,
+        unless the copy taken as its average landed still holds them (the same tensor,
+        not written since: its version)."""
         for j in js:
             g = self.home_grad(j)
+            mark = (g.data_ptr(), g._version)
+            taken = self.fetched.get(j)
+            if taken is not None:
+                if taken[2] == mark:
+                    continue
+                if taken[1] is not None:  # a stale copy into the same buffer goes first
+                    torch.cuda.current_stream(g.device).wait_event(taken[1])
             buf = self.staging.get(g.dtype)
             if buf is None:  # averages in another dtype than the one staged so far
                 buf = self.staging[g.dtype] = _host_empty(self.mirror.numel(), g.dtype, self.cuda,
@@ -178,11 +216,12 @@ class HostPlace(_Place):
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record()
-            self.fetched[j] = (out, event)
+            self.fetched[j] = (out, event, mark)
+            self.copies += 1
 
     def grad(self, j: int) -> torch.Tensor:
         """Piece ``j``'s gradients on the host, once their copy has landed."""
-        out, event = self.fetched.pop(j)
+        out, event, _ = self.fetched.pop(j)
         if event is not None:
             event.synchronize()
         return out

@@ -226,6 +226,13 @@ class Shard:
         """``zero_grad``, as torch.optim.Optimizer's."""
         self.grad_buffer.zero(set_to_none)
         self.stepped = None
+        self.averages_written()
+
+    def averages_written(self) -> None:
+        """The averaged shards were written in place (unscaled, zeroed): what offload
+        copied of them as they landed is stale."""
+        for side in self.sides:
+            side.place.forget()
 
     # -- the step ------------------------------------------------------------------------
     def prepare(self, group, grad_scale, found_inf, clip_coef) -> dict:
