@@ -9,7 +9,9 @@
 #      overlap(); at one rank there is nothing to hide, so overlap must cost nothing;
 #      and with offload="cpu", all of the state or half (offload_fraction=0.5) in pinned
 #      host memory: its peak device memory and iteration time beside the others). The offload tests (tests/test_offload.py,
-#      named cuda: pinned buffers, the state off the device) run in stage 2.
+#      named cuda: pinned buffers, the state off the device) run in stage 2,
+#   5. capture opt.step() in a CUDA graph (capturable=True) and replay it against eager
+#      steps, bit for bit, and time it (bench/capture_check.py).
 # Every stage runs under `timeout`; a failing stage does not stop the next one, and a
 # summary with each stage's status closes the run. Logs, CSV, JSON and PNG go to DIR.
 #
@@ -79,6 +81,7 @@ raise SystemExit(0 if mod is not None else 1)"
     # Two configurations: the peers' own tests cover the rest; this proves the stage runs.
     run_stage e2e 150 "$PY" bench/e2e.py --ranks 2 --steps 2 --warmup 1 --iters 2 --layers 1 \
         --width 32 --heads 2 --vocab 256 --seq 16 --batch 2 --configs ddp,zero_s1_overlap --out "$OUT"
+    run_stage capture 90 "$PY" bench/capture_check.py --dry-run
 else
     # info compiles the CPU extension on a fresh machine (~20 s): give it room.
     run_stage info 45 bash -c "nvidia-smi; $PY -m zero_triton info"
@@ -90,13 +93,17 @@ else
     # low-bit moments' Triton and CUDA kernels (tests/test_int8.py: int8 and bf16), and the
     # shard server's GPU path (tests/test_serve.py: the host copy after the state's event
     # while the main stream spins; rank 0's state_dict() of two gloo ranks on the GPU).
-    run_stage test-named 95 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
+    run_stage test-named 90 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
     # The benchmark drops its slow multi-pass providers by itself at sizes whose
     # buffers would not all fit in device memory.
-    run_stage bench 90 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
+    run_stage bench 70 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
         --cases fp32,bf16,gpt2,many --repeats 20 --out "$OUT"
-    run_stage e2e 90 "$PY" bench/e2e.py --device cuda --ranks 1 --steps 10 --warmup 3 \
+    run_stage e2e 70 "$PY" bench/e2e.py --device cuda --ranks 1 --steps 10 --warmup 3 \
         --layers 12 --width 768 --heads 12 --vocab 50304 --seq 512 --batch 8 --out "$OUT"
+    # capturable=True: opt.step() captured in a CUDA graph, 20 replays against 20 eager
+    # steps bit for bit (FusedAdamW, ZeroAdamW at world size 1 on NCCL, torch.compile's
+    # reduce-overhead), and a replayed step's time against an eager one.
+    run_stage capture 45 "$PY" bench/capture_check.py
 fi
 
 echo

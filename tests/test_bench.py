@@ -83,12 +83,12 @@ def test_guard_catches_a_wrong_step(tmp_path, monkeypatch):
                     reason="gpu_check.sh needs bash and coreutils timeout")
 def test_gpu_check_dry_run(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), str(tmp_path), "--dry-run"],
-                          # The script bounds each stage (600 s in all on a dry run):
+                          # The script bounds each stage (690 s in all on a dry run):
                           # a loaded machine reaches a stage's limit, not this one.
-                          cwd=REPO, capture_output=True, text=True, timeout=660,
+                          cwd=REPO, capture_output=True, text=True, timeout=750,
                           env={**__import__("os").environ, "PYTHON": sys.executable})
     summary = (tmp_path / "summary.txt").read_text()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    for stage in ("info", "build", "test-marked", "test-named", "bench"):
+    for stage in ("info", "build", "test-marked", "test-named", "bench", "capture"):
         assert stage in summary, summary
     assert_quick_outputs(tmp_path)  # the bench stage: the step benchmark's quick run

@@ -197,7 +197,7 @@ class Reducer:
     """Launches the buckets of every flat buffer of one optimizer in one agreed order,
     and waits for them."""
 
-    def __init__(self, comm: Comm, max_in_flight: int = 2):
+    def __init__(self, comm: Comm, max_in_flight: int = 2, fixed: bool = False):
         self.comm = comm
         self.buckets: list[Bucket] = []
         self.order: list[Bucket] | None = None   # agreed launch order, once learned
@@ -215,7 +215,8 @@ class Reducer:
         self.gathering = False            # all-gathers may be in flight
         self.overlapped = False           # zero_triton.overlap: they outlive step()
         self.reads = pending_reads.ReadGuards()  # of step() under overlap(), until the forward
-        self.staging = Staging(self.pools, self.in_flight)  # ZeRO-2's (zero_triton.comm.staging)
+        # ZeRO-2's (zero_triton.comm.staging); ``fixed``: a buffer per bucket (capturable=True).
+        self.staging = Staging(self.pools, self.in_flight, fixed)
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).

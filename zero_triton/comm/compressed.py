@@ -57,12 +57,15 @@ def _rows(t: torch.Tensor, n: int):
     return t[:k * BLOCK].view(k, BLOCK), tail
 
 
-def quantize(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+def quantize(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None,
+             work: "Scratch | None" = None) -> torch.Tensor:
     """``out`` (uint8, ``payload_bytes(x.numel())``) takes ``x`` (float) as float32 scales
     (absmax / 127 per block) then int8 codes (round to nearest, ties to even). Returns
     the values the codes stand for (what ``dequantize`` gives, in float32), in
     ``scratch`` (float32, at least ``x.numel()``; made when None): no tensor of ``x``'s
-    size is allocated per call, whose first touch costs more than the arithmetic."""
+    size is allocated per call, whose first touch costs more than the arithmetic.
+    ``work`` (a ``Scratch``): where the per-block values go, so that nothing at all is
+    allocated (None: made per call)."""
     n = x.numel()
     nb = blocks(n)
     scales = out[:4 * nb].view(torch.float32)
@@ -72,21 +75,34 @@ def quantize(x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = 
     s = (torch.empty(n, dtype=torch.float32, device=x.device) if scratch is None
          else scratch[:n])
     at = 0
-    for rows, work in zip(_rows(x, n), _rows(s, n)):
+    for rows, vals in zip(_rows(x, n), _rows(s, n)):
         if rows is None or rows.numel() == 0:
             continue
         k = rows.shape[0]
-        torch.abs(rows, out=work)
-        absmax = work.amax(dim=1)
+        torch.abs(rows, out=vals)
         scale = scales[at:at + k]
+        absmax, inv = _inverse_scales(vals, k, work)
         torch.div(absmax, 127.0, out=scale)
-        inv = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
-        torch.mul(rows, inv[:, None], out=work)
-        work.round_().clamp_(-127, 127)
-        codes[at * BLOCK:at * BLOCK + work.numel()].copy_(work.view(-1))
-        work.mul_(scale[:, None])
+        torch.mul(rows, inv[:, None], out=vals)
+        vals.round_().clamp_(-127, 127)
+        codes[at * BLOCK:at * BLOCK + vals.numel()].copy_(vals.view(-1))
+        vals.mul_(scale[:, None])
         at += k
     return s
+
+
+def _inverse_scales(absvals: torch.Tensor, k: int, work) -> tuple:
+    """(the largest |x| of each of ``k`` blocks, 127 / it where it is > 0 and 0 elsewhere),
+    from the blocks' |x| (``absvals``, [k, BLOCK]); in ``work``'s buffers when given."""
+    if work is None:
+        absmax = absvals.amax(dim=1)
+        return absmax, torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+    device = absvals.device
+    absmax = torch.amax(absvals, dim=1, out=work.get("absmax", k, device))
+    inv, positive = work.get("inverse", k, device), work.get("positive", k, device, torch.bool)
+    torch.gt(absmax, 0, out=positive)
+    torch.reciprocal(absmax, out=inv).mul_(127.0)  # the ops 127.0 / absmax dispatches
+    return absmax, inv.masked_fill_(positive.logical_not_(), 0.0)
 
 
 def dequantize(payload: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
@@ -124,10 +140,10 @@ class Scratch:
         self.source = buffers
         self.buffers: dict = {}
 
-    def get(self, role: str, n: int, device) -> torch.Tensor:
+    def get(self, role: str, n: int, device, dtype=torch.float32) -> torch.Tensor:
         buf = self.buffers.get((role, device))
         if buf is None or buf.numel() < n:
-            buf = self.buffers[(role, device)] = self.source.empty(n, torch.float32, device)
+            buf = self.buffers[(role, device)] = self.source.empty(n, dtype, device)
         return buf[:n]
 
 
@@ -197,7 +213,7 @@ class Int8Comm:
     gradients' error buffers (None: no error feedback)."""
 
     def __init__(self, inner, gather: str | None = None, reduce: str | None = None,
-                 feedback: torch.dtype | None = torch.bfloat16):
+                 feedback: torch.dtype | None = torch.bfloat16, keep: bool = False):
         self.inner = inner
         self.gather_codec, self.reduce_codec, self.feedback = gather, reduce, feedback
         for name in ("rank", "world_size", "group", "process_group", "replica", "replicas",
@@ -205,6 +221,10 @@ class Int8Comm:
             setattr(self, name, getattr(inner, name))
         self.errors: dict = {}  # (name, numel) -> this rank's error buffer of that input
         self.scratch = Scratch(self.buffers)
+        # keep (capturable=True): each launch's payloads kept for the next, by its name
+        # (a bucket's), so that a captured step sends from and receives into the same
+        # memory at every replay; else made per launch and let go at its wait.
+        self.keep, self.payloads = keep, {}
 
     @property
     def wire_prefix(self) -> str:
@@ -226,8 +246,18 @@ class Int8Comm:
         self.inner.reset_wire()
 
     def held_bytes(self) -> int:
-        """The error buffers' bytes (the price of error feedback)."""
-        return sum(e.numel() * e.element_size() for e in self.errors.values())
+        """The error buffers' bytes (the price of error feedback) and the payloads kept."""
+        return sum(e.numel() * e.element_size() for e in (*self.errors.values(), *self.payloads.values()))
+
+    def _payload(self, name: str, role: str, nbytes: int, device) -> torch.Tensor:
+        """A launch's payload buffer: kept by ``name`` and ``role`` under ``keep``."""
+        if not self.keep:
+            return self.buffers.empty(nbytes, torch.uint8, device)
+        key = (name, role, nbytes, device)
+        buf = self.payloads.get(key)
+        if buf is None:
+            buf = self.payloads[key] = self.buffers.empty(nbytes, torch.uint8, device)
+        return buf
 
     # -- the gradients ---------------------------------------------------------------
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
@@ -249,7 +279,7 @@ class Int8Comm:
         if error is not None:
             error = error.view(w, n)
         p = payload_bytes(n)
-        send = self.buffers.empty((w, p), torch.uint8, device)
+        send = self._payload(name, "send", w * p, device).view(w, p)
         x = self.scratch.get("sent", n, device)
         for k in range(w):
             if k == r:
@@ -257,13 +287,13 @@ class Int8Comm:
             x.copy_(chunks[k])
             if error is not None:
                 x.add_(error[k])
-            sent = quantize(x, send[k], self.scratch.get("codes", n, device))
+            sent = quantize(x, send[k], self.scratch.get("codes", n, device), self.scratch)
             if error is not None:  # what quantization dropped, sent again next time
                 error[k].copy_(x.sub_(sent))
         # This rank's own chunk does not travel: read exact, from ``inp`` (busy until the
         # wait), at the wait; nothing of it is dropped, so its error stays zero.
         own = chunks[r]
-        recv = self.buffers.empty((w, p), torch.uint8, device)
+        recv = self._payload(name, "recv", w * p, device).view(w, p)
         handle = self.inner.exchange(recv, send, async_op=True, name=name, kind="reduce_scatter")
         payloads = [None if k == r else recv[k] for k in range(w)]
         return settled(_Summed(handle, self, payloads, own, out, accumulate, n), async_op)
@@ -297,14 +327,14 @@ class Int8Comm:
         kept and added to its values the next time."""
         n = values.numel()
         p = payload_bytes(n)
-        buf = self.buffers.empty(self.world_size * p, torch.uint8, values.device)
+        buf = self._payload(name, "gather", self.world_size * p, values.device)
         mine = buf.view(self.world_size, p)[self.rank]
         x = values
         if error is not None:
             x = self.scratch.get("sent", n, values.device)
             x.copy_(values)
             x.add_(error)
-        sent = quantize(x, mine, self.scratch.get("codes", n, values.device))
+        sent = quantize(x, mine, self.scratch.get("codes", n, values.device), self.scratch)
         if error is not None:
             error.copy_(x.sub_(sent))
         return settled(_Gathered(self.inner.all_gather(buf, mine, async_op=True, name=name), self,

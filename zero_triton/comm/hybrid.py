@@ -85,9 +85,11 @@ class Chain:
 class HybridComm:
     """ZeroAdam over a (replicate, shard) mesh (``comm.protocol.Comm``)."""
 
-    def __init__(self, mesh, wrap=lambda comm: comm):
+    def __init__(self, mesh, wrap=lambda comm: comm, keep: bool = False):
         """``wrap``: what each dim's ``GroupComm`` becomes (``comm.compressed.Int8Comm``:
-        both averages, and the row's parameter gathers, sent compressed)."""
+        both averages, and the row's parameter gathers, sent compressed); ``keep``
+        (capturable=True): each average's buffers kept for the next, by its name (a
+        bucket's), so that a captured step uses the same memory at every replay."""
         import torch.distributed as dist
         self.mesh = mesh
         replicate, shard = mesh.get_group(0), mesh.get_group(1)
@@ -108,6 +110,17 @@ class HybridComm:
         # its own name.
         self.shard.wire_prefix, self.replicate.wire_prefix = "", "replicas."
         self.wire_prefix = ""
+        self.keep, self.kept = keep, {}
+
+    def _buffer(self, name: str, role: str, numel: int, dtype, device) -> torch.Tensor:
+        """An average's buffer: made for it, or kept by ``name`` under ``keep``."""
+        if not self.keep:
+            return self.buffers.empty(numel, dtype, device)
+        key = (name, role, numel, dtype, device)
+        buf = self.kept.get(key)
+        if buf is None:
+            buf = self.kept[key] = self.buffers.empty(numel, dtype, device)
+        return buf
 
     # -- the gradient average ----------------------------------------------------------
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
@@ -126,10 +139,10 @@ class HybridComm:
         if self.replicas == 1:
             return self.shard.reduce_scatter_avg(out, inp, recv, async_op, name, accumulate)
         chunk = -(-m // self.replicas)
-        tmp = self.buffers.empty(chunk * self.replicas, out.dtype, out.device)
+        tmp = self._buffer(name, "row", chunk * self.replicas, out.dtype, out.device)
         if tmp.numel() > m:
             tmp[m:].zero_()
-        part = self.buffers.empty(chunk, out.dtype, out.device)
+        part = self._buffer(name, "column", chunk, out.dtype, out.device)
         self.advance()
         first = self.shard.reduce_scatter_avg(tmp[:m], inp, recv, async_op=True, name=name)
         column = f"{name} (replicas)"
@@ -196,8 +209,10 @@ class HybridComm:
         self.shard.gather(tensor, gather_list, dst, what)
 
     def held_bytes(self) -> int:
-        """The compressed averages' error buffers, both hops (``comm.compressed``)."""
-        return self.shard.held_bytes() + self.replicate.held_bytes()
+        """The compressed averages' error buffers, both hops (``comm.compressed``), and
+        the buffers kept."""
+        return self.shard.held_bytes() + self.replicate.held_bytes() + sum(
+            t.numel() * t.element_size() for t in self.kept.values())
 
     @property
     def wire(self) -> dict:

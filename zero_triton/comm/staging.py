@@ -11,10 +11,16 @@ A bucket of one parameter whose gradient fills it exactly takes autograd's gradi
 its staging buffer (``adopted``): no copy, and no pool buffer the size of the largest
 parameter (embeddings, output layers). It is never written: a second micro-batch's
 gradient before the launch moves it into a pool buffer first (``restaged``).
+
+``fixed`` (capturable=True): each bucket stages into a buffer of its own, the same at
+every step, so that a captured step's average reads its gradients where backward wrote
+them at every replay; it holds every bucket's gradients until the step, as stage 1 does.
 """
 from __future__ import annotations
 
 import torch
+
+from zero_triton.state.buffers import PLAIN
 
 
 class Staged:
@@ -22,7 +28,7 @@ class Staged:
     launch (``buffer``; the bucket's ``grad_in`` views it), and on CPUs the one the
     average in flight reads (``sending``), each possibly autograd's own gradient."""
 
-    __slots__ = ("pool", "buffer", "adopted", "sending", "sending_adopted")
+    __slots__ = ("pool", "buffer", "adopted", "sending", "sending_adopted", "own")
 
     def __init__(self):
         self.pool = None          # the free staging buffers of the bucket's (dtype, device)
@@ -30,18 +36,20 @@ class Staged:
         self.adopted = False
         self.sending = None
         self.sending_adopted = False
+        self.own = None           # ``Staging.fixed``: the bucket's own buffer
 
     def sent(self) -> None:
         """The CPU average that read ``sending`` is done: back to the pool (a gradient
         taken as it was just goes)."""
         if self.sending is not None:
-            if not self.sending_adopted:
+            if not self.sending_adopted and self.sending is not self.own:
                 self.pool.append((self.sending, None))
             self.sending = None
 
     def tensors(self) -> tuple:
         """What it holds now (for the bytes held)."""
-        return tuple(t for t in (self.buffer, self.sending) if t is not None)
+        held = [t for t in (self.buffer, self.sending) if t is not None and t is not self.own]
+        return tuple(held + ([self.own] if self.own is not None else []))
 
 
 class Staging:
@@ -49,9 +57,10 @@ class Staging:
     ``BufferPools``; ``in_flight``: its CPU averages in launch order (a full pool waits
     for the oldest). ``counts``: gradients taken as they were, and moved out again."""
 
-    def __init__(self, pools, in_flight):
+    def __init__(self, pools, in_flight, fixed: bool = False):
         self.pools = pools
         self.in_flight = in_flight
+        self.fixed = fixed
         self.counts = {"adopted": 0, "restaged": 0}
 
     def add(self, bucket, lo: int, hi: int, grad: torch.Tensor, adopt: bool = False) -> None:
@@ -62,7 +71,7 @@ class Staging:
         if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
             grad = torch.view_as_real(grad)
         staged = bucket.staged
-        if bucket.grad_in is None and adopt and lo == 0 and adoptable(bucket, grad):
+        if bucket.grad_in is None and adopt and lo == 0 and not self.fixed and adoptable(bucket, grad):
             staged.buffer = bucket.grad_in = grad.view(-1)
             staged.adopted = True
             self.counts["adopted"] += 1
@@ -89,7 +98,9 @@ class Staging:
         then); on CPUs it is ``sending`` until the wait. The next micro-batch stages into
         another buffer."""
         staged = bucket.staged
-        if done is not None:
+        if staged.buffer is staged.own:  # fixed: it stays the bucket's
+            staged.sending = staged.own if done is None else None
+        elif done is not None:
             if staged.adopted:
                 self.pools.hold(staged.buffer, done)
             else:
@@ -103,14 +114,23 @@ class Staging:
         """``zero_grad`` before the launch: the gradients staged are dropped."""
         staged = bucket.staged
         if staged.buffer is not None:
-            if not staged.adopted:
+            if not staged.adopted and staged.buffer is not staged.own:
                 staged.pool.append((staged.buffer, None))
             staged.buffer = bucket.grad_in = None
             staged.adopted = False
 
     def _new(self, bucket) -> None:
         """A staging buffer for ``bucket`` (not zeroed): from the pool, after the oldest
-        average in flight when it is empty, or a new one (handed back at step)."""
+        average in flight when it is empty, or a new one (handed back at step); ``fixed``:
+        the bucket's own."""
+        staged = bucket.staged
+        if self.fixed:
+            if staged.own is None:
+                staged.own = PLAIN.empty(bucket.geometry.numel, bucket.grad_dtype,
+                                         bucket.param_full.device)
+            staged.buffer, staged.adopted = staged.own, False
+            bucket.grad_in = staged.own
+            return
         buf = self.pools.take(bucket.staged.pool, bucket, "staging", True, self.in_flight)
         bucket.staged.buffer, bucket.staged.adopted = buf, False
         bucket.grad_in = buf[:bucket.geometry.numel]

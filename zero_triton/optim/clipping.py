@@ -7,11 +7,31 @@ import math
 import torch
 
 
-def global_norm(flats: list, comm, norm_type: float) -> torch.Tensor:
+class Buffers:
+    """Where clipping computes: tensors made at the first call and kept (``keep``:
+    capturable=True, so that a captured step reads and writes the same memory at every
+    replay), or made afresh at every call (the norms handed out stay as they were)."""
+
+    def __init__(self, keep: bool):
+        self.keep, self.made = keep, {}
+
+    def __call__(self, name: str, n: int, dtype, device) -> torch.Tensor:
+        key = (name, n, dtype, device)
+        t = self.made.get(key)
+        if t is None:
+            t = torch.zeros(n, dtype=dtype, device=device)
+            if self.keep:
+                self.made[key] = t
+        return t
+
+
+def global_norm(flats: list, comm, norm_type: float, buffers: Buffers) -> torch.Tensor:
     """The ``norm_type`` norm of the gradient whose pieces are every rank's shards of
     ``flats`` (no host sync), a 0-dim float32 tensor: the shards' terms are reduced over
     ``comm`` (one all-reduce), or, for DTensor parameters' shards, over their meshes
-    (``zero_triton.optim.engine_home``), as torch's clip_grad_norm_ reduces DTensors."""
+    (``zero_triton.optim.engine_home``), as torch's clip_grad_norm_ reduces DTensors.
+    Our own flat buffers' norm is computed in ``buffers``, allocating nothing once they
+    are kept."""
     engine = [f.engine_owned for f in flats]
     if any(engine) and not all(engine):
         raise RuntimeError(
@@ -20,39 +40,68 @@ def global_norm(flats: list, comm, norm_type: float) -> torch.Tensor:
             "refuses the mix too). Make every parameter a DTensor (replicate the plain ones "
             "over the mesh: distribute_tensor(p, mesh, [Replicate()])), or clip them apart")
     device = flats[0].device
-    if norm_type == math.inf:
-        terms = [f.grad_norm_term(norm_type, torch.float32) for f in flats]
-        total = torch.stack([t.to(device) for t in terms]).max()
-        if not all(engine):
-            comm.all_reduce(total, "max")
-        return total
+    inf = norm_type == math.inf
     # Over ranks, in float64: the sum of per-shard parts then rounds to the same float32
     # for any bucket size (whose shards split the sum differently).
-    acc = torch.float64 if comm.world_size > 1 or all(engine) else torch.float32
-    terms = [f.grad_norm_term(norm_type, acc) for f in flats]
-    total = torch.stack([t.to(device) for t in terms]).sum()
-    if not all(engine):
-        comm.all_reduce(total, "sum")
-    return (total ** (1.0 / norm_type)).float()
+    acc = torch.float32 if inf else torch.float64 if comm.world_size > 1 or all(engine) else torch.float32
+    if all(engine):
+        terms = [f.grad_norm_term(norm_type, acc) for f in flats]
+        total = torch.stack([t.to(device) for t in terms])
+        total = total.max() if inf else total.sum()
+        return total if inf else (total ** (1.0 / norm_type)).float()
+    # Per flat buffer, its buckets' terms summed (the largest for inf), then over the
+    # flat buffers: the two sums torch.stack(...).sum() made, into kept tensors.
+    counts = [len(f.buckets) for f in flats]
+    terms = buffers("terms", sum(counts), acc, device)
+    totals = buffers("totals", len(flats), acc, device)
+    at = 0
+    for i, (f, n) in enumerate(zip(flats, counts)):
+        f.grad_norm_terms(norm_type, terms[at:at + n])
+        if not n:
+            totals[i].zero_()
+        elif inf:
+            torch.amax(terms[at:at + n], dim=0, out=totals[i])
+        else:
+            torch.sum(terms[at:at + n], dim=0, out=totals[i])
+        at += n
+    total = buffers("total", 1, acc, device)
+    if inf:
+        torch.amax(totals, dim=0, keepdim=True, out=total)
+    else:
+        torch.sum(totals, dim=0, keepdim=True, out=total)
+    comm.all_reduce(total, "max" if inf else "sum")
+    if inf:
+        return total.view(())
+    norm = buffers("norm", 1, torch.float32, device)
+    norm.copy_(total.pow_(1.0 / norm_type))
+    return norm.view(())
 
 
-def coefficient(total: torch.Tensor, max_norm: float, grad_scale, previous):
+def coefficient(total: torch.Tensor, max_norm: float, grad_scale, previous, buffers: Buffers):
     """(the norm as torch's clip_grad_norm_ reports it, the coefficient for the kernel).
     ``grad_scale``: GradScaler's scale when the gradients are still scaled; ``previous``:
     this step's coefficient if it was clipped already, as a second call of torch's
     function would see the clipped gradients and clip them again (the two multiply)."""
+    device = total.device
     if grad_scale is not None:
-        total = total / grad_scale.to(total.device, torch.float32).reshape(())
+        unscaled = buffers("unscaled", 1, torch.float32, device).view(())
+        total = torch.div(total, grad_scale.to(device, torch.float32).reshape(()), out=unscaled)
     if previous is None:
-        return total, factor(total, max_norm)
-    total = total * previous.reshape(())
-    return total, previous * factor(total, max_norm)
+        return total, factor(total, max_norm, buffers("coef", 1, torch.float32, device))
+    clipped = buffers("clipped", 1, torch.float32, device).view(())
+    total = torch.mul(total, previous.reshape(()), out=clipped)
+    return total, previous.mul_(factor(total, max_norm, buffers("factor", 1, torch.float32, device)))
 
 
-def factor(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+def factor(total: torch.Tensor, max_norm: float, out=None) -> torch.Tensor:
     """torch's clipping factor for a gradient of norm ``total``: min(1, max_norm / (total
-    + 1e-6)), shape (1,), where ``total`` is."""
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
+    + 1e-6)), shape (1,), where ``total`` is (into ``out``, shape (1,), if given)."""
+    if out is None:
+        return torch.clamp(max_norm / (total + 1e-6), max=1.0).reshape(1)
+    o = out.view(())  # the ops max_norm / (total + 1e-6) dispatches, in place: the same bits
+    torch.add(total, 1e-6, out=o)
+    torch.reciprocal(o, out=o)
+    return out.mul_(max_norm).clamp_(max=1.0)
 
 
 class Clipping:
@@ -62,18 +111,23 @@ class Clipping:
     ``clip_grads_with_norm_`` checks a norm against where local gradients are not the
     averaged ones. ``reset`` at each step and ``zero_grad``."""
 
-    def __init__(self):
+    def __init__(self, keep: bool = False):
         self.coef = None
         self.given: list = []
+        self.buffers = Buffers(keep)  # kept: capturable=True
 
     def reset(self) -> None:
         self.coef = None
         self.given.clear()
 
+    def global_norm(self, flats: list, comm, norm_type: float) -> torch.Tensor:
+        """``global_norm`` in this optimizer's buffers."""
+        return global_norm(flats, comm, norm_type, self.buffers)
+
     def clip(self, total: torch.Tensor, max_norm: float, grad_scale) -> torch.Tensor:
         """Clip by ``total`` (the global norm of the possibly scaled gradients): the
         coefficient composed with any earlier this step; returns the unscaled norm."""
-        total, self.coef = coefficient(total, max_norm, grad_scale, self.coef)
+        total, self.coef = coefficient(total, max_norm, grad_scale, self.coef, self.buffers)
         return total
 
     def hand_out(self, total):

@@ -48,11 +48,13 @@ def _keeps_averages(device: torch.device, numel: int, dtype) -> bool:
     return numel * dtype.itemsize > _C_HEAP_MAX_BYTES
 
 
-def norm_term(g: torch.Tensor, norm_type: float, dtype) -> torch.Tensor:
-    """sum |g|^norm_type of ``g`` in ``dtype`` (its largest |g| for the inf norm)."""
-    if norm_type == math.inf:
-        return g.abs().max().to(dtype) if g.numel() else torch.zeros((), dtype=dtype, device=g.device)
-    return torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
+def norm_term(g: torch.Tensor, norm_type: float, out: torch.Tensor) -> torch.Tensor:
+    """sum |g|^norm_type of ``g`` into ``out`` (a 0-dim tensor of the sum's dtype; its
+    largest |g| for the inf norm)."""
+    if not g.numel():
+        return out.zero_()
+    torch.linalg.vector_norm(g, norm_type, dtype=out.dtype, out=out)
+    return out if norm_type == math.inf else out.pow_(norm_type)
 
 
 def _tell(watcher: weakref.WeakMethod, k: int, landed: bool) -> None:
@@ -103,7 +105,7 @@ class FlatHome:
         # reduce_dtype (bf16 grads averaged in fp32); at world size 1 without a wider
         # dtype, the gradients themselves. Otherwise each bucket's is made during
         # backward and let go after the step, unless it is too large to come back from
-        # the C heap (``_keeps_averages``).
+        # the C heap (``_keeps_averages``) or a captured step reads it (capturable=True).
         reduce_dtype = spec.reduce_dtype
         wide = reduce_dtype is not None and reduce_dtype != self.dtype
         self.separate_shard = comm.everyone.world_size > 1 or wide or sharded
@@ -113,7 +115,8 @@ class FlatHome:
         self.buckets = [buckets.Bucket((key, k), g, local, own, self.flat_param, comm.rank,
                                        zip(params[g.first:g.end], self.param_views[g.first:g.end]),
                                        out_dtype=out_dtype,
-                                       keep_out=_keeps_averages(self.device, g.shard_numel, out_dtype))
+                                       keep_out=spec.capturable or
+                                       _keeps_averages(self.device, g.shard_numel, out_dtype))
                         for k, g in enumerate(self.layout.buckets)]
         self.hooks = self.grad_buffer.register_hooks(self.buckets, reducer)
         # The hooks live on the parameters, which outlive an optimizer that is dropped
@@ -160,15 +163,13 @@ class FlatHome:
         if self.reducer is not None and self.reducer.overlapped:  # it outlives step(): watch writes
             b.versions = [p._version for p, _ in b.members]
 
-    def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
-        """This rank's part of the gradient norm, in ``dtype``: the sum of |g|^norm_type
-        over its averaged shard (the largest |g| for the inf norm), for clipping to reduce
-        over the optimizer's ranks."""
-        terms = [norm_term(b.averaged(), norm_type, dtype) for b in self.buckets]
-        if not terms:
-            return torch.zeros((), dtype=dtype, device=self.device)
-        terms = torch.stack(terms)
-        return terms.max() if norm_type == math.inf else terms.sum()
+    def grad_norm_terms(self, norm_type: float, out: torch.Tensor) -> None:
+        """This rank's part of the gradient norm, bucket by bucket, into ``out`` (one
+        element per bucket, in the sum's dtype): the sum of |g|^norm_type over each
+        bucket's averaged shard (its largest |g| for the inf norm), for clipping to add
+        up and reduce over the optimizer's ranks."""
+        for b, term in zip(self.buckets, out):
+            norm_term(b.averaged(), norm_type, term)
 
     # -- the state, per parameter ----------------------------------------------------------
     def views(self, views: dict) -> dict:

@@ -76,7 +76,7 @@ class FusedAdam(torch.optim.Optimizer):
         check_params_argument(params, type(self).__name__)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
-                          moments=moments).with_offload(offload, offload_fraction)
+                          moments=moments, capturable=capturable).with_offload(offload, offload_fraction)
         self._build(params, hyper, spec, LocalComm(), OneRank())
 
     def _build(self, params, hyper: dict, spec: Spec, comm, ranks: Ranks) -> None:
@@ -103,15 +103,15 @@ class FusedAdam(torch.optim.Optimizer):
         # opt.state and the user's edits; one rank holds whole parameters' state, which
         # opt.state views.
         self._edits = UserEdits(type(self).__name__, views_state=comm.world_size == 1)
-        self._reducer = buckets.Reducer(comm)
-        # bucket_cap_mb=None: one bucket per flat buffer, averaged in step() only (never
-        # from backward's hooks: safe for models whose ranks reach different parameters).
-        self._reducer.early = spec.bucket_cap_mb is not None
+        self._reducer = buckets.Reducer(comm, fixed=spec.capturable)
+        # bucket_cap_mb=None (safe for ranks reaching different parameters) or capturable=True
+        # (a captured step is self-contained): averaged in step() only, never in backward.
+        self._reducer.early = spec.bucket_cap_mb is not None and not spec.capturable
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._flats: list[list[Shard]] = []   # per param group
         self._grads_reduced = False
-        self._clipping = clipping.Clipping()  # this step's coefficient and norms handed out
-        defaults = {**hyper, **adam_state.TORCH_GROUP_KEYS, "differentiable": differentiable}
+        self._clipping = clipping.Clipping(keep=spec.capturable)  # this step's coefficient and norms
+        defaults = {**hyper, **adam_state.group_keys(differentiable, spec.capturable)}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
         # leaves the parameters as it found them.
@@ -333,7 +333,7 @@ class FusedAdam(torch.optim.Optimizer):
         if not averaged:
             self._reduce_grads(entry="clip_grad_norm_")
         flats = [flat for _, flat in self._all_flats()]
-        return clipping.global_norm(flats, self._comm, float(norm_type)) if flats else None
+        return self._clipping.global_norm(flats, self._comm, float(norm_type)) if flats else None
 
     @torch.no_grad()
     def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

@@ -23,6 +23,10 @@ from zero_triton.state import watch
 
 # The calls of an iteration that start collectives: the first of them tells Join.
 PER_ITERATION = ("backward", "step", "clip_grad_norm_", "GradScaler")
+# Under capturable=True, the calls a CUDA graph may capture: they agree on the device
+# (``StepFlags.exchange_on_device``), every other call on the host, after reading what
+# the device agreement found.
+CAPTURED = ("step", "clip_grad_norm_", "GradScaler")
 
 
 class OneRank:
@@ -114,6 +118,7 @@ class AgreedRanks:
         # Stage 2 refuses a DDP wrapper at step (a .grad written after backward handed
         # it over): no fingerprint needed there.
         self.averaged_before = AlreadyAveraged(everyone, needed=not spec.grads.sharded)
+        self.capturable = spec.capturable
 
     def built(self, seat) -> None:
         """The optimizer is built: backward's launches enter too, and the shard server
@@ -123,7 +128,13 @@ class AgreedRanks:
 
     def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         """What this rank found (``_edits_found``, ``_step_found``), one agreement on
-        what every rank found, then every rank follows it alike (``_follow``)."""
+        what every rank found, then every rank follows it alike (``_follow``). Under
+        capturable=True the calls a graph captures follow this rank's own findings
+        (``_enter_captured``) and agree on the device."""
+        if self.capturable:
+            if entry in CAPTURED:
+                return self._enter_captured(seat, flats, stale)
+            self._check_device_agreement()
         self._notify_join(seat, entry)
         flats = flats if flats is not None else seat.current_flats()
         flags, refuse, error = self._edits_found(seat, flats)
@@ -141,6 +152,34 @@ class AgreedRanks:
             raise error
         self._follow(seat, entry, agreed, flats)
         return bool(agreed & agreement.STALE)
+
+    def _enter_captured(self, seat, flats, stale: bool) -> bool:
+        """A captured call's entry: what this rank can follow alone (its param groups
+        checked, written parameters re-seeded); an ``opt.state`` edit, which every rank
+        must agree on, is refused with the fix."""
+        flats = flats if flats is not None else seat.current_flats()
+        edits = seat.edits
+        edits.check_groups(seat.param_groups)
+        if edits.edited(seat.state):
+            raise RuntimeError(
+                "ZeroAdam(capturable=True): opt.state was edited, which every rank must agree "
+                "on, and a step that a CUDA graph can capture agrees on the device only. Load "
+                "state with opt.load_state_dict (collective, agreed on the host), or build the "
+                "optimizer without capturable=True")
+        if reseed_written([flat for _, flat in flats]):
+            self.served.written()
+        return stale
+
+    def _check_device_agreement(self) -> None:
+        """A call that agrees on the host first reads what the captured steps' device
+        agreement found (the same on every rank: it was all-reduced)."""
+        if self.step_flags.diverged_on_device():
+            raise RuntimeError(
+                "ZeroAdam(capturable=True): at a step since the last call that agreed on the "
+                "host, the ranks held different step counts, lrs or gradients present (a rank "
+                "replayed or stepped more often than the others, or a scheduler stepped on "
+                "some ranks only); every rank has skipped its steps since, changing nothing. "
+                "Step (and replay) on every rank alike, and change the lr on every rank")
 
     def _notify_join(self, seat, entry: str) -> None:
         """Under Join: this rank still has inputs, said before the iteration's first
@@ -239,6 +278,9 @@ class AgreedRanks:
         any rank has its gradient)."""
         if not flats:
             return found_inf
+        if self.capturable:
+            return self.step_flags.exchange_on_device(flats, found_inf,
+                                                      [g["lr"] for g in seat.param_groups])
         self._check_launches(seat)
         told, self.told = self.told, None
         if told is not None and found_inf is None and not told & agreement.GRADS_DIFFER:
@@ -267,7 +309,8 @@ class AgreedRanks:
 
     def agree_found_inf(self, seat, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
-        self.agreement.check("GradScaler", agreement.Row(backwards=seat.reducer.backwards))
+        if not self.capturable:
+            self.agreement.check("GradScaler", agreement.Row(backwards=seat.reducer.backwards))
         for flag in per_device.values():
             seat.comm.all_reduce(flag, "max")
 
@@ -282,6 +325,8 @@ class AgreedRanks:
     def state_dict(self, seat) -> dict:
         """The full state on this rank: the other ranks' shards from their shard servers
         (``adam_state.served_state_dict``), wherever those ranks are."""
+        if self.capturable:
+            self._check_device_agreement()
         if seat.edits.edited(seat.state):
             # seat.state edited on this rank: what the state holds is decided by every rank
             # together at an agreed entry, so this call is collective.

@@ -278,9 +278,14 @@ class Shard:
             self.home.finished(k)
 
     def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
-        """This rank's part of the gradient norm, in ``dtype`` (the home's: over the
-        averaged shard, or the engine's over each parameter's mesh)."""
+        """This rank's part of the gradient norm, in ``dtype``, reduced over each DTensor
+        parameter's mesh (``EngineHome``)."""
         return self.home.grad_norm_term(norm_type, dtype)
+
+    def grad_norm_terms(self, norm_type: float, out: torch.Tensor) -> None:
+        """This rank's part of the gradient norm, bucket by bucket, into ``out``
+        (``FlatHome``)."""
+        self.home.grad_norm_terms(norm_type, out)
 
     def averaged_grads(self) -> list:
         """This rank's averaged shard of each bucket, in order (zeros where none was

@@ -58,7 +58,9 @@ class Spec:
     int8 average's error buffers (None: none); ``offload``: where the optimizer
     state lives when not beside the parameters (None; "cpu": host memory,
     ``zero_triton.optim.offload``); ``offload_fraction``: the share of it offloaded (1: all;
-    between 0 and 1: the rest of each shard stays beside the parameters)."""
+    between 0 and 1: the rest of each shard stays beside the parameters); ``capturable``:
+    a step a CUDA graph can capture (torch's keyword: every buffer it uses made before,
+    nothing read on the host; docs/capture.md)."""
 
     backend: str = "auto"
     master_weights: bool | str = True
@@ -73,10 +75,12 @@ class Spec:
     error_feedback: torch.dtype | None = None
     offload: str | None = None
     offload_fraction: float = 1.0
+    capturable: bool = False
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
-              stage=1, max_grad_norm=None, differentiable=False, moments="fp32") -> "Spec":
+              stage=1, max_grad_norm=None, differentiable=False, moments="fp32",
+              capturable=False) -> "Spec":
         """The constructor's keywords, checked in the order the optimizers have always
         checked them (each error names the fix; nothing has changed yet)."""
         if isinstance(master_weights, str):
@@ -121,13 +125,18 @@ class Spec:
             raise ValueError(f"moments={moments!r} cannot be used with differentiable=True: "
                              "autograd through the step needs torch's own float state; use "
                              "moments='fp32' (the default)")
+        check_flag("capturable", capturable)
+        if capturable and differentiable:
+            raise ValueError("capturable=True cannot be used with differentiable=True: the "
+                             "differentiable step is torch's, building an autograd graph at "
+                             "each step; leave one of them out")
         master = True if master_weights is None else (
             master_weights if isinstance(master_weights, str) else bool(master_weights))
         return cls(backend=backend, master_weights=master,
                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                    differentiable=bool(differentiable), moments=moments,
-                   reduce_codec=reduce_codec,
+                   reduce_codec=reduce_codec, capturable=bool(capturable),
                    error_feedback=FEEDBACK[True] if reduce_codec else None)
 
     def with_offload(self, offload=None, offload_fraction=None) -> "Spec":
@@ -152,6 +161,10 @@ class Spec:
             raise ValueError("offload='cpu' cannot be used with differentiable=True: autograd "
                              "through the step needs torch's own state beside the parameters; "
                              "leave offload out")
+        if offload is not None and self.capturable:
+            raise ValueError("offload='cpu' cannot be used with capturable=True: the offloaded "
+                             "state is stepped by the host, which a CUDA graph cannot capture "
+                             "(it records device work only); leave one of them out")
         fraction = 1.0 if offload_fraction is None or offload is None else float(offload_fraction)
         return dataclasses.replace(self, offload=offload, offload_fraction=fraction)
 
@@ -266,5 +279,6 @@ class Spec:
         """What a copy (``copy.deepcopy``, ``pickle``) of a one-process optimizer keeps."""
         return {"master_weights": self.master_weights, "backend": self.backend,
                 "max_grad_norm": self.max_grad_norm, "moments": self.moments,
+                "capturable": self.capturable,
                 **({"offload": self.offload, "offload_fraction": self.offload_fraction}
                    if self.offload else {})}

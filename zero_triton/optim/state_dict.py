@@ -27,6 +27,12 @@ from zero_triton.state.shards import MASTER
 # optimizer: a torch.optim.Adam loading our state dict behaves as its defaults.
 TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
 
+
+def group_keys(differentiable: bool, capturable: bool) -> dict:
+    """torch.optim.Adam's implementation keys of a param group, as built."""
+    return {**TORCH_GROUP_KEYS, "differentiable": differentiable, "capturable": capturable}
+
+
 # Elements gathered per rank per round: bounds the receiver's transient buffers to
 # world_size * this * 4 bytes on top of the one full copy it returns.
 GATHER_CHUNK = 4 << 20

@@ -144,11 +144,11 @@ class ZeroAdam(FusedAdam, Joinable):
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
-                          moments=moments).with_wire(gather_dtype, error_feedback) \
+                          moments=moments, capturable=capturable).with_wire(gather_dtype, error_feedback) \
             .with_offload(offload, offload_fraction)
         compress = _compressing(spec)
         if device_mesh is not None and device_mesh.ndim == 2:
-            comm = HybridComm(device_mesh, wrap=compress)
+            comm = HybridComm(device_mesh, wrap=compress, keep=spec.capturable)
         else:
             comm = compress(GroupComm(device_mesh.get_group() if device_mesh is not None
                                       else process_group))
@@ -352,7 +352,7 @@ def _compressing(spec):
     if spec.gather_codec is None and spec.reduce_codec is None:
         return lambda comm: comm
     return lambda comm: Int8Comm(comm, gather=spec.gather_codec, reduce=spec.reduce_codec,
-                                 feedback=spec.error_feedback)
+                                 feedback=spec.error_feedback, keep=spec.capturable)
 
 
 def _check_mesh_device(device_mesh, groups) -> None:
