@@ -231,3 +231,24 @@ def test_what_cannot_be_captured_is_refused_at_construction(kw, match):
     with pytest.raises(ValueError, match=match):
         zero_triton.FusedAdamW(model.parameters(), capturable=True, **kw)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def _rank_served(rank, world):
+    import torch.distributed as dist
+    sds = []
+    for capturable in (False, True):
+        model, opt, _ = _train(rank, zero_triton.ZeroAdamW, torch.float32, dict(stage=2), {}, capturable)
+        sds.append(opt.state_dict() if rank == 0 else None)  # rank 1's server answers
+        dist.barrier()
+    if rank:
+        return True
+    plain, captured = sds
+    return all(torch.equal(plain["state"][k][n], captured["state"][k][n])
+               for k in plain["state"] for n in plain["state"][k] if n != "step")
+
+
+def test_a_peer_reads_a_capturable_optimizers_state_from_its_shard_server():
+    """The shard server answers rank 0's state_dict() from a capturable optimizer's
+    state: no version or event follows a replayed step, so it waits for the device and
+    copies afresh; the state is the one the default optimizer holds."""
+    assert all(run_ranks(_rank_served, 2, timeout=RANK_TIMEOUT_S))

@@ -61,6 +61,11 @@ OK, NO_OPTIMIZER, FAILED, STEPS, LAYOUT, LOADS = range(6)
 REGISTER_WAIT_S = 30.0  # at most this long for an optimizer still being built to register
 
 
+# ``Answer.ready``: wait for everything queued on the device (a state that CUDA graph
+# replays write, which record no event: capturable=True).
+AFTER_DEVICE = "after the device"
+
+
 @dataclass
 class Answer:
     """What a provider returns: the header (``HEADER_WORDS`` ints, status first), the
@@ -211,8 +216,10 @@ class ShardServer:
         if stream is None:
             stream = self.streams[device] = torch.cuda.Stream(device)
         host = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) for c in chunks]
+        if answer.ready is AFTER_DEVICE:
+            torch.cuda.synchronize(device)
         with torch.cuda.stream(stream):
-            for event in answer.ready or ():
+            for event in () if answer.ready is AFTER_DEVICE else answer.ready or ():
                 stream.wait_event(event)
             for h, c in zip(host, chunks):
                 h.copy_(c, non_blocking=True)

@@ -34,6 +34,10 @@ class ServedState:
         # every rank as steps are, at their ends: the shard server waits for a peer's count.
         self.loads = 0
         self.settled = threading.Condition()
+        # capturable=True: a replayed step writes the state without this Python, so no
+        # version or event follows it: every answer waits for the device and is copied
+        # afresh (``serve.AFTER_DEVICE``).
+        self.capturable = optimizer.spec.capturable
         server.register(agreement.ordinal, self.answer)
 
     def _seat(self):
@@ -51,8 +55,11 @@ class ServedState:
 
     def written(self) -> None:
         """Mark a write of the state (a step's kernels, a load, a reset): a new version
-        and, per GPU, an event on the current stream after it."""
+        and, per GPU, an event on the current stream after it (none under capturable:
+        an event recorded while a graph is captured is not one a replay records)."""
         self.version += 1
+        if self.capturable:
+            return
         for device in {flat.device for flat in self._flats() if flat.device.type == "cuda"}:
             event = self.events.get(device)
             if event is None:
@@ -101,5 +108,8 @@ class ServedState:
             header[0] = serve.LAYOUT
         if header[0] != serve.OK:
             return serve.Answer(header)
+        if self.capturable:
+            return serve.Answer(header, adam_state.shard_chunks(flats, self._chunk()),
+                                ready=serve.AFTER_DEVICE)
         return serve.Answer(header, adam_state.shard_chunks(flats, self._chunk()),
                             ready=list(self.events.values()), version=self.version)
