@@ -252,3 +252,20 @@ def test_a_peer_reads_a_capturable_optimizers_state_from_its_shard_server():
     state: no version or event follows a replayed step, so it waits for the device and
     copies afresh; the state is the one the default optimizer holds."""
     assert all(run_ranks(_rank_served, 2, timeout=RANK_TIMEOUT_S))
+
+
+def _rank_join(rank, world):
+    from torch.distributed.algorithms.join import Join
+    model = _model(torch.float32)
+    opt = zero_triton.ZeroAdamW(model.parameters(), lr=torch.tensor(1e-2), capturable=True)
+    try:
+        with Join([opt]):
+            pass
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_join_is_refused_with_the_reason():
+    for message in run_ranks(_rank_join, 2, timeout=RANK_TIMEOUT_S):
+        assert message is not None and "capturable=True) under torch's Join" in message, message

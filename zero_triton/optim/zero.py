@@ -182,6 +182,12 @@ class ZeroAdam(FusedAdam, Joinable):
         """What a rank that ran out of inputs runs under ``Join`` while others have some
         (``Join`` passes every joinable the same keywords; DDP's
         ``divide_by_initial_world_size`` is the one that concerns averaging)."""
+        if self._spec.capturable:
+            raise ValueError(
+                "ZeroAdam(capturable=True) under torch's Join: a rank that ran out of inputs "
+                "shadows the others' steps from the host, which a captured step never "
+                "consults (it agrees on the device); give every rank the same number of "
+                "batches (DistributedSampler(drop_last=True)), or leave capturable out")
         if not kwargs.get("divide_by_initial_world_size", True):
             raise ValueError(
                 "ZeroAdam under Join averages over the initial world size (a joined rank's "
