@@ -269,3 +269,35 @@ def _rank_join(rank, world):
 def test_join_is_refused_with_the_reason():
     for message in run_ranks(_rank_join, 2, timeout=RANK_TIMEOUT_S):
         assert message is not None and "capturable=True) under torch's Join" in message, message
+
+
+def _rank_fsdp2(rank, world, kw):
+    from torch.distributed.fsdp import fully_shard
+    out = []
+    for capturable in (False, True):
+        model = _model(torch.float32)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=torch.tensor(1e-2),
+                                     capturable=capturable, **kw)
+        recordings = []
+        for t in range(STEPS):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * t + rank))
+            model(x).pow(2).mean().backward()
+            recordings.append(record(opt.step) if t >= STEPS - 2 else opt.step())
+            opt.zero_grad(set_to_none=False)
+        out.append(([p.full_tensor() for p in model.parameters()], recordings[-2:]))
+    (plain, _), (captured, (first, second)) = out
+    return all(torch.equal(a, b) for a, b in zip(plain, captured)), first.problems(second)
+
+
+@pytest.mark.parametrize("kw", [dict(max_grad_norm=0.05), dict(moments="int8")],
+                         ids=["clipped", "int8 moments"])
+def test_fsdp2_dtensors_capturable_step_allocates_nothing_and_repeats(kw):
+    """FusedAdamW over FSDP2's DTensors at 2 ranks: the list launch, and clipping by the
+    norm over each parameter's mesh in kept buffers."""
+    for rank, (same, problems) in enumerate(run_ranks(_rank_fsdp2, 2, kw, timeout=RANK_TIMEOUT_S)):
+        assert not problems, f"rank {rank}: " + "; ".join(problems)
+        assert same, f"rank {rank}: capturable=True changed the parameters"

@@ -44,11 +44,17 @@ def global_norm(flats: list, comm, norm_type: float, buffers: Buffers) -> torch.
     # Over ranks, in float64: the sum of per-shard parts then rounds to the same float32
     # for any bucket size (whose shards split the sum differently).
     acc = torch.float32 if inf else torch.float64 if comm.world_size > 1 or all(engine) else torch.float32
-    if all(engine):
-        terms = [f.grad_norm_term(norm_type, acc) for f in flats]
-        total = torch.stack([t.to(device) for t in terms])
-        total = total.max() if inf else total.sum()
-        return total if inf else (total ** (1.0 / norm_type)).float()
+    if all(engine):  # each flat buffer's term reduced over its meshes, then added here
+        terms = buffers("engine terms", len(flats), acc, device)
+        for f, term in zip(flats, terms):
+            term.copy_(f.grad_norm_term(norm_type, acc, buffers))
+        total = buffers("total", 1, acc, device).view(())
+        (torch.amax if inf else torch.sum)(terms, dim=0, out=total)
+        if inf:
+            return total
+        norm = buffers("norm", 1, torch.float32, device)
+        norm.copy_(total.pow_(1.0 / norm_type))
+        return norm.view(())
     # Per flat buffer, its buckets' terms summed (the largest for inf), then over the
     # flat buffers: the two sums torch.stack(...).sum() made, into kept tensors.
     counts = [len(f.buckets) for f in flats]

@@ -266,34 +266,36 @@ class EngineHome:
     def gather(self, k: int) -> None:  # the engine gathers its own parameters
         pass
 
-    def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
+    def grad_norm_term(self, norm_type: float, dtype, buffers) -> torch.Tensor:
         """The ``norm_type`` norm's term of these gradients over every rank of their
         meshes: the sum of |g|^norm_type (each element once: a local shard replicated
         over a mesh dimension is counted once) or the largest |g|, reduced over each
-        parameter's mesh."""
+        parameter's mesh; computed in ``buffers`` (``clipping.Buffers``: kept under
+        capturable=True, so that nothing is allocated)."""
+        inf = norm_type == math.inf
         by_mesh: dict = {}
-        for p, g in zip(self.params, self.grad_buffer.grads):
-            # Every mesh takes part, with or without gradients: its ranks reduce together.
-            if g is None or not g.numel():
-                term = torch.zeros((), dtype=dtype, device=self.device)
-            elif norm_type == math.inf:
-                term = g.abs().max().to(dtype)
-            else:
-                term = torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type / _replicas(p)
-            by_mesh.setdefault(p.device_mesh, []).append(term)
-        totals = []
-        for mesh, terms in by_mesh.items():
-            total = torch.stack(terms)
-            total = total.max() if norm_type == math.inf else total.sum()
-            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        for i, p in enumerate(self.params):  # every mesh takes part, with or without gradients
+            by_mesh.setdefault(p.device_mesh, []).append(i)
+        totals = buffers(f"engine {self.key} meshes", len(by_mesh), dtype, self.device)
+        for (mesh, members), total in zip(by_mesh.items(), totals):
+            terms = buffers(f"engine {self.key} terms", len(members), dtype, self.device)
+            for i, term in zip(members, terms):
+                g, p = self.grad_buffer.grads[i], self.params[i]
+                if g is None or not g.numel():
+                    term.zero_()
+                    continue
+                torch.linalg.vector_norm(g, norm_type, dtype=dtype, out=term)
+                if not inf:
+                    term.pow_(norm_type).div_(_replicas(p))
+            (torch.amax if inf else torch.sum)(terms, dim=0, out=total)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
             for d in range(mesh.ndim):  # over the whole mesh, one dimension at a time
                 if mesh.size(d) > 1:
                     dist.all_reduce(total, op=op, group=mesh.get_group(d))
-            totals.append(total)
-        if not totals:
-            return torch.zeros((), dtype=dtype, device=self.device)
-        total = torch.stack(totals)
-        return total.max() if norm_type == math.inf else total.sum()
+        out = buffers(f"engine {self.key} term", 1, dtype, self.device).view(())
+        if not by_mesh:
+            return out.zero_()
+        return (torch.amax if inf else torch.sum)(totals, dim=0, out=out)
 
     # -- the state, as DTensors ---------------------------------------------------------
     def views(self, views: dict) -> dict:

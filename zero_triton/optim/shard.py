@@ -277,10 +277,10 @@ class Shard:
         for k in ks:
             self.home.finished(k)
 
-    def grad_norm_term(self, norm_type: float, dtype) -> torch.Tensor:
+    def grad_norm_term(self, norm_type: float, dtype, buffers) -> torch.Tensor:
         """This rank's part of the gradient norm, in ``dtype``, reduced over each DTensor
-        parameter's mesh (``EngineHome``)."""
-        return self.home.grad_norm_term(norm_type, dtype)
+        parameter's mesh (``EngineHome``), in ``buffers``."""
+        return self.home.grad_norm_term(norm_type, dtype, buffers)
 
     def grad_norm_terms(self, norm_type: float, out: torch.Tensor) -> None:
         """This rank's part of the gradient norm, bucket by bucket, into ``out``
