@@ -38,9 +38,10 @@ from torch.utils._pytree import tree_flatten
 # Ops that read a tensor's value on the host (a sync on a GPU).
 HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero",
                  "aten::nonzero_static", "aten::equal"}
-# Tensor methods that read values on the host without an op on a CPU tensor.
-HOST_READ_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
-                     "__complex__"}
+# Tensor methods that read values on the host without an op on a CPU tensor (``cpu``: a
+# copy to the host, a sync on a GPU).
+HOST_READ_METHODS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__",
+                     "__index__", "__complex__"}
 # Ops that make a tensor from host data (``torch.tensor(...)``): an allocation whose value
 # a replay would not see change.
 FROM_HOST = {"aten::lift_fresh", "aten::scalar_tensor"}
