@@ -301,3 +301,16 @@ def test_fsdp2_dtensors_capturable_step_allocates_nothing_and_repeats(kw):
     for rank, (same, problems) in enumerate(run_ranks(_rank_fsdp2, 2, kw, timeout=RANK_TIMEOUT_S)):
         assert not problems, f"rank {rank}: " + "; ".join(problems)
         assert same, f"rank {rank}: capturable=True changed the parameters"
+
+
+@pytest.mark.parametrize("kw, dtype", [(dict(backend="torch"), torch.float32), ({}, torch.float64)],
+                         ids=["torch backend", "float64"])
+def test_a_step_that_reads_its_scalars_on_the_host_is_refused(kw, dtype):
+    """torch's ops (backend='torch', or float64 parameters) read lr and the step count on
+    the host: refused with the reason, the parameters untouched."""
+    model = _model(dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="read lr, the step count"):
+        zero_triton.FusedAdamW(model.parameters(), capturable=True, **kw)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())

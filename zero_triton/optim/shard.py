@@ -97,6 +97,7 @@ class Shard:
              bucket_numel=None) -> "Shard":
         """``params`` re-homed into a flat buffer of ours (``FlatHome``)."""
         cls._check_master(spec, real_dtype(params[0].dtype))  # before the parameters are re-homed
+        cls._check_capturable(spec, real_dtype(params[0].dtype), params[0].device)
         return cls(FlatHome(params, comm, spec, key=key, reducer=reducer, bucket_numel=bucket_numel),
                    spec, amsgrad=amsgrad, key=key)
 
@@ -105,7 +106,23 @@ class Shard:
         """DTensor ``params`` stepped where their engine keeps them (``EngineHome``)."""
         home = EngineHome(params, comm, spec, key=key)
         cls._check_master(spec, home.dtype)
+        cls._check_capturable(spec, home.dtype, home.device)
         return cls(home, spec, amsgrad=amsgrad, key=key)
+
+    @staticmethod
+    def _check_capturable(spec, dtype, device) -> None:
+        """capturable=True needs a kernel that reads lr, step and the flags on the device:
+        torch's ops (float64 parameters, or no kernel here) read them on the host."""
+        if not spec.capturable or device.type == "meta":
+            return
+        backend = "torch" if dtype == torch.float64 else backends.resolve(spec.backend, device)
+        if backend == "torch":
+            raise ValueError(
+                f"capturable=True with {dtype} parameters on {device}: they would be stepped by "
+                "torch's ops, which read lr, the step count and GradScaler's flag on the host "
+                "(a sync a CUDA graph cannot capture). Step float32/bf16/fp16 parameters with a "
+                "kernel (backend='auto' with Triton or the extension built), or leave "
+                "capturable out")
 
     @staticmethod
     def _check_master(spec, dtype) -> None:
