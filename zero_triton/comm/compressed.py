@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_triton.state.buffers import PLAIN
+from zero_triton.state.buffers import PLAIN, Kept
 
 from .group import settled
 
@@ -217,14 +217,14 @@ class Int8Comm:
         self.inner = inner
         self.gather_codec, self.reduce_codec, self.feedback = gather, reduce, feedback
         for name in ("rank", "world_size", "group", "process_group", "replica", "replicas",
-                     "members", "buffers"):
+                     "members"):
             setattr(self, name, getattr(inner, name))
-        self.errors: dict = {}  # (name, numel) -> this rank's error buffer of that input
-        self.scratch = Scratch(self.buffers)
         # keep (capturable=True): each launch's payloads kept for the next, by its name
         # (a bucket's), so that a captured step sends from and receives into the same
         # memory at every replay; else made per launch and let go at its wait.
-        self.keep, self.payloads = keep, {}
+        self.buffers = Kept() if keep else inner.buffers
+        self.errors: dict = {}  # (name, numel) -> this rank's error buffer of that input
+        self.scratch = Scratch(self.buffers)
 
     @property
     def wire_prefix(self) -> str:
@@ -247,17 +247,7 @@ class Int8Comm:
 
     def held_bytes(self) -> int:
         """The error buffers' bytes (the price of error feedback) and the payloads kept."""
-        return sum(e.numel() * e.element_size() for e in (*self.errors.values(), *self.payloads.values()))
-
-    def _payload(self, name: str, role: str, nbytes: int, device) -> torch.Tensor:
-        """A launch's payload buffer: kept by ``name`` and ``role`` under ``keep``."""
-        if not self.keep:
-            return self.buffers.empty(nbytes, torch.uint8, device)
-        key = (name, role, nbytes, device)
-        buf = self.payloads.get(key)
-        if buf is None:
-            buf = self.payloads[key] = self.buffers.empty(nbytes, torch.uint8, device)
-        return buf
+        return self.buffers.nbytes() + sum(e.numel() * e.element_size() for e in self.errors.values())
 
     # -- the gradients ---------------------------------------------------------------
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
@@ -279,7 +269,7 @@ class Int8Comm:
         if error is not None:
             error = error.view(w, n)
         p = payload_bytes(n)
-        send = self._payload(name, "send", w * p, device).view(w, p)
+        send = self.buffers.kept((name, "send"), w * p, torch.uint8, device).view(w, p)
         x = self.scratch.get("sent", n, device)
         for k in range(w):
             if k == r:
@@ -293,7 +283,7 @@ class Int8Comm:
         # This rank's own chunk does not travel: read exact, from ``inp`` (busy until the
         # wait), at the wait; nothing of it is dropped, so its error stays zero.
         own = chunks[r]
-        recv = self._payload(name, "recv", w * p, device).view(w, p)
+        recv = self.buffers.kept((name, "recv"), w * p, torch.uint8, device).view(w, p)
         handle = self.inner.exchange(recv, send, async_op=True, name=name, kind="reduce_scatter")
         payloads = [None if k == r else recv[k] for k in range(w)]
         return settled(_Summed(handle, self, payloads, own, out, accumulate, n), async_op)
@@ -327,7 +317,7 @@ class Int8Comm:
         kept and added to its values the next time."""
         n = values.numel()
         p = payload_bytes(n)
-        buf = self._payload(name, "gather", self.world_size * p, values.device)
+        buf = self.buffers.kept((name, "gather"), self.world_size * p, torch.uint8, values.device)
         mine = buf.view(self.world_size, p)[self.rank]
         x = values
         if error is not None:

@@ -34,6 +34,8 @@ import collections
 
 import torch
 
+from zero_triton.state.buffers import Kept
+
 from .group import GroupComm, settled
 
 
@@ -101,7 +103,7 @@ class HybridComm:
         self.process_group = self.shard.process_group
         self.rank, self.world_size = self.shard.rank, self.shard.world_size
         self.replica, self.replicas = self.replicate.rank, self.replicate.world_size
-        self.buffers = self.shard.buffers
+        self.buffers = Kept() if keep else self.shard.buffers
         # The ranks of this rank's shard group, as ``everyone`` numbers them, by shard.
         self.members = [dist.get_group_rank(self.everyone.process_group, g)
                         for g in dist.get_process_group_ranks(self.process_group)]
@@ -110,17 +112,6 @@ class HybridComm:
         # its own name.
         self.shard.wire_prefix, self.replicate.wire_prefix = "", "replicas."
         self.wire_prefix = ""
-        self.keep, self.kept = keep, {}
-
-    def _buffer(self, name: str, role: str, numel: int, dtype, device) -> torch.Tensor:
-        """An average's buffer: made for it, or kept by ``name`` under ``keep``."""
-        if not self.keep:
-            return self.buffers.empty(numel, dtype, device)
-        key = (name, role, numel, dtype, device)
-        buf = self.kept.get(key)
-        if buf is None:
-            buf = self.kept[key] = self.buffers.empty(numel, dtype, device)
-        return buf
 
     # -- the gradient average ----------------------------------------------------------
     def recv_numel(self, numel: int, into_out: bool = True) -> int:
@@ -139,10 +130,10 @@ class HybridComm:
         if self.replicas == 1:
             return self.shard.reduce_scatter_avg(out, inp, recv, async_op, name, accumulate)
         chunk = -(-m // self.replicas)
-        tmp = self._buffer(name, "row", chunk * self.replicas, out.dtype, out.device)
+        tmp = self.buffers.kept((name, "row"), chunk * self.replicas, out.dtype, out.device)
         if tmp.numel() > m:
             tmp[m:].zero_()
-        part = self._buffer(name, "column", chunk, out.dtype, out.device)
+        part = self.buffers.kept((name, "column"), chunk, out.dtype, out.device)
         self.advance()
         first = self.shard.reduce_scatter_avg(tmp[:m], inp, recv, async_op=True, name=name)
         column = f"{name} (replicas)"
@@ -211,8 +202,7 @@ class HybridComm:
     def held_bytes(self) -> int:
         """The compressed averages' error buffers, both hops (``comm.compressed``), and
         the buffers kept."""
-        return self.shard.held_bytes() + self.replicate.held_bytes() + sum(
-            t.numel() * t.element_size() for t in self.kept.values())
+        return self.shard.held_bytes() + self.replicate.held_bytes() + self.buffers.nbytes()
 
     @property
     def wire(self) -> dict:

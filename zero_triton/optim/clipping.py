@@ -6,23 +6,7 @@ import math
 
 import torch
 
-
-class Buffers:
-    """Where clipping computes: tensors made at the first call and kept (``keep``:
-    capturable=True, so that a captured step reads and writes the same memory at every
-    replay), or made afresh at every call (the norms handed out stay as they were)."""
-
-    def __init__(self, keep: bool):
-        self.keep, self.made = keep, {}
-
-    def __call__(self, name: str, n: int, dtype, device) -> torch.Tensor:
-        key = (name, n, dtype, device)
-        t = self.made.get(key)
-        if t is None:
-            t = torch.zeros(n, dtype=dtype, device=device)
-            if self.keep:
-                self.made[key] = t
-        return t
+from zero_triton.state.buffers import Buffers, buffers_for
 
 
 def global_norm(flats: list, comm, norm_type: float, buffers: Buffers) -> torch.Tensor:
@@ -30,8 +14,8 @@ def global_norm(flats: list, comm, norm_type: float, buffers: Buffers) -> torch.
     ``flats`` (no host sync), a 0-dim float32 tensor: the shards' terms are reduced over
     ``comm`` (one all-reduce), or, for DTensor parameters' shards, over their meshes
     (``zero_triton.optim.engine_home``), as torch's clip_grad_norm_ reduces DTensors.
-    Our own flat buffers' norm is computed in ``buffers``, allocating nothing once they
-    are kept."""
+    Computed in ``buffers``' ``kept`` tensors: nothing is allocated once they are kept
+    (``state.buffers.Kept``, capturable=True)."""
     engine = [f.engine_owned for f in flats]
     if any(engine) and not all(engine):
         raise RuntimeError(
@@ -44,41 +28,33 @@ def global_norm(flats: list, comm, norm_type: float, buffers: Buffers) -> torch.
     # Over ranks, in float64: the sum of per-shard parts then rounds to the same float32
     # for any bucket size (whose shards split the sum differently).
     acc = torch.float32 if inf else torch.float64 if comm.world_size > 1 or all(engine) else torch.float32
+    reduce = torch.amax if inf else torch.sum
+    total = buffers.kept("total", 1, acc, device)
     if all(engine):  # each flat buffer's term reduced over its meshes, then added here
-        terms = buffers("engine terms", len(flats), acc, device)
+        terms = buffers.kept("engine terms", len(flats), acc, device)
         for f, term in zip(flats, terms):
             term.copy_(f.grad_norm_term(norm_type, acc, buffers))
-        total = buffers("total", 1, acc, device).view(())
-        (torch.amax if inf else torch.sum)(terms, dim=0, out=total)
-        if inf:
-            return total
-        norm = buffers("norm", 1, torch.float32, device)
-        norm.copy_(total.pow_(1.0 / norm_type))
-        return norm.view(())
-    # Per flat buffer, its buckets' terms summed (the largest for inf), then over the
-    # flat buffers: the two sums torch.stack(...).sum() made, into kept tensors.
-    counts = [len(f.buckets) for f in flats]
-    terms = buffers("terms", sum(counts), acc, device)
-    totals = buffers("totals", len(flats), acc, device)
-    at = 0
-    for i, (f, n) in enumerate(zip(flats, counts)):
-        f.grad_norm_terms(norm_type, terms[at:at + n])
-        if not n:
-            totals[i].zero_()
-        elif inf:
-            torch.amax(terms[at:at + n], dim=0, out=totals[i])
-        else:
-            torch.sum(terms[at:at + n], dim=0, out=totals[i])
-        at += n
-    total = buffers("total", 1, acc, device)
-    if inf:
-        torch.amax(totals, dim=0, keepdim=True, out=total)
+        reduce(terms, dim=0, keepdim=True, out=total)
     else:
-        torch.sum(totals, dim=0, keepdim=True, out=total)
-    comm.all_reduce(total, "max" if inf else "sum")
+        # Per flat buffer, its buckets' terms summed (the largest for inf), then over the
+        # flat buffers: the two sums torch.stack(...).sum() made, into kept tensors; then
+        # over the ranks.
+        counts = [len(f.buckets) for f in flats]
+        terms = buffers.kept("terms", sum(counts), acc, device)
+        totals = buffers.kept("totals", len(flats), acc, device)
+        at = 0
+        for i, (f, n) in enumerate(zip(flats, counts)):
+            f.grad_norm_terms(norm_type, terms[at:at + n])
+            if n:
+                reduce(terms[at:at + n], dim=0, out=totals[i])
+            else:
+                totals[i].zero_()
+            at += n
+        reduce(totals, dim=0, keepdim=True, out=total)
+        comm.all_reduce(total, "max" if inf else "sum")
     if inf:
         return total.view(())
-    norm = buffers("norm", 1, torch.float32, device)
+    norm = buffers.kept("norm", 1, torch.float32, device)
     norm.copy_(total.pow_(1.0 / norm_type))
     return norm.view(())
 
@@ -90,13 +66,13 @@ def coefficient(total: torch.Tensor, max_norm: float, grad_scale, previous, buff
     function would see the clipped gradients and clip them again (the two multiply)."""
     device = total.device
     if grad_scale is not None:
-        unscaled = buffers("unscaled", 1, torch.float32, device).view(())
+        unscaled = buffers.kept("unscaled", 1, torch.float32, device).view(())
         total = torch.div(total, grad_scale.to(device, torch.float32).reshape(()), out=unscaled)
     if previous is None:
-        return total, factor(total, max_norm, buffers("coef", 1, torch.float32, device))
-    clipped = buffers("clipped", 1, torch.float32, device).view(())
+        return total, factor(total, max_norm, buffers.kept("coef", 1, torch.float32, device))
+    clipped = buffers.kept("clipped", 1, torch.float32, device).view(())
     total = torch.mul(total, previous.reshape(()), out=clipped)
-    return total, previous.mul_(factor(total, max_norm, buffers("factor", 1, torch.float32, device)))
+    return total, previous.mul_(factor(total, max_norm, buffers.kept("factor", 1, torch.float32, device)))
 
 
 def factor(total: torch.Tensor, max_norm: float, out=None) -> torch.Tensor:
@@ -120,7 +96,7 @@ class Clipping:
     def __init__(self, keep: bool = False):
         self.coef = None
         self.given: list = []
-        self.buffers = Buffers(keep)  # kept: capturable=True
+        self.buffers = buffers_for(keep)  # kept: capturable=True
 
     def reset(self) -> None:
         self.coef = None

@@ -270,15 +270,15 @@ class EngineHome:
         """The ``norm_type`` norm's term of these gradients over every rank of their
         meshes: the sum of |g|^norm_type (each element once: a local shard replicated
         over a mesh dimension is counted once) or the largest |g|, reduced over each
-        parameter's mesh; computed in ``buffers`` (``clipping.Buffers``: kept under
-        capturable=True, so that nothing is allocated)."""
+        parameter's mesh; computed in ``buffers``' ``kept`` tensors (``state.buffers.Kept``
+        under capturable=True: nothing is allocated)."""
         inf = norm_type == math.inf
         by_mesh: dict = {}
         for i, p in enumerate(self.params):  # every mesh takes part, with or without gradients
             by_mesh.setdefault(p.device_mesh, []).append(i)
-        totals = buffers(f"engine {self.key} meshes", len(by_mesh), dtype, self.device)
+        totals = buffers.kept(f"engine {self.key} meshes", len(by_mesh), dtype, self.device)
         for (mesh, members), total in zip(by_mesh.items(), totals):
-            terms = buffers(f"engine {self.key} terms", len(members), dtype, self.device)
+            terms = buffers.kept(f"engine {self.key} terms", len(members), dtype, self.device)
             for i, term in zip(members, terms):
                 g, p = self.grad_buffer.grads[i], self.params[i]
                 if g is None or not g.numel():
@@ -292,7 +292,7 @@ class EngineHome:
             for d in range(mesh.ndim):  # over the whole mesh, one dimension at a time
                 if mesh.size(d) > 1:
                     dist.all_reduce(total, op=op, group=mesh.get_group(d))
-        out = buffers(f"engine {self.key} term", 1, dtype, self.device).view(())
+        out = buffers.kept(f"engine {self.key} term", 1, dtype, self.device).view(())
         if not by_mesh:
             return out.zero_()
         return (torch.amax if inf else torch.sum)(totals, dim=0, out=out)

@@ -26,5 +26,38 @@ class Buffers:
         """A zeroed tensor of ``size`` (an int or a shape)."""
         return torch.zeros(size, dtype=dtype, device=device)
 
+    def kept(self, key, size, dtype: torch.dtype, device) -> torch.Tensor:
+        """The buffer of one use, named by ``key`` (a bucket's payload, clipping's
+        norm): here a fresh one at every call (``Kept``: the same one)."""
+        return self.empty(size, dtype, device)
+
+    def nbytes(self) -> int:
+        """Bytes held between calls."""
+        return 0
+
+
+class Kept(Buffers):
+    """Fresh tensors, except ``kept`` ones: made at the first call of each key and
+    handed out again after, so that a captured step (capturable=True) reads and writes
+    the same memory at every replay."""
+
+    def __init__(self):
+        self.held: dict = {}
+
+    def kept(self, key, size, dtype: torch.dtype, device) -> torch.Tensor:
+        full = (key, size, dtype, torch.device(device))
+        t = self.held.get(full)
+        if t is None:
+            t = self.held[full] = self.empty(size, dtype, device)
+        return t
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.held.values())
+
 
 PLAIN = Buffers()
+
+
+def buffers_for(keep: bool) -> Buffers:
+    """``Kept`` buffers under capturable=True (``keep``), else ``PLAIN``."""
+    return Kept() if keep else PLAIN
