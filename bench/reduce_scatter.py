@@ -4,12 +4,14 @@
 ZeroAdam averages a bucket by moving each chunk to its owner (on gloo a send and a
 receive per peer) and summing in rank order
 (``zero_triton.comm.group.GroupComm.reduce_scatter_avg``): the same bits for any bucket size;
-and on gloo it gathers a bucket's updated parameters with one in-place broadcast per rank
-(``GroupComm.all_gather``), where gloo's all-gather receives into a temporary of the
-bucket's size and copies it out. This times each against torch's
+and on gloo it gathers a bucket's updated parameters pairwise in place, a send to and a
+receive from each peer (``GroupComm.all_gather``), where gloo's all-gather receives into a
+temporary of the bucket's size and copies it out. This times each against torch's
 (``reduce_scatter_tensor(..., op=AVG)``, ``all_gather_into_tensor``) on the same buffer,
 interleaved, on gloo CPU ranks (one thread each), and prints the median ms of each and
-their ratio per world size.
+their ratio per world size. The gather is also timed against the one it replaced, one
+in-place broadcast per rank (faster on some sizes, but a survivor of a dead peer could
+wait in it for the process group's timeout: ``bench/kill_soak.py``).
 
     python bench/reduce_scatter.py                 # 2 and 4 ranks, 26 MB of fp32
     python bench/reduce_scatter.py --ranks 2,3 --mb 8 --repeats 9
@@ -32,7 +34,17 @@ from zero_triton.tools.units import positive_number, whole_number
 PAIRS = [(("torch reduce_scatter_tensor (AVG)", "average"),
           ("zero_triton pairwise + ordered sum", "average")),
          (("torch all_gather_into_tensor", "gather"),
-          ("zero_triton broadcast per rank", "gather"))]
+          ("zero_triton pairwise gather", "gather")),
+         (("broadcast per rank (the former gather)", "broadcast"),
+          ("zero_triton pairwise gather", "gather"))]
+
+
+def _broadcasts(full, shard, rank, world):
+    """The former gloo gather: one in-place broadcast per rank into its chunk."""
+    chunks = full.view(world, -1)
+    chunks[rank].copy_(shard)
+    for w in [dist.broadcast(c, src=r, async_op=True) for r, c in enumerate(chunks)]:
+        w.wait()
 
 
 def _rank(args, rank, world, device):
@@ -45,7 +57,8 @@ def _rank(args, rank, world, device):
     ops = {}
     for (theirs, torch_op), (ours, our_op) in PAIRS:
         ops[theirs] = {"average": lambda: _reduce_scatter(out, grad, op=dist.ReduceOp.AVG),
-                       "gather": lambda: _all_gather(full, shard)}[torch_op]
+                       "gather": lambda: _all_gather(full, shard),
+                       "broadcast": lambda: _broadcasts(full, shard, rank, world)}[torch_op]
         ops[ours] = {"average": lambda: comm.reduce_scatter_avg(out, grad, recv),
                      "gather": lambda: comm.all_gather(full, shard)}[our_op]
     ms = {k: [] for k in ops}
@@ -78,7 +91,7 @@ def main(argv=None) -> int:
         for (theirs, what), (ours, _) in PAIRS:
             for k in (theirs, ours):
                 print(f"  {k:<40} {med[k]:8.2f} ms  (min-max {min(per_call[k]):.2f}-{max(per_call[k]):.2f})")
-            print(f"  {what}: torch / zero_triton {med[theirs] / med[ours]:.2f}x")
+            print(f"  {what}: {theirs.split(' (')[0]} / {ours}: {med[theirs] / med[ours]:.2f}x")
     return 0
 
 

@@ -553,6 +553,30 @@ def test_a_stalled_rank_fails_the_others_within_the_groups_own_timeout(bucket_ca
     assert "within the process group's timeout (3 s)" in message0, message0
 
 
+@pytest.mark.parametrize("world, phase, overrides", [
+    (3, "gather_params", {"stage": 1, "offload": False, "mesh": None, "bucket_cap_mb": 0.004}),
+    (4, "agreement", {"stage": 2, "offload": True, "mesh": [2, 2], "bucket_cap_mb": 0.02}),
+])
+def test_a_peer_killed_at_a_collective_of_step_fails_every_survivor_within_seconds(world, phase, overrides):
+    """A dead peer at any collective of ``step()`` (docs/reliability.md): SIGKILLed at one
+    of its third step's calls of the named phase (plain processes, no launcher), every
+    survivor raises within seconds naming what failed, and exits. At 3 ranks a gather of
+    one broadcast per rank held a survivor for the process group's timeout (60 s here).
+    ``bench/kill_soak.py`` draws the phase and the call at 2-8 ranks."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "kill_soak.py"
+    spec = importlib.util.spec_from_file_location("kill_soak", path)
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    result = soak.run_one(7, world, pg_timeout=60.0, limit=90.0, phase=phase, **overrides)
+    assert not result["bad"], result
+    assert phase in result["phase"], result["phase"]
+    assert len(result["raise"]) == world - 1 and max(result["raise"]) < 10, result
+    assert len(result["exit"]) == world - 1 and max(result["exit"]) < 15, result
+    assert all("failed on rank" in m for m in result["messages"]), result["messages"]
+
+
 # -- items 2 and 3: overlap() and what touches parameters between step and forward -------------
 class _Stat(torch.nn.Module):
     """A parent whose forward reads its children's weights outside their forward, under

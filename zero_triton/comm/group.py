@@ -407,21 +407,28 @@ class GroupComm:
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                    name: str = "all_gather"):
         """``flat`` (``world_size`` chunks of ``shard``'s size) receives every rank's
-        ``shard`` in rank order. On gloo, one broadcast per rank into its chunk, in
-        place: gloo's all-gather receives into a temporary of ``flat``'s size and copies
-        it out, a bucket-sized allocation per gather held while it is in flight."""
+        ``shard`` in rank order. On gloo CPU ranks, pairwise and in place: this rank's
+        chunk sent to each peer and each peer's received into its chunk of ``flat``.
+        gloo's all-gather receives into a temporary of ``flat``'s size and copies it out
+        (a bucket-sized allocation per gather in flight); one broadcast per rank, the
+        gather before, left a survivor waiting for the process group's timeout when a
+        peer died (a binomial tree: a rank that receives a dead root's chunk through
+        another survivor never hears of the death). Pairwise, every survivor receives
+        from every peer, so each one's wait fails as the dead peer's pair closes."""
         if self.world_size > 1:
             self._count("all_gather", shard.numel() * shard.element_size() * (self.world_size - 1))
-        if self.backend != "gloo" or not flat.is_contiguous():
+        if self.backend != "gloo" or not flat.is_contiguous() or flat.device.type != "cpu":
             with self._collective(name, "all_gather"):
                 work = _all_gather(flat, shard, group=self.group, async_op=async_op)
             return Pending(work, self, name) if async_op else None
         chunks = flat.view(self.world_size, -1)
-        if shard.data_ptr() != chunks[self.rank].data_ptr():
-            chunks[self.rank].copy_(shard)
+        own = chunks[self.rank]
+        if shard.data_ptr() != own.data_ptr():
+            own.copy_(shard)
+        if self.world_size == 1:
+            return DONE if async_op else None
         with self._collective(name, "all_gather"):
-            works = [dist.broadcast(chunk, src=self.global_ranks[r], group=self.group, async_op=True)
-                     for r, chunk in enumerate(chunks)]
+            works = self._swap_rows([own] * self.world_size, chunks)
         pending = AllOf(works, self, name)
         return settled(pending, async_op)
 

@@ -29,8 +29,8 @@ while it runs an operator; a hole between operators shorter than ``GLUE_US`` is 
 autograd engine or Python between two of them, a longer one with a collective in
 flight is a wait.
 A gloo range is of the kind of the call that queued it: the last call of the same
-collective before it started (ZeroAdam launches its all-gathers, a broadcast per rank
-on gloo, and its reduce-scatters, a send and a receive per peer, inside ``zero_triton.all_gather`` /
+collective before it started (ZeroAdam launches its all-gathers and its reduce-scatters, on gloo
+a send and a receive per peer each, inside ``zero_triton.all_gather`` /
 ``zero_triton.reduce_scatter`` ranges; its agreement's all-gather on a side group
 inside ``zero_triton.comm.agreement``, an other collective).
 Nothing here knows which optimizer ran: the same reading serves ZeroAdam with or
@@ -268,7 +268,8 @@ def _on_cpu(xs, pid, main, on_main, calls, comm_ranges):
     """(in-flight collectives, compute) on CPU: gloo's ranges on its own threads, and the
     training thread's operators (holes under GLUE_US filled) outside collective calls."""
     # The calls that queue gloo's work, by the collective they run: ZeroAdam's all-gather
-    # is a broadcast per rank on gloo, its reduce-scatter a send and a receive per peer,
+    # and its reduce-scatter are a send and a receive per peer on gloo (told apart by
+    # the range they are queued in),
     # its agreement an all-gather that records no call (its range stands in for it).
     queued = {}
     for e in on_main:
