@@ -94,7 +94,18 @@ def encode(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor
     scales ``scale`` (one per block)."""
     n = x.numel()
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    r = (_by_block(x).abs() * inv[:, None]).reshape(-1)[:n]
+    return _codes(x, (_by_block(x).abs() * inv[:, None]).reshape(-1)[:n], fmt)
+
+
+def encode_each(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+    """``encode`` with each element's block scale given beside it (``scale`` of ``x``'s
+    shape): the same codes, for elements whose blocks are not runs of ``x``."""
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return _codes(x, x.float().abs() * inv, fmt)
+
+
+def _codes(x: torch.Tensor, r: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+    """The codes of ``x`` from ``r = |x| / scale`` (float32, ``x``'s shape)."""
     bits = r.view(torch.int32) + fmt.half
     exp = (bits >> 23) - 127 + fmt.bias  # the binade after rounding, biased
     code = (exp << fmt.man_bits) | ((bits >> fmt.shift) & ((1 << fmt.man_bits) - 1))
@@ -115,6 +126,16 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Te
     bits = (((mag >> fmt.man_bits) - fmt.bias + 127) << 23) | ((mag & ((1 << fmt.man_bits) - 1)) << fmt.shift)
     r = torch.where(mag == 0, torch.zeros_like(bits), bits).view(torch.float32)
     x = (_by_block(r) * scale[:, None]).reshape(-1)[:n]
+    return torch.where(c < 0, -x, x)
+
+
+def decode_each(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+    """``decode`` with each element's block scale given beside it (``scale`` of the
+    codes' shape)."""
+    c = codes.to(torch.int32)
+    mag = c.abs()
+    bits = (((mag >> fmt.man_bits) - fmt.bias + 127) << 23) | ((mag & ((1 << fmt.man_bits) - 1)) << fmt.shift)
+    x = torch.where(mag == 0, torch.zeros_like(bits), bits).view(torch.float32) * scale
     return torch.where(c < 0, -x, x)
 
 

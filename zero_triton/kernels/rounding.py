@@ -50,7 +50,12 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 def random_bits(run_key: int, index0: int, n: int, device) -> torch.Tensor:
     """32 random bits (int64 tensor) for elements ``index0 .. index0 + n - 1``."""
-    index = torch.arange(index0, index0 + n, dtype=torch.int64, device=device)
+    return random_bits_at(run_key, torch.arange(index0, index0 + n, dtype=torch.int64, device=device))
+
+
+def random_bits_at(run_key: int, index: torch.Tensor) -> torch.Tensor:
+    """32 random bits (int64 tensor) for the elements of canonical indices ``index``
+    (int64): what a run of them would draw, for elements that are not one run."""
     lo, hi = index & MASK32, index >> 32
     return _fmix32(lo ^ run_key ^ ((hi * M2) & MASK32))
 

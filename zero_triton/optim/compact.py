@@ -26,10 +26,13 @@ DTensor parameters (FSDP2, tensor parallel) hand DCP their compact form under
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
 Their codes are DTensors of the parameter's shape, mesh and placements, and their scales
-DTensors of shape (rows, row length / 256, 2) with the same placements, so DCP reshards
-both with the parameter: a parameter's blocks are runs of 256 of its rows, whole on one
-rank at every world size (``zero_triton.optim.engine_home.keeps_blocks``); parameters
-whose rows cannot keep them hold fp32 moments, in torch's format. DCP keeps no top-level
+DTensors of shape (rows, row length / 256, 2) whose rows are split as the parameter's, so
+DCP reshards both with the parameter: a parameter's blocks are runs of 256 of its rows
+(``zero_triton.optim.engine_home.blocks_fit``: the same parameters at every layout);
+where a tensor-parallel cut splits blocks between ranks, the ranks agree on their scales
+and each holds those of every block of its rows (replicated over the cut:
+``_scales_placements``). Parameters whose rows are not whole blocks hold fp32 moments, in
+torch's format, at every layout. DCP keeps no top-level
 marker: a compact entry is known by its keys, and ``expand`` and ``load_state_dict``
 take it wherever it is found (``dcp_to_torch_save``'s file included: expanded, it is
 torch's format for ``set_optimizer_state_dict`` of torch's AdamW).
@@ -115,23 +118,28 @@ def compact(opt, state_dict: dict) -> dict:
     return {**state_dict, "state": state, KEY: marker}
 
 
-def _scales_shape(p) -> tuple | None:
-    """The global shape of DTensor ``p``'s int8 scales, (rows, row length / 256, 2), or
-    None where its placements would not shard them as its codes (only ``Shard(0)``,
-    ``Replicate`` and a 2-D parameter's ``Shard(1)`` do)."""
-    shape = tuple(p.shape)
-    for placement in p.placements:
-        if placement.is_replicate():
-            continue
-        if type(placement).__name__ != "Shard" or placement.dim % len(shape) > (1 if len(shape) == 2 else 0):
-            return None
-    return (shape[0], math.prod(shape[1:]) // BLOCK, 2)
+def _scales_placements(p, shared: bool) -> list:
+    """The placements of DTensor ``p``'s int8 scales, a DTensor of global shape (rows,
+    row length / 256, 2): its rows split as ``p``'s (``Shard(0)``, ``_StridedShard(0)``);
+    a cut of its rows splits the blocks as ``Shard(1)`` where each rank holds whole blocks,
+    and replicates them where ranks share blocks (``shared``: each then holds the agreed
+    scales of every block of its rows, ``zero_triton.state.int8_rows``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    out = []
+    for pl in p.placements:
+        if pl.is_replicate() or pl.is_partial() or pl.dim % len(p.shape) == 0:
+            out.append(pl)
+        else:
+            out.append(Replicate() if shared else Shard(1))
+    return out
 
 
 def _engine_entry(flat, i: int, p) -> dict | None:
     """DTensor parameter ``i`` of engine shard ``flat``: its moments as the store keeps
-    them, as DTensors with its mesh and placements (None: torch's format, for a store
-    that is fp32 or placements the scales cannot follow)."""
+    them, as DTensors: the codes with its mesh and placements, the scales of shape (rows,
+    row length / 256, 2) (``_scales_placements``); None for fp32 moments (torch's
+    format). The same keys and global shapes at every layout: DCP moves them between
+    layouts."""
     from torch.distributed.tensor import DTensor
     store, fmt = flat.state.moments, flat.state.moments.format
     if fmt == "fp32":
@@ -140,21 +148,28 @@ def _engine_entry(flat, i: int, p) -> dict | None:
     local = flat.home.locals[i]
     mesh, placements = p.device_mesh, p.placements
 
-    def shared(t, shape=None, stride=None):
+    def shared(t, shape=None, stride=None, placements=placements):
         return DTensor.from_local(t, mesh, placements, run_check=False,
                                   shape=shape or p.shape, stride=stride or p.stride())
     if fmt == "bf16":
         return {FIRST: shared(store.exp_avg[s0:s0 + hi - lo].view(local.shape).clone()),
                 SECOND: shared(store.exp_avg_sq[s0:s0 + hi - lo].view(local.shape).clone())}
-    global_scales = _scales_shape(p)
-    if global_scales is None:
-        return None
-    n, per_row = hi - lo, math.prod(local.shape[1:]) // BLOCK
-    scales = store.scales[s0 // BLOCK:(s0 + n) // BLOCK].reshape(local.shape[0], per_row, 2)
+    shape = tuple(p.shape)
+    global_scales = (shape[0], math.prod(shape[1:]) // BLOCK, 2)
+    n = hi - lo
+    if flat.home.rows:
+        if s0 in store.pending:  # loaded in torch's format, not stepped since: agree now
+            from zero_triton.optim.launch import settle
+            settle(store, s0, flat.home.maps[i])
+        scales = store.table(s0)
+    else:
+        per_row = math.prod(local.shape[1:]) // BLOCK
+        scales = store.scales[s0 // BLOCK:(s0 + n) // BLOCK].reshape(local.shape[0], per_row, 2)
     first, second, scales_key = Int8Moments.COMPACT
     return {first: shared(store.exp_avg[s0:s0 + n].view(local.shape).clone()),
             second: shared(store.exp_avg_sq[s0:s0 + n].view(local.shape).clone()),
-            scales_key: shared(scales.clone(), global_scales, (global_scales[1] * 2, 2, 1))}
+            scales_key: shared(scales.clone(), global_scales, (global_scales[1] * 2, 2, 1),
+                               _scales_placements(p, flat.home.rows))}
 
 
 def _expand_int8(entry: dict, where: str) -> dict:
@@ -168,12 +183,42 @@ def _expand_int8(entry: dict, where: str) -> dict:
             entry = {**entry, scales_key: scales.reshape(-1, 2)}
         return Int8Moments.expand(entry, where)
     from torch.distributed.tensor import DTensor
-    local = {k: (v.to_local() if is_dtensor(v) else v) for k, v in entry.items()
-             if k in Int8Moments.COMPACT}
-    local[scales_key] = local[scales_key].reshape(-1, 2)
     return {k: DTensor.from_local(v, first.device_mesh, first.placements, run_check=False,
                                   shape=first.shape, stride=first.stride())
-            for k, v in Int8Moments.expand(local, where).items()}
+            for k, v in _local_moments(entry, where).items()}
+
+
+def _local_moments(entry: dict, where: str) -> dict:
+    """A DTensor compact int8 entry's local codes as float32 moments: each element decoded
+    by the scale of its block of its row, whichever of the scales' columns this rank
+    holds (``_scales_placements``: a block split as the codes, or every block of the rows)."""
+    from zero_triton.kernels import quant
+    from zero_triton.optim.rows import _local_indices, row_map
+    first, second, scales = (entry.get(k) for k in Int8Moments.COMPACT)
+    ok = (is_dtensor(second) and is_dtensor(scales) and first.dtype == quant.FIRST.dtype
+          and second.dtype == quant.SECOND.dtype and second.shape == first.shape
+          and first.dim() >= 1 and tuple(scales.shape) == (
+              first.shape[0], math.prod(first.shape[1:]) // BLOCK, 2))
+    if not ok:
+        raise ValueError(
+            f"{where}: a compact int8 entry of a DTensor parameter holds exp_avg_codes (int8) "
+            "and exp_avg_sq_codes (uint8) of the parameter's shape and moment_scales "
+            "(float32, (rows, row length / 256, 2)) as DTensors; this one does not. Save it "
+            "again inside zero_triton.compact_state_dicts")
+    rows = row_map(first, where, 0)
+    rows.check("a compact int8 entry")
+    r, w = rows.rows.numel(), rows.width
+    table = scales.to_local()
+    columns = _local_indices(scales, 1) if table.shape[1] != scales.shape[1] else None
+    k_lo = int(columns[0]) if columns is not None and columns.numel() else 0
+    block = (rows.c0 + torch.arange(w, device=table.device)) // BLOCK - k_lo
+    each = table[:, block, :].reshape(r * w, 2)
+    out = {}
+    for key, codes, fmt, col in ((FIRST, first, quant.FIRST, 0), (SECOND, second, quant.SECOND, 1)):
+        local = codes.to_local()
+        values = quant.decode_each(local.reshape(-1), each[:, col].to(local.device), fmt)
+        out[key] = values.view(local.shape)
+    return out
 
 
 def expand(state_dict: dict) -> dict:

@@ -72,31 +72,43 @@ def _replicas(p) -> int:
     return n
 
 
-def keeps_blocks(p, block: int) -> bool:
-    """Whether every run of ``block`` elements of DTensor ``p``'s rows (its global shape
-    flattened from the second dimension on) lies whole in one rank's local shard, for
-    its placements: a block-quantized state of its local shard then holds the same
-    blocks, and the same codes, as the whole parameter's would.
-
-    - ``Shard(0)`` (FSDP2, HSDP's shard dimension) and ``Replicate``: the rows must be a
-      multiple of ``block`` long; then it holds at every world size (each rank holds
-      whole rows; uneven last shards and empty ones too).
-    - ``Shard(d)``, d >= 1 (a tensor-parallel column split): each rank's part of a row
-      must be a multiple of ``block`` long, at this mesh size (``cols / n`` and ``cols``
-      both: resharding to another size keeps the blocks where that holds too).
-
-    Rows that fail (1-D biases and norms, thin weights) keep unquantized moments."""
+def blocks_fit(p, block: int) -> bool:
+    """Whether DTensor ``p`` keeps block-quantized moments (``block`` > 1): its rows (its
+    global shape flattened from the second dimension on) are a whole number of blocks.
+    A function of the global shape only: the same answer at every layout. The others
+    (1-D biases and norms, thin weights) keep fp32 moments at every layout."""
     if block == 1:
         return True
     shape = tuple(p.shape)
-    if len(shape) < 2 or math.prod(shape[1:]) % block:
+    return len(shape) >= 2 and math.prod(shape[1:]) % block == 0
+
+
+def keeps_blocks(p, block: int) -> bool:
+    """Whether every run of ``block`` elements of DTensor ``p``'s rows lies whole in one
+    rank's local shard, on every rank, for its placements: the local shards then hold
+    the whole parameter's blocks and the kernels step them as they are. A parameter whose
+    blocks fit (``blocks_fit``) but not whole on one rank (a tensor-parallel cut of its
+    rows whose part is not a multiple of ``block``: 128 of a 512-element row at tp=4) is
+    stepped through its rows (``zero_triton.optim.rows``), its ranks agreeing on the
+    scales of the blocks they share (``zero_triton.state.int8_rows``).
+
+    - ``Shard(0)``, FSDP's ``_StridedShard(0)`` and ``Replicate`` cut no row: whole at every
+      world size (uneven last shards and empty ones too).
+    - ``Shard(d)``, d >= 1: each rank's part of a row must be a multiple of ``block`` long
+      at this mesh size (``cols / n`` and ``cols`` both); a strided cut of a row never is."""
+    if not blocks_fit(p, block):
         return False
+    if block == 1:
+        return True
+    shape = tuple(p.shape)
     for d, placement in enumerate(p.placements):
-        if not placement.is_shard():
+        if placement.is_replicate() or placement.is_partial():
             continue
         dim = placement.dim % len(shape)
         if dim == 0:
             continue
+        if type(placement).__name__ != "Shard":
+            return False
         inner = math.prod(shape[dim + 1:])
         chunk = -(-shape[dim] // p.device_mesh.size(d))
         if (chunk * inner) % block or (shape[dim] * inner) % block:
@@ -104,21 +116,12 @@ def keeps_blocks(p, block: int) -> bool:
     return True
 
 
-def global_start(p) -> int | None:
-    """The index, in ``p``'s global shape flattened, of its local shard's first element
-    where the local shard is one run of it (whole rows: ``Shard(0)``, ``Replicate``);
-    None where it is not."""
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # torch < 2.4
-        return None
-    if any(type(pl).__name__ not in ("Shard", "Replicate") for pl in p.placements):
-        return None  # a strided shard (FSDP over tensor parallel) interleaves its rows
+def cuts_rows(p) -> bool:
+    """Whether a placement of DTensor ``p`` cuts its rows (shards a dimension after the
+    first): its local elements' global indices are then not one run."""
     shape = tuple(p.shape)
-    local, offset = compute_local_shape_and_global_offset(shape, p.device_mesh, p.placements)
-    if tuple(local[1:]) != shape[1:] or any(offset[1:]):
-        return None
-    return offset[0] * math.prod(shape[1:]) if shape else 0
+    return any(not pl.is_replicate() and not pl.is_partial() and 0 < pl.dim % max(len(shape), 1)
+               for pl in p.placements)
 
 
 def _check_local(p, t, i: int) -> None:
@@ -213,7 +216,7 @@ class EngineHome:
     separate_shard = False  # the engine's gradients are stepped where they are
     buckets, hooks = (), ()
 
-    def __init__(self, params, comm: Comm, spec, *, key=0):
+    def __init__(self, params, comm: Comm, spec, *, key=0, maps=None, seed=None, rows=False):
         locals_ = [_local(p) for p in params]
         for i, (p, t) in enumerate(zip(params, locals_)):
             if p.is_complex():
@@ -232,13 +235,21 @@ class EngineHome:
         self.layout = FlatLayout.build([tuple(t.shape) for t in locals_], align=spec.align)
         self.segments = [(o, o + t.numel(), o) for o, t in zip(self.layout.offsets, locals_)]
         self.locals = locals_
-        # Where each local shard's stochastic rounding is keyed: the index of its first
-        # element in the parameters' global shapes laid out one after another, the same
-        # at every world size where the local shard is a run of whole rows; else its slot.
-        whole = FlatLayout.build([tuple(p.shape) for p in params], align=spec.align)
-        starts = [global_start(p) for p in params]
-        self.keys = [g + o if o is not None else s0 for g, o, (_, _, s0)
-                     in zip(whole.offsets, starts, self.segments)]
+        # Where each local shard lies in its parameter (``zero_triton.optim.rows``), and
+        # where its stochastic rounding is keyed: its elements' indices in the canonical
+        # layout of the param group's DTensor parameters of this dtype (the global shapes
+        # one after another: ``zero_triton.optim.build``), the same at every layout. A
+        # ``rows`` home's local shards are not runs of that layout (a cut row) or hold
+        # int8 blocks other ranks share: its launch keys and scales them element by
+        # element (``zero_triton.optim.launch.RowsLaunch``).
+        if maps is None:
+            from zero_triton.optim.rows import row_map
+            whole = FlatLayout.build([tuple(p.shape) for p in params], align=spec.align)
+            maps = [row_map(p, f"DTensor parameter {i} {tuple(p.shape)}", base)
+                    for i, (p, base) in enumerate(zip(params, whole.offsets))]
+        self.maps, self.rows = list(maps), rows
+        self.seed = key if seed is None else seed
+        self.keys = [m.start() if m.affine else s0 for m, (_, _, s0) in zip(self.maps, self.segments)]
         self.param_parts = [t.view(-1) for t in locals_]  # updated in place if the engine swaps
         self.param_views = self.param_parts
         self.grad_buffer = EngineGrads(params, locals_)
@@ -358,7 +369,8 @@ class EngineHome:
                 "zero_triton: the local shards of DTensor parameters changed shape after the "
                 f"optimizer was built (now {shapes}); their state cannot follow them. Build the "
                 "optimizer after the model is sharded and materialised")
-        return EngineHome(self.params, self.comm, self.spec, key=self.key)
+        return EngineHome(self.params, self.comm, self.spec, key=self.key, maps=self.maps,
+                          seed=self.seed, rows=self.rows)
 
     def carry_over(self, old: "EngineHome", written: list) -> list:
         """Nothing of the engine's to take; no master to re-seed (the DTensors' writes

@@ -92,6 +92,8 @@ class FlatHome:
             bucket_numel = spec.bucket_numel(self.dtype, sum(
                 p.numel() * (2 if p.is_complex() else 1) for p in params), comm.everyone.world_size)
         self.key, self.reducer, self.bucket_numel = key, reducer, bucket_numel
+        self.seed = key  # stochastic rounding's seed: the buffer's number
+        self.rows = False  # every segment a run of the canonical layout
         self.flat_param, self.layout = flatten_params(params, world_size=comm.world_size, rehome=True,
                                                       bucket_numel=bucket_numel, align=spec.align)
         self.param_views = [p.detach() for p in params]  # where each parameter lives now

@@ -138,7 +138,8 @@ class FusedAdam(torch.optim.Optimizer):
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
-        flats = self._group_shards(params, group["amsgrad"], key=sum(len(f) for f in self._flats))
+        flats = self._group_shards(params, group["amsgrad"], key=sum(len(f) for f in self._flats),
+                                   group=len(self._flats))
         super().add_param_group(param_group)
         self._edits.add_group(params)  # as given: followed if replaced
         self._flats.append(flats)
@@ -146,12 +147,12 @@ class FusedAdam(torch.optim.Optimizer):
         self._edits.expose(*flats)
         self._edits.tracked.elsewhere = not self._edits.views_state and any(self._flats)
 
-    def _group_shards(self, params, amsgrad: bool, key: int) -> list:
-        """The shards of a param group's trainable ``params``, numbered from ``key``
-        (``zero_triton.optim.build``)."""
+    def _group_shards(self, params, amsgrad: bool, key: int, group: int) -> list:
+        """The shards of param group ``group``'s trainable ``params``, numbered from
+        ``key`` (``zero_triton.optim.build``)."""
         reducer = self._reducer if self._comm.everyone.world_size > 1 or self._spec.grads.sharded else None
         return build_flats([p for p in params if p.requires_grad], self._comm, self._spec,
-                           amsgrad=amsgrad, key=key, reducer=reducer)
+                           amsgrad=amsgrad, key=key, reducer=reducer, group=group)
 
     def _all_flats(self):
         for group, flats in zip(self.param_groups, self._flats):
@@ -185,7 +186,7 @@ class FusedAdam(torch.optim.Optimizer):
         others = [g for k, g in enumerate(self.param_groups) if k != gi]
         check_group_params(params, others, materialised=False)
         key = 1 + max((f.key for flats in self._flats for f in flats), default=-1)
-        flats = self._group_shards(params, self.param_groups[gi]["amsgrad"], key)
+        flats = self._group_shards(params, self.param_groups[gi]["amsgrad"], key, gi)
         for flat in self._flats[gi]:
             flat.remove_hooks()
         self._edits.regroup(gi, params, self._flats[gi])

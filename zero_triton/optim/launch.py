@@ -5,14 +5,22 @@ each an ``Operands`` with the canonical index of its first element, reach a kern
   shard, bucket by bucket as its average lands).
 - ``ListLaunch``: every run in one launch where the backend has a list kernel (Triton's,
   for the many small local shards of DTensor parameters), else as ``DeviceLaunch``.
+- ``RowsLaunch``: DTensor local shards stepped through their rows
+  (``zero_triton.optim.rows``): keyed element by element, int8 scales agreed among the
+  ranks that share a block.
 
 These are the package's only callers of a step function (``zero_triton.native.backends``);
 a host launch (state in host memory) is the next implementation of the same two methods.
 """
 from __future__ import annotations
 
-from zero_triton.kernels.args import StepArgs
+import torch
+import torch.distributed as dist
+
+from zero_triton.kernels import rounding
+from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
+from zero_triton.state.int8_rows import RowBlocks
 
 
 class DeviceLaunch:
@@ -23,9 +31,10 @@ class DeviceLaunch:
         self.step = backends.step_function(backend, format)
 
     def run(self, launches: list, args: StepArgs) -> None:
-        """Step each ``(ops, index)`` of ``launches``: ``ops`` its tensors, ``index`` the
-        canonical index of its first element (keys stochastic rounding)."""
-        for ops, index in launches:
+        """Step each ``(ops, index, k)`` of ``launches``: ``ops`` its tensors, ``index``
+        the canonical index of its first element (keys stochastic rounding), ``k`` the
+        home's segment it is a run of."""
+        for ops, index, _ in launches:
             self.step(ops, args.at(index))
 
 
@@ -40,7 +49,95 @@ class ListLaunch(DeviceLaunch):
         self.step_list = backends.list_step_function(backend, format) if plain else None
 
     def run(self, launches: list, args: StepArgs) -> None:
-        if self.step_list is None or len({ops.grad.dtype for ops, _ in launches}) > 1:
+        if self.step_list is None or len({ops.grad.dtype for ops, _, _ in launches}) > 1:
             return super().run(launches, args)
         if launches:
-            self.step_list([ops for ops, _ in launches], args)
+            self.step_list([ops for ops, _, _ in launches], args)
+
+
+class RowsLaunch:
+    """DTensor local shards whose elements are not one run of their parameter's canonical
+    layout, or whose int8 blocks other ranks hold a part of (``maps``: each home
+    segment's ``RowMap``). Each is stepped by ``backend``'s float32 step (the function
+    every format's kernel computes per element) on its moments widened to float32, then:
+
+    - a parameter rounded stochastically (``master_weights="stochastic"``) and bf16
+      moments are rounded keyed by each element's canonical index (``RowMap.index``), as
+      the kernels key a run;
+    - int8 moments are encoded with the scales the ranks that cut the row agree on: the
+      largest magnitude of each rank's part of each block, one MAX all-reduce of the
+      table of its rows' blocks per mesh dimension that cuts them (``state.int8_rows``).
+
+    The same bits as the kernels on a layout that holds the blocks whole. Several passes
+    over the shard and allocations (the fallback for cut rows, not the fast path); the
+    agreement is one collective per parameter per step, every rank of the group in the
+    same order (the shards' parameters and order are the same on every rank), also when
+    a rank skips the step (GradScaler's inf: it contributes nothing)."""
+
+    def __init__(self, backend: str, maps: list):
+        self.step = backends.step_function(backend, "fp32")
+        self.maps = maps
+
+    def run(self, launches: list, args: StepArgs) -> None:
+        skipped = args.found_inf is not None and bool(args.found_inf.item() != 0)
+        for ops, _, k in launches:
+            self._one(ops, args, self.maps[k], skipped)
+
+    def _one(self, ops: Operands, args: StepArgs, rows, skipped: bool) -> None:
+        first, second, third = ops.moments
+        blocks = third if isinstance(third, RowBlocks) else None
+        if blocks is not None:
+            m, v, most = *blocks.widen(), None
+        elif first.dtype == torch.bfloat16:
+            m, v, most = first.float(), second.float(), None
+        else:
+            m, v, most = first, second, third
+        param, param_lp, remainder = ops.param, ops.param_lp, ops.remainder
+        if args.stochastic:
+            param = ops.param.float()
+        if not skipped:
+            self.step(Operands(param, ops.grad, (m, v, most), param_lp, ops.step, ops.lr,
+                               remainder, ops.scratch),
+                      args.replace(stochastic=False, found_inf=None, index=0))
+        index = None
+        t = int(ops.step.item()) if (args.stochastic or first.dtype == torch.bfloat16) else 0
+        if args.stochastic and not skipped:
+            index = rows.index(param.device)
+            bits = rounding.random_bits_at(rounding.key(args.seed, t, rounding.PARAM_STREAM), index)
+            ops.param.copy_(rounding.to_bf16_stochastic(param, bits))
+        if blocks is None and first.dtype == torch.bfloat16 and not skipped:
+            index = rows.index(m.device) if index is None else index.to(m.device)
+            for moment, x, stream in ((first, m, rounding.FIRST_STREAM), (second, v, rounding.SECOND_STREAM)):
+                bits = rounding.random_bits_at(rounding.key(args.seed, t, stream), index)
+                moment.copy_(rounding.to_bf16_stochastic(x, bits))
+        if blocks is not None:
+            agreed = blocks.maxima(m, v)
+            if skipped:
+                agreed.zero_()
+            for group in rows.groups:
+                agreed = _all_reduce_max(agreed, group)
+            if not skipped:
+                blocks.narrow(m, v, agreed)
+
+
+def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` (int32) all-reduced by MAX over ``group``, on the device its backend
+    reduces on (NCCL: the current CUDA device; a host tensor goes there and back)."""
+    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
+        on = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
+        return on.to(t.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def settle(store, s0: int, rows) -> None:
+    """Encode piece ``s0`` of an ``Int8RowMoments`` whose moments were loaded in torch's
+    format and not stepped since, with the scales its sharers agree on (collective over
+    ``rows.groups``, as the step's agreement)."""
+    blocks = RowBlocks(store, s0, rows)
+    m, v = blocks.widen()
+    agreed = blocks.maxima(m, v)
+    for group in rows.groups:
+        agreed = _all_reduce_max(agreed, group)
+    blocks.narrow(m, v, agreed)

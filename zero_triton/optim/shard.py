@@ -22,7 +22,7 @@ from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
 from zero_triton.optim.engine_home import EngineHome
 from zero_triton.optim.flat_home import FLAT_DTYPES, LOW_PRECISION, SUPPORTED, FlatHome, one_kind
-from zero_triton.optim.launch import DeviceLaunch, ListLaunch
+from zero_triton.optim.launch import DeviceLaunch, ListLaunch, RowsLaunch
 from zero_triton.optim.offload import DevicePlace, HostPlace, MirroredMaster, host_backend, split, whole
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
@@ -102,9 +102,19 @@ class Shard:
                    spec, amsgrad=amsgrad, key=key)
 
     @classmethod
-    def engine(cls, params, comm: Comm, spec, *, amsgrad=False, key=0) -> "Shard":
-        """DTensor ``params`` stepped where their engine keeps them (``EngineHome``)."""
-        home = EngineHome(params, comm, spec, key=key)
+    def engine(cls, params, comm: Comm, spec, *, amsgrad=False, key=0, maps=None, rows=False,
+               seed=None) -> "Shard":
+        """DTensor ``params`` stepped where their engine keeps them (``EngineHome``;
+        ``maps``, ``rows``, ``seed``: ``zero_triton.optim.build.engine_shards``)."""
+        home = EngineHome(params, comm, spec, key=key, maps=maps, rows=rows, seed=seed)
+        if rows and spec.capturable:
+            raise ValueError(
+                f"capturable=True over DTensor parameters stepped through their rows "
+                f"({', '.join(m.name for m in home.maps)}: placements {home.maps[0].placements}): "
+                "their int8 scales are agreed among the ranks that cut a row, and their "
+                "rounding keyed element by element, with allocations a CUDA graph cannot "
+                "capture. Use a tensor-parallel size whose part of each row is a multiple of "
+                "256, moments='fp32' for their param group, or leave capturable out")
         cls._check_master(spec, home.dtype)
         cls._check_capturable(spec, home.dtype, home.device)
         return cls(home, spec, amsgrad=amsgrad, key=key)
@@ -265,7 +275,7 @@ class Shard:
             # one wait on the device (a copy to the host that did not wait would be read early).
             scalars = side.scalars(group["lr"], grad_scale, found_inf, clip_coef)
             args = StepArgs(*hyper, *scalars, self.state.master.stochastic,
-                            self.key if self.keyed else 0)
+                            self.home.seed if self.keyed else 0)
             if n == 0:
                 runs = side.state.count(self.stepped, args.found_inf)
             else:  # the second side counts as the first did (the same parameters)
@@ -334,9 +344,16 @@ class Side:
     def __init__(self, shard: Shard, place, n: int, amsgrad: bool, cut: int = 0):
         self.shard, self.place, self.cut = shard, place, cut
         spec, home = shard.spec, shard.home
+        rows = None
+        if home.rows:  # each piece a whole local shard, stepped through its rows
+            for p in place.pieces:
+                lo, hi, _ = home.segments[p.k]
+                if p.off or p.hi - p.lo != hi - lo:
+                    raise AssertionError("a local shard stepped through its rows was split")
+            rows = {p.s0: home.maps[p.k] for p in place.pieces}
         self.state = ShardState(place.parts(), [(p.lo, p.hi, p.s0) for p in place.pieces],
                                 home.layout, master=shard.master_format, amsgrad=amsgrad,
-                                moments=spec.moments, numel=n)
+                                moments=spec.moments, numel=n, rows=rows)
         if place.offloaded:
             self.state.master = MirroredMaster(self.state.master, place)
         if shard.dtype == torch.float64 or shard.device.type == "meta":
@@ -347,8 +364,11 @@ class Side:
             self.backend = host_backend(spec.backend)
         else:
             self.backend = backends.resolve(spec.backend, shard.device)
-        launch = ListLaunch if home.engine_owned else DeviceLaunch
-        self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
+        if home.rows:
+            self.launch = RowsLaunch(self.backend, home.maps)
+        else:
+            launch = ListLaunch if home.engine_owned else DeviceLaunch
+            self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.state.device)
         self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.state.device) \
             if self.backend == "torch" else None
@@ -385,12 +405,12 @@ class Side:
                 grad = place.grad(j)
                 index = home.canonical(piece.k) + piece.off if keyed else 0
                 if runs is None:
-                    launches.append((whole[j]._replace(grad=grad), index))
+                    launches.append((whole[j]._replace(grad=grad), index, piece.k))
                     continue
                 for start, end, i in runs[j]:
                     a, b = start - piece.lo, end - piece.lo
                     ops = self._operands(j, a, b, grad[a:b], self.state.step_of(i), args.amsgrad)
-                    launches.append((ops, index + a if keyed else 0))
+                    launches.append((ops, index + a if keyed else 0, piece.k))
             self.launch.run(launches, args)
             place.done(batch)
 

@@ -90,11 +90,17 @@ class Fp32Moments:
 FORMATS = {cls.format: cls for cls in (Fp32Moments, Bf16Moments, Int8Moments)}
 
 
-def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
-    """A store of ``format`` for a shard of ``numel`` state elements."""
+def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = False,
+         rows: dict | None = None):
+    """A store of ``format`` for a shard of ``numel`` state elements (``rows``: the
+    ``RowMap`` of each local shard stepped through its rows, by state offset: int8 keeps
+    their blocks' scales by row, ``zero_triton.state.int8_rows``)."""
     try:
         cls = FORMATS[format]
     except KeyError:
         raise ValueError(f"unknown moments format {format!r}; choose one of "
                          f"{tuple(FORMATS)}") from None
+    if rows is not None and cls is Int8Moments:
+        from .int8_rows import Int8RowMoments
+        return Int8RowMoments(numel, dtype, device, amsgrad, maps=rows)
     return cls(numel, dtype, device, amsgrad)

@@ -35,7 +35,7 @@ class ShardState:
     segment; ``layout``: the buffer's FlatLayout; ``segments``: this rank's."""
 
     def __init__(self, param_parts, segments, layout, *, master: str = "own", amsgrad: bool,
-                 moments: str = "fp32", numel: int | None = None):
+                 moments: str = "fp32", numel: int | None = None, rows: dict | None = None):
         self.param_parts, self.segments, self.layout = param_parts, segments, layout
         self.device = param_parts[0].device
         n = layout.shard_numel if numel is None else numel  # a part of the shard: its own size
@@ -43,7 +43,9 @@ class ShardState:
         # float64 parameters keep float64 state (torch steps them in float64); every
         # other dtype float32.
         self.dtype = torch.float64 if param_parts[0].dtype == torch.float64 else torch.float32
-        self.moments = make_moments(moments, n, self.dtype, self.device, amsgrad)
+        # ``rows``: each piece's RowMap by its state offset, for local shards stepped
+        # through their rows (int8 blocks other ranks share: ``state.int8_rows``).
+        self.moments = make_moments(moments, n, self.dtype, self.device, amsgrad, rows=rows)
         f32 = dict(dtype=torch.float32, device=self.device)  # step counts
         self.step = torch.zeros(1, **f32)
         self.steps = None    # per-parameter counts (float32, on the device) once they differ
