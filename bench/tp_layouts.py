@@ -42,6 +42,7 @@ FORMATS = {  # name: (parameter dtype, FusedAdamW keywords)
     "stochastic+int8": (torch.bfloat16, {"master_weights": "stochastic", "moments": "int8"}),
     "bf16": (torch.float32, {"moments": "bf16"}),
     "stochastic+bf16": (torch.bfloat16, {"master_weights": "stochastic", "moments": "bf16"}),
+    "int8 offloaded": (torch.float32, {"moments": "int8", "offload": "cpu"}),
 }
 LAYOUTS = ("2x2", "1x4", "4x1", "dp4", "dp2", "dp3", "dp1")
 KINDS = ("compact", "torch")

@@ -1,9 +1,11 @@
-"""Low-bit state on FSDP2's DTensors is the parameter's, not the shard's: int8 blocks
-chosen from the global shape stay whole on one rank at every world size (parameters
-whose rows cannot keep them keep fp32 moments), stochastic rounding is keyed by the
-element's global index, so FusedAdamW over ``fully_shard`` gives the same bits at 2 and
-3 ranks (an empty local shard included) and a DCP checkpoint reshards exactly
-(``bench/fsdp2_reshard.py`` is the full table)."""
+"""Low-bit state on FSDP2's and tensor parallel's DTensors is the parameter's, not the
+shard's: the format chosen from the global shape (parameters whose rows are not whole int8
+blocks keep fp32 moments at every layout), int8 blocks runs of 256 of a row whose scales
+the ranks that share a block agree on, stochastic rounding keyed by the element's global
+index, so FusedAdamW over ``fully_shard`` gives the same bits at 2 and 3 ranks (an empty
+local shard included), at 2x2, 1x4 and dp4 under tensor parallelism, and a DCP
+checkpoint reshards exactly (``bench/fsdp2_reshard.py`` and ``bench/tp_layouts.py`` are
+the full tables)."""
 from __future__ import annotations
 
 import io
@@ -39,6 +41,7 @@ def _param(shape, placements, mesh):
     ((4096, 1000), [Shard(1)], (4,), False),          # 250 columns each
     ((4096, 2048, 3), [Shard(0)], (2,), True),        # rows of 6144
     ((16, 32, 16), [Shard(1)], (2,), True),           # 16 x 16 = 256 per rank's part of a row
+    ((512, 512), [Shard(0), Shard(1)], (1, 4), False),  # 128 of a row each: blocks shared
 ])
 def test_the_rule_that_keeps_blocks_whole(shape, placements, mesh, kept):
     assert keeps_blocks(_param(shape, placements, mesh), 256) is kept
@@ -151,14 +154,82 @@ def _rank_tensor_parallel(rank, world, fmt):
 def test_tensor_parallel_column_and_row_splits_keep_the_blocks():
     """Tensor parallel at 1 and 2 ranks: ColwiseParallel's Shard(0) and RowwiseParallel's
     Shard(1) (512 columns a rank) keep each int8 block whole, so the state and parameters
-    are the same bits (stochastic rounding is keyed by the element's global index only
-    where a local shard is a run of whole rows: not Shard(1))."""
+    are the same bits."""
     from dist_utils import run_ranks
     bench = _reshard()
     one, two = (torch.load(io.BytesIO(run_ranks(_rank_tensor_parallel, w, "int8", timeout=180)[0]))
                 for w in (1, 2))
     same, total, worst = bench.compare(one, two)
     assert same == total, (same, total, worst)
+
+
+def _layouts():
+    sys.path.insert(0, str(BENCH))
+    import tp_layouts
+    return tp_layouts
+
+
+def test_every_layout_steps_and_loads_the_same_bits(tmp_path):
+    """FSDP2 over tensor parallelism at 4 ranks: a RowwiseParallel weight whose int8
+    blocks two ranks share at tp=4 (128 of each 512-element row a rank), a strided
+    ColwiseParallel weight, empty local shards. At 2x2, 1x4 and dp4, fed the same global
+    gradients: the same parameters and state, bit for bit (int8, stochastic rounding
+    with int8, int8 offloaded; before, 1x4 held fp32 moments for that weight and keyed
+    stochastic rounding by local position: 27 and 21 of 30 tensors); DCP checkpoints
+    saved at 2x2 and 1x4 load at the other, compact and torch's format, the state what
+    was saved and two more steps the same bits (before: 'Missing key' for compact)."""
+    from dist_utils import run_ranks
+    bench = _layouts()
+    layouts, formats = ["2x2", "1x4", "dp4"], ["int8", "stochastic+int8", "int8 offloaded"]
+    trained = {k: torch.load(io.BytesIO(v)) for k, v in run_ranks(
+        bench._train, 4, layouts, formats, 2, str(tmp_path), timeout=600)[0].items()}
+    for fmt in formats:
+        for layout in layouts[1:]:
+            for when in (0, 1):
+                same, total, differ = bench.compare(trained["2x2", fmt][when], trained[layout, fmt][when])
+                assert same == total, (fmt, layout, when, differ)
+    same, total, differ = bench.compare(trained["2x2", "int8"][1], trained["2x2", "int8 offloaded"][1])
+    assert same == total, ("offloaded", differ)
+    loaded = run_ranks(bench._load, 4, ["1x4", "2x2"], ["2x2", "1x4"], ["int8", "stochastic+int8"],
+                       ["compact", "torch"], 2, str(tmp_path), timeout=600)[0]
+    assert len(loaded) == 16
+    for (layout, fmt, source, kind), got in loaded.items():
+        assert not isinstance(got, str), (layout, fmt, source, kind, got)
+        got = torch.load(io.BytesIO(got))
+        for when, want in ((0, trained[source, fmt][0]), (1, trained["2x2", fmt][1])):
+            same, total, differ = bench.compare(want, got[when])
+            assert same == total, (source, layout, fmt, kind, when, differ)
+
+
+def _rank_refused(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import zero_triton
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(4, 8, 256), mesh, [Shard(2)]))
+    try:
+        zero_triton.FusedAdamW([p], moments="int8")
+    except ValueError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    q = torch.nn.Parameter(distribute_tensor(torch.randn(4, 8, 256), mesh, [Shard(1)]))
+    opt = zero_triton.FusedAdamW([q], moments="int8")  # each part of a row one run
+    q.grad = distribute_tensor(torch.ones(4, 8, 256), mesh, [Shard(1)])
+    opt.step()
+    return refused
+
+
+def test_a_layout_whose_rows_are_not_one_run_a_rank_is_refused_naming_the_fix():
+    """int8 blocks are runs of 256 of a row; a placement that cuts a row into several runs
+    on a rank (a 3-D weight's Shard(2) after a dimension of 8) is refused when the
+    optimizer is built, naming the parameter, its placements and the fix, on every rank,
+    at every mesh size; a Shard(1) whose preceding dimension is the rows steps."""
+    from dist_utils import run_ranks
+    for refused in run_ranks(_rank_refused, 2, timeout=120):
+        assert refused is not None and "(4, 8, 256)" in refused and "Shard(dim=2)" in refused, refused
+        assert "moments='fp32'" in refused, refused
 
 
 def test_compact_state_dicts_refuses_an_optimizer_that_is_not_ours():

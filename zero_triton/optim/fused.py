@@ -138,8 +138,7 @@ class FusedAdam(torch.optim.Optimizer):
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
-        flats = self._group_shards(params, group["amsgrad"], key=sum(len(f) for f in self._flats),
-                                   group=len(self._flats))
+        flats = self._group_shards(params, group["amsgrad"], sum(map(len, self._flats)), len(self._flats))
         super().add_param_group(param_group)
         self._edits.add_group(params)  # as given: followed if replaced
         self._flats.append(flats)

@@ -28,8 +28,9 @@ import torch
 
 from zero_triton.kernels import quant
 
-from .int8 import BLOCK, Int8Moments
+from .int8 import ALIGN, BLOCK
 from .keys import FIRST, SECOND
+from .lowbit import NoMaximum
 
 MAGNITUDE = 0x7FFFFFFF
 
@@ -92,9 +93,16 @@ class RowBlocks:
         self.store.pending.pop(self.s0, None)
 
 
-class Int8RowMoments(Int8Moments):
+class Int8RowMoments(NoMaximum):
     """exp_avg and exp_avg_sq of DTensor local shards whose blocks are cut across ranks
-    (``maps``: each piece's ``RowMap`` by its state offset)."""
+    (``maps``: each piece's ``RowMap`` by its state offset): ``Int8Moments``' codes, and
+    the scales by row (the module's docstring)."""
+
+    format = "int8"
+    align = ALIGN
+    block = BLOCK
+    live = False   # export() is a decoded copy
+    keyed = False  # rounding to nearest
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False, *, maps: dict):
         self.check(dtype, amsgrad)
@@ -120,7 +128,9 @@ class Int8RowMoments(Int8Moments):
         return self.exp_avg[a:b], self.exp_avg_sq[a:b], RowBlocks(self, a, rows)
 
     def reset(self, amsgrad: bool | None = None) -> None:
-        super().reset(amsgrad)
+        self.check(None, amsgrad)
+        for t in self.storage():
+            t.zero_()
         self.pending.clear()
 
     def export(self) -> dict:
@@ -141,7 +151,10 @@ class Int8RowMoments(Int8Moments):
 
     def nbytes(self) -> int:
         held = sum(t.numel() * t.element_size() for pair in self.pending.values() for t in pair)
-        return super().nbytes() + held
+        return sum(t.numel() * t.element_size() for t in self.storage()) + held
+
+    def storage(self) -> list:
+        return [self.exp_avg, self.exp_avg_sq, self.scales]
 
     def table(self, s0: int) -> torch.Tensor:
         """The scales of every block of piece ``s0``'s rows, [rows, cols / 256, 2]."""
@@ -156,7 +169,7 @@ class Int8RowMoments(Int8Moments):
         if isinstance(old, Int8RowMoments) and old.numel == self.numel and old.maps.keys() == self.maps.keys():
             for mine, theirs in zip(self.storage(), old.storage()):
                 mine.copy_(theirs)
-            self.pending = {k: tuple(t.clone() for t in v) for k, v in old.pending.items()}
+            self.pending = {k: tuple(t.to(self.device) for t in v) for k, v in old.pending.items()}
             return
         self.commit({k: v.to(self.device, torch.float32) for k, v in old.export().items()
                      if k in (FIRST, SECOND)})
