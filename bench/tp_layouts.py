@@ -24,17 +24,22 @@ Two phases, gloo CPU ranks:
    layout's own two more steps.
 
 Prints, per format, the tensors that are the same bits out of the total at each step
-(and every pair that loaded with an error); exit status 1 where any differ.
+and rank 0's median ``step()`` time at each layout (after the first; a small model on
+shared cores: where the rows path's cost shows, not a benchmark), and every pair that
+loaded otherwise; exit status 1 where any differ.
 """
 from __future__ import annotations
 
 import argparse
 import io
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 FORMATS = {  # name: (parameter dtype, FusedAdamW keywords)
     "int8": (torch.float32, {"moments": "int8"}),
@@ -147,9 +152,13 @@ def _train(rank, world, layouts, formats, steps, root):
             dtype = FORMATS[fmt][0]
             net = build(layout, dtype)
             opt = _optimizer(net, fmt)
+            took = []
             for t in range(steps):
                 _grads(net, t, dtype)
+                dist.barrier()
+                start = time.perf_counter()
                 opt.step()
+                took.append(time.perf_counter() - start)
                 opt.zero_grad()
             for kind in KINDS:
                 msd, osd = _state_dicts(net, opt, kind)
@@ -159,7 +168,7 @@ def _train(rank, world, layouts, formats, steps, root):
                 _grads(net, t, dtype)
                 opt.step()
                 opt.zero_grad()
-            out[layout, fmt] = _bytes((full, _full(net, opt)))
+            out[layout, fmt] = _bytes((full, _full(net, opt), statistics.median(took[1:] or took)))
     return out if rank == 0 else None
 
 
@@ -239,6 +248,8 @@ def main(argv=None) -> int:
                 if d1 or d2:
                     print(f"  {fmt} {layout}: differ {sorted(set(d1) | set(d2))[:8]}")
             print(f"  {fmt:<16} " + "  ".join(cells), flush=True)
+            print(f"  {'step ms, rank 0':<16} " + "  ".join(
+                f"{layout} {trained[layout, fmt][2] * 1e3:.1f}" for layout in layouts), flush=True)
         if args.no_load:
             return 1 if bad else 0
         loaded = {}
