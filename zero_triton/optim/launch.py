@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zero_triton.comm.group import without_python_tls
 from zero_triton.kernels import rounding
 from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
@@ -122,13 +123,20 @@ class RowsLaunch:
 
 def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
     """``t`` (int32) all-reduced by MAX over ``group``, on the device its backend
-    reduces on (NCCL: the current CUDA device; a host tensor goes there and back)."""
+    reduces on (NCCL: the current CUDA device; a host tensor goes there and back), launched
+    as every collective of ours is (``without_python_tls``). A failure names the phase."""
+    on = t
     if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
         on = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
-        return on.to(t.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t
+    try:
+        with without_python_tls():
+            dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"zero_triton: the int8 scales' agreement of a DTensor parameter stepped through "
+            f"its rows failed on rank {dist.get_rank()}: {exc} (a peer rank probably died or "
+            "stopped calling the collective)") from exc
+    return on if on is t else on.to(t.device)
 
 
 def settle(store, s0: int, rows) -> None:
