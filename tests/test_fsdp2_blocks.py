@@ -201,6 +201,45 @@ def test_every_layout_steps_and_loads_the_same_bits(tmp_path):
             assert same == total, (source, layout, fmt, kind, when, differ)
 
 
+def _rank_loaded_then_saved_compact(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    bench = _layouts()
+
+    def load(layout, kind, path):
+        net = bench.build(layout, torch.float32)
+        opt = bench._optimizer(net, "int8")
+        msd, osd = bench._state_dicts(net, opt, kind)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(net, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        return net, opt
+    net = bench.build("2x2", torch.float32)
+    opt = bench._optimizer(net, "int8")
+    for t in range(2):
+        bench._grads(net, t, torch.float32)
+        opt.step()
+        opt.zero_grad()
+    msd, osd = bench._state_dicts(net, opt, "torch")
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/torch")
+    saved = bench._full(net, opt)
+    net, opt = load("1x4", "torch", f"{root}/torch")  # held as float32 until agreed
+    msd, osd = bench._state_dicts(net, opt, "compact")  # agreed here, before any step
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/compact")
+    net, opt = load("dp4", "compact", f"{root}/compact")
+    return bench.compare(saved, bench._full(net, opt))
+
+
+def test_a_torch_format_load_saved_compact_before_any_step_keeps_the_bits(tmp_path):
+    """Loaded in torch's format at 1x4, where a RowwiseParallel weight's int8 blocks are
+    shared by two ranks (its moments held as float32 until the next step agrees on their
+    scales), and saved in the compact form at once (the agreement runs then): loaded at
+    dp4, the state is what 2x2 saved, bit for bit."""
+    from dist_utils import run_ranks
+    same, total, differ = run_ranks(_rank_loaded_then_saved_compact, 4, str(tmp_path), timeout=300)[0]
+    assert same == total, differ
+
+
 def _rank_refused(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
