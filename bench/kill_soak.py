@@ -18,6 +18,9 @@ the seed draws (a phase drawn among the phases the second step called, the inner
 the time and the phase. Each survivor writes the time and the
 message of the exception it raised.
 
+``--phase serve`` kills the last rank instead while its shard server answers a
+``state_dict()`` that rank 0 calls alone before the third step (the served state).
+
 Prints the runs, the phases hit (how many kills at each), the survivors that raised
 within ``--bar`` seconds of the kill (10), the slowest survivor's raise and exit after the
 kill, and every run that broke the bar (a survivor that raised late, never raised, did not
@@ -44,7 +47,7 @@ SCRIPT = textwrap.dedent(r"""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = os.path.join(cfg["dir"], f"rank{rank}.json")
     victim = rank == world - 1
-    calls = {"count": 0, "armed": None, "record": None}
+    calls = {"count": 0, "armed": None, "record": None, "serving": False}
 
     def phase():
         # the zero_triton functions on the stack, innermost first, less the helpers
@@ -81,6 +84,16 @@ SCRIPT = textwrap.dedent(r"""
         dist._zt_side = dist.ProcessGroupGloo._allgather_base
         wrap("_zt_side")
         dist.ProcessGroupGloo._allgather_base = lambda self, *a, **k: dist._zt_side(self, *a, **k)
+        # the served state: a shard server's answer is a send on the side group
+        side_send = dist.ProcessGroupGloo.send
+        def send(self, *a, **k):
+            if calls["serving"]:
+                with open(out, "w") as fh:
+                    json.dump({"killed": time.time(), "collective": "send",
+                               "phase": phase() + " (the served state)", "index": 0}, fh)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return side_send(self, *a, **k)
+        dist.ProcessGroupGloo.send = send
     import datetime
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
     from zero_triton import ZeroAdamW
@@ -96,10 +109,15 @@ SCRIPT = textwrap.dedent(r"""
         opt = ZeroAdamW(model.parameters(), lr=1e-3, **kw)
         for step in range(4):
             x = torch.randn(8, 48, generator=torch.Generator().manual_seed(step * 100 + rank))
+            if cfg["serve"] and step == 2:
+                # rank 0 alone asks for the whole state; the victim dies answering it
+                calls["serving"] = victim
+                if rank == 0:
+                    opt.state_dict()
             model(x).pow(2).mean().backward()
             if victim and step == 1:
                 calls["record"] = []
-            if victim and step == 2:
+            if victim and step == 2 and not cfg["serve"]:
                 # a phase drawn among those step 2 called, then one of its calls
                 seen = calls["record"]
                 phases = sorted(set(seen))
@@ -141,7 +159,7 @@ def run_one(seed: int, world: int, pg_timeout: float, limit: float, phase: str |
     """One run: ``seed``'s configuration (``overrides`` replace its keys) at ``world``
     ranks, killed at a call of the phase the seed draws (``phase``: the first phase whose
     name holds it)."""
-    cfg = {**draw(seed, world), **overrides, "phase": phase}
+    cfg = {**draw(seed, world), **overrides, "phase": phase, "serve": phase == "serve"}
     with tempfile.TemporaryDirectory() as d:
         cfg["dir"], cfg["pg_timeout"] = d, pg_timeout
         script = os.path.join(d, "train.py")
@@ -179,7 +197,7 @@ def run_one(seed: int, world: int, pg_timeout: float, limit: float, phase: str |
     victim = reports[world - 1]
     result = {"seed": seed, "world": world, "cfg": {k: cfg[k] for k in ("stage", "offload", "mesh", "bucket_cap_mb")},
               "phase": victim.get("phase"), "collective": victim.get("collective"),
-              "raise": [], "exit": [], "bad": [], "offered": offered}
+              "raise": [], "exit": [], "bad": [], "offered": offered, "messages": []}
     if "killed" not in victim:
         result["bad"].append(f"the victim did not die at a collective: {victim} {stderr[world - 1][-600:]}")
         return result
@@ -208,13 +226,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the first run's seed (default 0)")
     ap.add_argument("--pg-timeout", type=float, default=60.0, help="the process group's timeout, s")
     ap.add_argument("--bar", type=float, default=10.0, help="seconds a survivor may take to raise")
+    ap.add_argument("--phase", default=None,
+                    help="kill at the first phase whose name holds this instead of a drawn one; "
+                         "'serve': rank 0 alone calls state_dict() before the third step and the "
+                         "last rank dies answering it (flat groups: every rank is asked)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     results, phases, late = [], collections.Counter(), []
     seed = args.seed
     for world in worlds:
         for _ in range(args.runs):
-            res = run_one(seed, world, args.pg_timeout, args.pg_timeout + 30)
+            extra = {"mesh": None} if args.phase == "serve" else {}
+            res = run_one(seed, world, args.pg_timeout, args.pg_timeout + 30, args.phase, **extra)
             seed += 1
             if res["raise"] and max(res["raise"]) > args.bar:
                 res["bad"].append(f"slowest raise {max(res['raise']):.1f} s > {args.bar} s")
