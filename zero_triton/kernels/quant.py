@@ -121,10 +121,7 @@ def _codes(x: torch.Tensor, r: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
 def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
     """float32 values of ``codes`` (a run starting on a block boundary) under ``scale``."""
     n = codes.numel()
-    c = codes.to(torch.int32)
-    mag = c.abs()
-    bits = (((mag >> fmt.man_bits) - fmt.bias + 127) << 23) | ((mag & ((1 << fmt.man_bits) - 1)) << fmt.shift)
-    r = torch.where(mag == 0, torch.zeros_like(bits), bits).view(torch.float32)
+    c, r = _ratios(codes, fmt)
     x = (_by_block(r) * scale[:, None]).reshape(-1)[:n]
     return torch.where(c < 0, -x, x)
 
@@ -132,11 +129,17 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Te
 def decode_each(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
     """``decode`` with each element's block scale given beside it (``scale`` of the
     codes' shape)."""
+    c, r = _ratios(codes, fmt)
+    x = r * scale
+    return torch.where(c < 0, -x, x)
+
+
+def _ratios(codes: torch.Tensor, fmt: Minifloat) -> tuple:
+    """(the codes as int32, each code's magnitude r' in [0, 1] as float32)."""
     c = codes.to(torch.int32)
     mag = c.abs()
     bits = (((mag >> fmt.man_bits) - fmt.bias + 127) << 23) | ((mag & ((1 << fmt.man_bits) - 1)) << fmt.shift)
-    x = torch.where(mag == 0, torch.zeros_like(bits), bits).view(torch.float32) * scale
-    return torch.where(c < 0, -x, x)
+    return c, torch.where(mag == 0, torch.zeros_like(bits), bits).view(torch.float32)
 
 
 def quantize(x: torch.Tensor, fmt: Minifloat, codes: torch.Tensor, scale: torch.Tensor) -> None:

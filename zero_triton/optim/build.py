@@ -81,11 +81,12 @@ def engine_shards(members: list, spec) -> list:
     shards = {}
     for p, m in zip(members, maps):
         fits = blocks_fit(p, block)
-        rows = (fits and block > 1 and not keeps_blocks(p, block)) or (keyed and cuts_rows(p))
+        shared = fits and block > 1 and not keeps_blocks(p, block)
+        rows = shared or (keyed and cuts_rows(p))
         if fits and block > 1:  # its blocks, their scales and its compact form read rows
             m.check("int8 moments (blocks of 256 of a row)")
         if rows:
-            m.check("int8 blocks cut across ranks" if fits and block > 1 and not keeps_blocks(p, block)
+            m.check("int8 blocks cut across ranks" if shared
                     else "stochastic rounding keyed by the element's global index")
         shards.setdefault((fits, rows), []).append((p, m))
     out = []

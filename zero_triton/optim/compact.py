@@ -55,7 +55,10 @@ import weakref
 
 import torch
 
+from zero_triton.kernels import quant
 from zero_triton.optim.engine_home import is_dtensor
+from zero_triton.optim.launch import settle
+from zero_triton.optim.rows import local_indices, row_map
 from zero_triton.optim.state_dict import packed_groups
 from zero_triton.state import moments as moment_formats
 from zero_triton.state.int8 import BLOCK, Int8Moments
@@ -159,7 +162,6 @@ def _engine_entry(flat, i: int, p) -> dict | None:
     n = hi - lo
     if flat.home.rows:
         if s0 in store.pending:  # loaded in torch's format, not stepped since: agree now
-            from zero_triton.optim.launch import settle
             settle(store, s0, flat.home.maps[i])
         scales = store.table(s0)
     else:
@@ -192,8 +194,6 @@ def _local_moments(entry: dict, where: str) -> dict:
     """A DTensor compact int8 entry's local codes as float32 moments: each element decoded
     by the scale of its block of its row, whichever of the scales' columns this rank
     holds (``_scales_placements``: a block split as the codes, or every block of the rows)."""
-    from zero_triton.kernels import quant
-    from zero_triton.optim.rows import _local_indices, row_map
     first, second, scales = (entry.get(k) for k in Int8Moments.COMPACT)
     ok = (is_dtensor(second) and is_dtensor(scales) and first.dtype == quant.FIRST.dtype
           and second.dtype == quant.SECOND.dtype and second.shape == first.shape
@@ -209,7 +209,7 @@ def _local_moments(entry: dict, where: str) -> dict:
     rows.check("a compact int8 entry")
     r, w = rows.rows.numel(), rows.width
     table = scales.to_local()
-    columns = _local_indices(scales, 1) if table.shape[1] != scales.shape[1] else None
+    columns = local_indices(scales, 1) if table.shape[1] != scales.shape[1] else None
     k_lo = int(columns[0]) if columns is not None and columns.numel() else 0
     block = (rows.c0 + torch.arange(w, device=table.device)) // BLOCK - k_lo
     each = table[:, block, :].reshape(r * w, 2)

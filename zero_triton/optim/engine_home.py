@@ -32,6 +32,7 @@ import torch.distributed as dist
 from zero_triton.comm.grads import zero_in_place
 from zero_triton.comm.protocol import Comm
 from zero_triton.optim.flat_home import one_kind
+from zero_triton.optim.rows import row_map
 from zero_triton.state.flat import FlatLayout
 
 _DTENSOR = []  # torch's DTensor class once looked up (None where torch has none)
@@ -243,7 +244,6 @@ class EngineHome:
         # int8 blocks other ranks share: its launch keys and scales them element by
         # element (``zero_triton.optim.launch.RowsLaunch``).
         if maps is None:
-            from zero_triton.optim.rows import row_map
             whole = FlatLayout.build([tuple(p.shape) for p in params], align=spec.align)
             maps = [row_map(p, f"DTensor parameter {i} {tuple(p.shape)}", base)
                     for i, (p, base) in enumerate(zip(params, whole.offsets))]

@@ -112,13 +112,19 @@ class RowsLaunch:
                 bits = rounding.random_bits_at(rounding.key(args.seed, t, stream), index)
                 moment.copy_(rounding.to_bf16_stochastic(x, bits))
         if blocks is not None:
-            agreed = blocks.maxima(m, v)
-            if skipped:
-                agreed.zero_()
-            for group in rows.groups:
-                agreed = _all_reduce_max(agreed, group)
-            if not skipped:
-                blocks.narrow(m, v, agreed)
+            _agree(blocks, m, v, rows, skipped)
+
+
+def _agree(blocks: RowBlocks, m: torch.Tensor, v: torch.Tensor, rows, skipped: bool = False) -> None:
+    """Encode ``m`` and ``v`` into ``blocks`` with the scales the ranks that cut ``rows``
+    agree on (a rank that skips the step contributes nothing and keeps its codes)."""
+    agreed = blocks.maxima(m, v)
+    if skipped:
+        agreed.zero_()
+    for group in rows.groups:
+        agreed = _all_reduce_max(agreed, group)
+    if not skipped:
+        blocks.narrow(m, v, agreed)
 
 
 def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
@@ -144,8 +150,4 @@ def settle(store, s0: int, rows) -> None:
     format and not stepped since, with the scales its sharers agree on (collective over
     ``rows.groups``, as the step's agreement)."""
     blocks = RowBlocks(store, s0, rows)
-    m, v = blocks.widen()
-    agreed = blocks.maxima(m, v)
-    for group in rows.groups:
-        agreed = _all_reduce_max(agreed, group)
-    blocks.narrow(m, v, agreed)
+    _agree(blocks, *blocks.widen(), rows)

@@ -33,7 +33,7 @@ def _splits(placement, dim: int) -> bool:
             and getattr(placement, "dim", None) is not None and placement.dim == dim)
 
 
-def _local_indices(p, dim: int) -> torch.Tensor:
+def local_indices(p, dim: int) -> torch.Tensor:
     """The global indices along dimension ``dim`` of ``p``'s local shard, by DTensor's own
     sharding of an arange (no communication: each rank takes its own part)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -121,14 +121,14 @@ def row_map(p, name: str, base: int) -> RowMap:
         shape = (1,)
     local = tuple(p._local_tensor.shape) or (1,)
     cols = math.prod(shape[1:])
-    rows = _local_indices(p, 0) if len(tuple(p.shape)) else torch.zeros(1, dtype=torch.int64)
+    rows = local_indices(p, 0) if len(tuple(p.shape)) else torch.zeros(1, dtype=torch.int64)
     cut = [d for d in range(1, len(shape)) if any(_splits(pl, d) for pl in p.placements)]
     runs, c0, width = True, 0, cols
     if len(cut) > 1 or (cut and math.prod(shape[1:cut[0]]) != 1):
         runs = False
     elif cut:
         d = cut[0]
-        along = _local_indices(p, d)
+        along = local_indices(p, d)
         inner = math.prod(shape[d + 1:])
         n = along.numel()
         if n and not bool((along[1:] - along[:-1] == 1).all()):
