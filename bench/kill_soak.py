@@ -19,7 +19,8 @@ the time and the phase. Each survivor writes the time and the
 message of the exception it raised.
 
 ``--phase serve`` kills the last rank instead while its shard server answers a
-``state_dict()`` that rank 0 calls alone before the third step (the served state).
+``state_dict()`` that rank 0 calls alone before the third step (the served state), at
+the answer's send the seed draws (its header or one of its first two chunks).
 
 Prints the runs, the phases hit (how many kills at each), the survivors that raised
 within ``--bar`` seconds of the kill (10), the slowest survivor's raise and exit after the
@@ -41,13 +42,13 @@ import textwrap
 import time
 
 SCRIPT = textwrap.dedent(r"""
-    import json, os, signal, sys, time, traceback
+    import json, os, signal, sys, threading, time, traceback
     import torch, torch.distributed as dist
     cfg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = os.path.join(cfg["dir"], f"rank{rank}.json")
     victim = rank == world - 1
-    calls = {"count": 0, "armed": None, "record": None, "serving": False}
+    calls = {"count": 0, "armed": None, "record": None}
 
     def phase():
         # the zero_triton functions on the stack, innermost first, less the helpers
@@ -87,11 +88,15 @@ SCRIPT = textwrap.dedent(r"""
         # the served state: a shard server's answer is a send on the side group
         side_send = dist.ProcessGroupGloo.send
         def send(self, *a, **k):
-            if calls["serving"]:
-                with open(out, "w") as fh:
-                    json.dump({"killed": time.time(), "collective": "send",
-                               "phase": phase() + " (the served state)", "index": 0}, fh)
-                os.kill(os.getpid(), signal.SIGKILL)
+            # the answer's send the seed draws (its header, or a chunk): the server thread's
+            # sends only (the step's gathers may send on the same group)
+            if cfg["serve"] and threading.current_thread().name.startswith("zero_triton shard server"):
+                calls["sends"] = calls.get("sends", -1) + 1
+                if calls["sends"] == cfg["draw"] % 3:
+                    with open(out, "w") as fh:
+                        json.dump({"killed": time.time(), "collective": f"send {calls['sends']}",
+                                   "phase": phase() + " (the served state)", "index": 0}, fh)
+                    os.kill(os.getpid(), signal.SIGKILL)
             return side_send(self, *a, **k)
         dist.ProcessGroupGloo.send = send
     import datetime
@@ -111,7 +116,6 @@ SCRIPT = textwrap.dedent(r"""
             x = torch.randn(8, 48, generator=torch.Generator().manual_seed(step * 100 + rank))
             if cfg["serve"] and step == 2:
                 # rank 0 alone asks for the whole state; the victim dies answering it
-                calls["serving"] = victim
                 if rank == 0:
                     opt.state_dict()
             model(x).pow(2).mean().backward()

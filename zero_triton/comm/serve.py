@@ -314,8 +314,9 @@ class Reply:
                 work.wait()
         except RuntimeError as exc:  # posting fails at once where the connection closed
             for other in works.values():  # the receives already posted land before we go
-                with contextlib.suppress(RuntimeError):
-                    other.wait()
+                if not other.is_completed():  # waiting a finished receive again waits for
+                    with contextlib.suppress(RuntimeError):  # another: the timeout
+                        other.wait()
             raise RuntimeError(
                 f"zero_triton: rank {self.server.rank} asked rank {peer} for its shards and "
                 f"got no answer within the process group's timeout "
