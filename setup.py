@@ -125,7 +125,7 @@ setup(
     package_dir=PACKAGE_DIR,
     package_data={"zero_triton": ["csrc/*.cpp", "csrc/*.h", "csrc/cpu/*.cpp", "csrc/cpu/*.h", "csrc/cuda/*.cu", "csrc/cuda/*.cpp", "csrc/cuda/*.h"]},
     install_requires=install_requires,
-    extras_require={"test": ["pytest", "hypothesis", "accelerate", "transformers", "expecttest", "deepspeed",
+    extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "accelerate", "transformers", "expecttest", "deepspeed",
                              "pyyaml", TRITON, *DOCS],
                     "bench": ["matplotlib"], "peers": ["deepspeed"], "triton": [TRITON], "docs": DOCS},
     ext_modules=EXT_MODULES,

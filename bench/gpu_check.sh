@@ -73,9 +73,9 @@ mod = _ext.load()
 print('zero_triton._C:', mod, '| reason:', _ext.unavailable_reason(), '| cuda kernels:', _ext.cuda_available())
 raise SystemExit(0 if mod is not None else 1)"
     # Two of the files that hold CUDA tests: collecting the whole suite twice took ~50 s.
-    run_stage test-marked 90 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py -q \
+    run_stage test-marked 90 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py -q -n0 \
         -m cuda -p no:cacheprovider
-    run_stage test-named 60 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py \
+    run_stage test-named 60 "$PY" -m pytest tests/test_native.py tests/test_side_stream.py -n0 \
         tests/test_serve.py -q -k cuda -m "not cuda" -p no:cacheprovider
     run_stage bench 150 "$PY" bench/step.py --quick --device cpu --out "$OUT"
     # Two configurations: the peers' own tests cover the rest; this proves the stage runs.
@@ -88,12 +88,12 @@ else
     # --no-deps: the GPU machine may be offline; torch and triton are there already.
     run_stage build 165 env ZERO_TRITON_BUILD_EXT=1 "$PY" -m pip install --no-build-isolation --no-deps -e .
     # test-marked includes FSDP2 on the GPU with the compiled list kernel (tests/test_dtensor.py).
-    run_stage test-marked 70 "$PY" -m pytest tests -q -m cuda -p no:cacheprovider
+    run_stage test-marked 70 "$PY" -m pytest tests -q -n0 -m cuda -p no:cacheprovider
     # test-named includes two gloo ranks on the GPU (tests/test_side_stream.py), the
     # low-bit moments' Triton and CUDA kernels (tests/test_int8.py: int8 and bf16), and the
     # shard server's GPU path (tests/test_serve.py: the host copy after the state's event
     # while the main stream spins; rank 0's state_dict() of two gloo ranks on the GPU).
-    run_stage test-named 90 "$PY" -m pytest tests -q -k cuda -m "not cuda" -p no:cacheprovider
+    run_stage test-named 90 "$PY" -m pytest tests -q -n0 -k cuda -m "not cuda" -p no:cacheprovider
     # The benchmark drops its slow multi-pass providers by itself at sizes whose
     # buffers would not all fit in device memory.
     run_stage bench 70 "$PY" bench/step.py --device cuda --sizes 64M,256M,1B \
