@@ -36,8 +36,39 @@ def _mp_context():
     return _context
 
 
+def _ephemeral() -> tuple:
+    """The range the system hands out for port 0 (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = map(int, fh.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a rendezvous this test makes next. Not one the system would
+    hand out for port 0: every gloo listener and outgoing connection takes one of those,
+    and one could take this port before the store binds it. Under pytest-xdist, only
+    ports of this worker's residue class, so that tests on two workers never pick the
+    same one (a rank once joined another test's group: "connectFullMesh failed")."""
+    import random
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    index = int(worker) if worker.isdigit() else 0
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    low, high = _ephemeral()
+    first, last = (10000, low - 1) if low - 10000 >= 4096 else (high + 1, 65535)
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(first, last + 1 - count)
+        port += (index - port) % count
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free outside that range: any port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
