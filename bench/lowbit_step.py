@@ -139,7 +139,7 @@ def rows(args):
     m, v = torch.zeros(n), torch.zeros(n)
     mq, vq = torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.uint8)
     mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
-    out.append(("limit 28 B", lambda: lim.stream28(p, g, m, v), 28, None, "memory kernel"))
+    out.append(("limit 28 B", lambda: lim.stream_fp32(p, g, m, v), 28, None, "memory kernel"))
     out.append(("limit 20 B", lambda: lim.stream20(p, g, mb, vb), 20, None, "memory kernel"))
     out.append(("limit 16 B", lambda: lim.stream16(p, g, mq, vq), 16, None, "memory kernel"))
     return out

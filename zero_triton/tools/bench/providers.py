@@ -66,61 +66,35 @@ void stream_bf16(at::Tensor p, at::Tensor g, at::Tensor master, at::Tensor m, at
   at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { bf16_range(P, G, W, M, V, b, e); });
 }
 
-// bench/lowbit_step.py's limits: the fp32, bf16-moment and int8-moment steps' traffic.
-// The fp32 step's traffic: read p, g, m, v; write p, m, v (28 B/param).
-__attribute__((noinline)) void range28(float* __restrict__ P, const float* __restrict__ G,
-                                       float* __restrict__ M, float* __restrict__ V,
-                                       int64_t b, int64_t e) {
+// bench/lowbit_step.py's limits for 1- and 2-byte moments (its 28 B row is stream_fp32):
+// read p, g (4 B each), m, v; write p, m, v. Counters that halve and count keep the values
+// bounded with the least arithmetic. Moments as int8 + uint8: 16 B/param; as two uint16
+// (bf16's bytes): 20 B/param.
+template <typename TM, typename TV>
+__attribute__((noinline)) void small_range(float* __restrict__ P, const float* __restrict__ G,
+                                           TM* __restrict__ M, TV* __restrict__ V,
+                                           int64_t b, int64_t e) {
   for (int64_t i = b; i < e; ++i) {
     const float g = G[i];
-    const float m = 0.9f * M[i] + 0.1f * g;
-    V[i] = 0.999f * V[i] + 0.001f * g * g;
-    M[i] = m;
-    P[i] = P[i] - 1e-3f * m;
-  }
-}
-
-// The int8 step's traffic: read p, g (4 B each), m, v (1 B each); write p, m, v (16 B/param).
-__attribute__((noinline)) void range16(float* __restrict__ P, const float* __restrict__ G,
-                                       int8_t* __restrict__ M, uint8_t* __restrict__ V,
-                                       int64_t b, int64_t e) {
-  for (int64_t i = b; i < e; ++i) {
-    const float g = G[i];
-    M[i] = int8_t(M[i] / 2 + int8_t(g > 0.0f));
-    V[i] = uint8_t(V[i] / 2 + uint8_t(g != 0.0f));
+    M[i] = TM(M[i] / 2 + TM(g > 0.0f));
+    V[i] = TV(V[i] / 2 + TV(g != 0.0f));
     P[i] = P[i] - 1e-3f * g;
   }
 }
 
-// The bf16 step's traffic: read p, g (4 B each), m, v (2 B each); write p, m, v (20 B/param).
-__attribute__((noinline)) void range20(float* __restrict__ P, const float* __restrict__ G,
-                                       uint16_t* __restrict__ M, uint16_t* __restrict__ V,
-                                       int64_t b, int64_t e) {
-  for (int64_t i = b; i < e; ++i) {
-    const float g = G[i];
-    M[i] = uint16_t(M[i] / 2 + uint16_t(g > 0.0f));
-    V[i] = uint16_t(V[i] / 2 + uint16_t(g != 0.0f));
-    P[i] = P[i] - 1e-3f * g;
-  }
+template <typename TM, typename TV>
+void small_stream(at::Tensor p, at::Tensor g, TM* M, TV* V) {
+  float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
+  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { small_range(P, G, M, V, b, e); });
 }
 
 void stream20(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
-  float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
-  uint16_t* M = reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>());
-  uint16_t* V = reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>());
-  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { range20(P, G, M, V, b, e); });
-}
-
-void stream28(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
-  float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
-  float* M = m.data_ptr<float>(); float* V = v.data_ptr<float>();
-  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { range28(P, G, M, V, b, e); });
+  small_stream(p, g, reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>()),
+               reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()));
 }
 
 void stream16(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
-  float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
-  int8_t* M = m.data_ptr<int8_t>(); uint8_t* V = v.data_ptr<uint8_t>();
-  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { range16(P, G, M, V, b, e); });
+  small_stream(p, g, m.data_ptr<int8_t>(), v.data_ptr<uint8_t>());
 }
 """
 
@@ -131,7 +105,7 @@ def load_cpu_limit():
         from torch.utils.cpp_extension import load_inline
         mod = load_inline(
             name="zero_triton_bench_limit", cpp_sources=[_CPU_LIMIT_SRC],
-            functions=["stream_fp32", "stream_bf16", "stream28", "stream20", "stream16"],
+            functions=["stream_fp32", "stream_bf16", "stream20", "stream16"],
             # -march=native is right here, unlike in anything shipped: this is compiled
             # on, and only ever run on, the machine being measured, and a limit built
             # for a lesser ISA than the step's run-time-dispatched kernel would not be
