@@ -156,6 +156,25 @@ def _threads_and_files():
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
+def _settled(before=None):
+    """The counts once a thread that is ending has ended. ``Thread.join`` returns when the
+    thread's Python state is released, a moment before the system thread leaves
+    /proc/self/task; on a loaded machine that moment was seen (a cycle at 2 threads and
+    13 files, the next at 1 and 13). Waits at most 5 s for the counts to be no more than
+    ``before`` (without it, for two reads 50 ms apart to agree): a thread or file that
+    stays is still counted."""
+    counts = _threads_and_files()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if before is not None and all(now <= was for now, was in zip(counts, before)):
+            break
+        time.sleep(0.05)
+        again, counts = counts, _threads_and_files()
+        if before is None and again == counts:
+            break
+    return counts
+
+
 def _cycles(rank, world, ports):
     """The harness's group destroyed; then, per port but the last, init -> ZeroAdamW ->
     2 steps -> rank 0's state_dict() -> destroy_process_group(), the count of threads and
@@ -173,7 +192,7 @@ def _cycles(rank, world, ports):
         dist.destroy_process_group()
         del model, opt
         gc.collect()
-        counts.append(_threads_and_files())
+        counts.append(_settled(counts[0] if counts else None))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[-1]}", rank=rank,
                             world_size=world)
     return counts
@@ -207,8 +226,7 @@ def _dropped(rank, world):
     names = [t.name for t in threading.enumerate()]
     del opt
     gc.collect()
-    time.sleep(0.2)
-    after = _threads_and_files()
+    after = _settled(before)
     return before, during, after, names, len(side.open_channels())
 
 
