@@ -303,6 +303,67 @@ def test_fsdp2_dtensors_capturable_step_allocates_nothing_and_repeats(kw):
         assert same, f"rank {rank}: capturable=True changed the parameters"
 
 
+def _rank_rows(rank, world, dtype, kw, scaler):
+    """Tensor parallel at 2 ranks: a RowwiseParallel weight of 256 columns keeps 128 of
+    each row a rank, so its int8 blocks are cut and it is stepped through its rows
+    (``RowsLaunch``: scales agreed by a MAX all-reduce, rounding keyed element by
+    element); the ColwiseParallel weight's rows are whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+    for capturable in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 16))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        model = model.to(dtype)
+        opt = zero_triton.FusedAdamW(model.parameters(), lr=torch.tensor(1e-2), capturable=capturable, **kw)
+        assert any(type(side.launch).__name__ == "RowsLaunch"
+                   for group in opt._flats for shard in group for side in shard.sides)
+        grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6, growth_interval=2) if scaler else None
+        recordings = []
+        for t in range(STEPS):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * t)).to(dtype)
+            loss = model(x).float().pow(2).mean()
+            if grad_scaler is None:
+                loss.backward()
+                recordings.append(record(opt.step) if t >= STEPS - 2 else opt.step())
+            else:
+                grad_scaler.scale(loss * (float("inf") if t == 1 else 1.0)).backward()  # step 1 skipped
+                step, held = opt.step, []
+                opt.step = lambda: held.append(record(step) if t >= STEPS - 2 else step())
+                grad_scaler.step(opt)
+                del opt.step
+                recordings.append(held[0] if held else None)
+                grad_scaler.update()
+            opt.zero_grad(set_to_none=False)
+        state = [v.full_tensor() if hasattr(v, "full_tensor") else torch.as_tensor(v)
+                 for entry in opt.state_dict()["state"].values() for v in entry.values()]
+        out.append(([p.full_tensor() for p in model.parameters()] + state, recordings[-2:]))
+    (plain, _), (captured, (first, second)) = out
+    same = len(plain) == len(captured) and all(torch.equal(a, b) for a, b in zip(plain, captured))
+    return same, _problems(first, second, {"scaler": scaler})
+
+
+@pytest.mark.parametrize("dtype, kw, scaler", [
+    (torch.float32, dict(moments="int8"), True),
+    (torch.bfloat16, dict(master_weights="stochastic", moments="int8"), False),
+    (torch.bfloat16, dict(master_weights="stochastic", moments="bf16"), False),
+], ids=["fp32 int8 moments, GradScaler (one step skipped)", "bf16 stochastic, int8 moments",
+        "bf16 stochastic, bf16 moments"])
+def test_tensor_parallel_cut_blocks_capturable_step_allocates_nothing_and_repeats(dtype, kw, scaler):
+    """(Refused with capturable=True before.) A parameter stepped through its rows under
+    capturable=True: its intermediates are kept buffers, its rounding keys come from the
+    step count on the device, GradScaler's skip is decided on the device, its scales'
+    all-reduce runs on kept tensors: a warmed-up step allocates nothing, reads nothing
+    on the host and repeats, and the parameters and state are the bits of the default
+    step."""
+    for rank, (same, problems) in enumerate(run_ranks(_rank_rows, 2, dtype, kw, scaler,
+                                                      timeout=RANK_TIMEOUT_S)):
+        assert not problems, f"rank {rank}: " + "; ".join(problems)
+        assert same, f"rank {rank}: capturable=True changed the parameters or the state"
+
+
 @pytest.mark.parametrize("kw, dtype", [(dict(backend="torch"), torch.float32), ({}, torch.float64)],
                          ids=["torch backend", "float64"])
 def test_a_step_that_reads_its_scalars_on_the_host_is_refused(kw, dtype):
@@ -314,3 +375,39 @@ def test_a_step_that_reads_its_scalars_on_the_host_is_refused(kw, dtype):
         zero_triton.FusedAdamW(model.parameters(), capturable=True, **kw)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_codes_and_rounding_in_kept_scratch_are_the_bits_of_fresh_tensors():
+    """The rows path's capturable step writes the int8 codes and the stochastic rounding
+    (``kernels.quant``, ``kernels.rounding``) into one kept scratch, reused call after
+    call, and keys the rounding from the step count on the device: the same bits as
+    fresh tensors and the host key, over NaN, infinities, signed zeros, subnormals,
+    zero and NaN scales."""
+    from zero_triton.kernels import quant, rounding
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, generator=g) * torch.logspace(-40, 38, 3000)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, 3.3e38])])
+    scale = x.abs() * torch.rand(x.shape, generator=g) * 3
+    scale[::7], scale[::11], scale[::13] = 0.0, float("nan"), float("inf")
+    kept = {}
+
+    def tmp(slot, dtype):
+        return kept.setdefault((slot, dtype), torch.empty(x.shape, dtype=dtype))
+    for fmt in (quant.FIRST, quant.SECOND):
+        xs = x if fmt.signed else x.abs()
+        codes = quant.encode_each(xs, scale, fmt)
+        out = torch.empty(x.shape, dtype=fmt.dtype)
+        assert torch.equal(quant.encode_each(xs, scale, fmt, out=out, tmp=tmp), codes)
+        values = torch.empty(x.shape)
+        got = quant.decode_each(codes, scale, fmt, out=values, tmp=tmp)
+        assert torch.equal(got.view(torch.int32), quant.decode_each(codes, scale, fmt).view(torch.int32))
+    index = torch.randint(0, 2 ** 40, x.shape, generator=g)
+    key, t = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    for step in (1, 2, 999, 2 ** 24):
+        for stream in (rounding.FIRST_STREAM, rounding.PARAM_STREAM):
+            host = rounding.key(5, step, stream)
+            assert int(rounding.key_at(torch.tensor([float(step)]), 5, stream, key, t)) == host
+            bits = rounding.random_bits_at(key, index, out=torch.empty_like(index), tmp=tmp)
+            assert torch.equal(bits, rounding.random_bits_at(host, index))
+            rounded = rounding.to_bf16_stochastic(x, bits, out=torch.empty(x.shape, dtype=torch.bfloat16), tmp=tmp)
+            assert torch.equal(rounded.view(torch.int16), rounding.to_bf16_stochastic(x, bits).view(torch.int16))

@@ -117,8 +117,11 @@ def recovered(tmp_path_factory):
     whole = Path(_ext.load().__file__)  # this process's build, in the default cache
     cache = tmp_path_factory.mktemp("killed-build")
     log_path = cache.parent / "killed-build.log"
+    # The compilers' temporary files (a killed cc1plus leaves its .s) in a folder of its own.
+    scratch = tmp_path_factory.mktemp("killed-build-tmp")
     with open(log_path, "w") as log:
-        victim = subprocess.Popen([sys.executable, "-c", STEP], cwd=REPO, env=env_for(cache),
+        victim = subprocess.Popen([sys.executable, "-c", STEP], cwd=REPO,
+                                  env=env_for(cache, TMPDIR=str(scratch)),
                                   stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     try:
         deadline = time.monotonic() + QUICK_TIMEOUT

@@ -97,25 +97,49 @@ def encode(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor
     return _codes(x, (_by_block(x).abs() * inv[:, None]).reshape(-1)[:n], fmt)
 
 
-def encode_each(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+def scratch(like: torch.Tensor):
+    """``tmp(slot, dtype)``: a new tensor of ``like``'s shape and device at every call.
+    The functions below (and ``zero_triton.kernels.rounding``'s) take such a ``tmp`` for
+    their intermediates, and an ``out``: a capturable step hands in buffers it keeps
+    (``zero_triton.state.buffers.Kept``), so that they allocate nothing. Their slots are
+    numbered per dtype from 0 and live only during the call, so that one ``tmp`` serves
+    them one after another."""
+    return lambda name, dtype: torch.empty(like.shape, dtype=dtype, device=like.device)
+
+
+def encode_each(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat, out=None,
+                tmp=None) -> torch.Tensor:
     """``encode`` with each element's block scale given beside it (``scale`` of ``x``'s
     shape): the same codes, for elements whose blocks are not runs of ``x``."""
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    return _codes(x, x.float().abs() * inv, fmt)
+    tmp = tmp or scratch(x)
+    inv = torch.reciprocal(scale, out=tmp(0, torch.float32))  # 1 / scale where scale > 0, else 0
+    inv.masked_fill_(torch.gt(scale, 0, out=tmp(0, torch.bool)).logical_not_(), 0.0)
+    r = torch.abs(x, out=tmp(1, torch.float32)).mul_(inv)
+    return _codes(x, r, fmt, out, tmp)
 
 
-def _codes(x: torch.Tensor, r: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
-    """The codes of ``x`` from ``r = |x| / scale`` (float32, ``x``'s shape)."""
-    bits = r.view(torch.int32) + fmt.half
-    exp = (bits >> 23) - 127 + fmt.bias  # the binade after rounding, biased
-    code = (exp << fmt.man_bits) | ((bits >> fmt.shift) & ((1 << fmt.man_bits) - 1))
-    code = torch.where(exp < 0, torch.zeros_like(code), code)
-    code = torch.minimum(code, torch.full_like(code, fmt.top))  # r a rounding above 1, NaN
-    if fmt.keeps_positive:
-        code = torch.where((r > 0) & (code == 0), torch.ones_like(code), code)
-    if fmt.signed:
-        code = torch.where(x < 0, -code, code)
-    return code.to(fmt.dtype)
+def _codes(x: torch.Tensor, r: torch.Tensor, fmt: Minifloat, out=None, tmp=None) -> torch.Tensor:
+    """The codes of ``x`` from ``r = |x| / scale`` (float32, ``x``'s shape), into ``out``
+    (``tmp``'s int32 and bool slots)."""
+    tmp = tmp or scratch(x)
+    i32, flag = torch.int32, tmp(0, torch.bool)
+    bits = torch.add(r.view(i32), fmt.half, out=tmp(0, i32))
+    exp = torch.bitwise_right_shift(bits, 23, out=tmp(1, i32))
+    exp.add_(fmt.bias - 127)  # the binade after rounding, biased
+    # (exp << man_bits) | ((bits >> shift) & (2**man_bits - 1))
+    code = torch.bitwise_left_shift(exp, fmt.man_bits, out=tmp(2, i32))
+    code.bitwise_or_(bits.bitwise_right_shift_(fmt.shift).bitwise_and_((1 << fmt.man_bits) - 1))
+    code.masked_fill_(torch.lt(exp, 0, out=flag), 0)  # below the range
+    code.clamp_max_(fmt.top)  # r a rounding above 1, NaN
+    if fmt.keeps_positive:  # (r > 0) & (code == 0) -> 1
+        zero = torch.eq(code, 0, out=tmp(1, torch.bool))
+        code.masked_fill_(torch.gt(r, 0, out=flag).logical_and_(zero), 1)
+    if fmt.signed:  # x < 0 -> -code: code * (1 - 2 * (x < 0))
+        sign = tmp(1, i32).copy_(torch.lt(x, 0, out=flag))  # exp's slot: exp is spent
+        code.mul_(sign.mul_(-2).add_(1))
+    if out is None:
+        return code.to(fmt.dtype)
+    return out.copy_(code)
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
@@ -126,20 +150,30 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Te
     return torch.where(c < 0, -x, x)
 
 
-def decode_each(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+def decode_each(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat, out=None,
+                tmp=None) -> torch.Tensor:
     """``decode`` with each element's block scale given beside it (``scale`` of the
-    codes' shape)."""
-    c, r = _ratios(codes, fmt)
-    x = r * scale
-    return torch.where(c < 0, -x, x)
+    codes' shape), into ``out`` (float32)."""
+    tmp = tmp or scratch(codes)
+    c, r = _ratios(codes, fmt, tmp)
+    x = torch.mul(r, scale, out=torch.empty_like(r) if out is None else out)
+    # where(c < 0, -x, x): a negative code's int32 has the sign bit set; negation flips it
+    x.view(torch.int32).bitwise_xor_(c.bitwise_and_(-2 ** 31))
+    return x
 
 
-def _ratios(codes: torch.Tensor, fmt: Minifloat) -> tuple:
+def _ratios(codes: torch.Tensor, fmt: Minifloat, tmp=None) -> tuple:
     """(the codes as int32, each code's magnitude r' in [0, 1] as float32)."""
-    c = codes.to(torch.int32)
-    mag = c.abs()
-    bits = (((mag >> fmt.man_bits) - fmt.bias + 127) << 23) | ((mag & ((1 << fmt.man_bits) - 1)) << fmt.shift)
-    return c, torch.where(mag == 0, torch.zeros_like(bits), bits).view(torch.float32)
+    tmp = tmp or scratch(codes)
+    i32 = torch.int32
+    c = tmp(0, i32).copy_(codes)
+    mag = torch.abs(c, out=tmp(1, i32))
+    # (((mag >> man_bits) - bias + 127) << 23) | ((mag & (2**man_bits - 1)) << shift)
+    bits = torch.bitwise_right_shift(mag, fmt.man_bits, out=tmp(2, i32))
+    bits.add_(127 - fmt.bias).bitwise_left_shift_(23)
+    bits.bitwise_or_(mag.bitwise_and_((1 << fmt.man_bits) - 1).bitwise_left_shift_(fmt.shift))
+    bits.masked_fill_(torch.eq(c, 0, out=tmp(0, torch.bool)), 0)
+    return c, bits.view(torch.float32)
 
 
 def quantize(x: torch.Tensor, fmt: Minifloat, codes: torch.Tensor, scale: torch.Tensor) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import scratch
+
 MASK32 = 0xFFFFFFFF
 GOLDEN, M1, M2 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
 FIRST_STREAM, SECOND_STREAM, PARAM_STREAM = 1, 2, 3  # exp_avg, exp_avg_sq, the parameter
@@ -39,13 +41,23 @@ def key(seed: int, step: int, stream: int) -> int:
     return fmix32_int(fmix32_int(seed) ^ ((step * GOLDEN) & MASK32) ^ ((stream * M1) & MASK32))
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """fmix32 on int64 tensors holding uint32 values."""
-    x = x ^ (x >> 16)
-    x = (x * M1) & MASK32
-    x = x ^ (x >> 13)
-    x = (x * M2) & MASK32
-    return x ^ (x >> 16)
+def key_at(step: torch.Tensor, seed: int, stream: int, out: torch.Tensor,
+           t: torch.Tensor) -> torch.Tensor:
+    """``key`` of the step count a device tensor holds (float32 [1]), into ``out`` (int64
+    [1], ``t`` its scratch): nothing read on the host (a capturable step)."""
+    out.copy_(step).mul_(GOLDEN).bitwise_and_(MASK32)
+    out.bitwise_xor_(fmix32_int(seed) ^ ((stream * M1) & MASK32))
+    return _fmix32(out, t)
+
+
+def _fmix32(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """fmix32 on an int64 tensor holding uint32 values, in place (``t``: scratch of its
+    shape): x ^= x >> 16; x *= M1; x ^= x >> 13; x *= M2; x ^= x >> 16 (mod 2^32)."""
+    for shift, factor in ((16, M1), (13, M2), (16, None)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=t))
+        if factor is not None:
+            x.mul_(factor).bitwise_and_(MASK32)
+    return x
 
 
 def random_bits(run_key: int, index0: int, n: int, device) -> torch.Tensor:
@@ -53,19 +65,32 @@ def random_bits(run_key: int, index0: int, n: int, device) -> torch.Tensor:
     return random_bits_at(run_key, torch.arange(index0, index0 + n, dtype=torch.int64, device=device))
 
 
-def random_bits_at(run_key: int, index: torch.Tensor) -> torch.Tensor:
+def random_bits_at(run_key, index: torch.Tensor, out=None, tmp=None) -> torch.Tensor:
     """32 random bits (int64 tensor) for the elements of canonical indices ``index``
-    (int64): what a run of them would draw, for elements that are not one run."""
-    lo, hi = index & MASK32, index >> 32
-    return _fmix32(lo ^ run_key ^ ((hi * M2) & MASK32))
+    (int64): what a run of them would draw, for elements that are not one run:
+    ``fmix32(lo ^ key ^ hi * M2)``. ``run_key``: an int, or ``key_at``'s tensor; ``out``
+    and ``tmp`` as in ``zero_triton.kernels.quant.scratch``."""
+    tmp = tmp or scratch(index)
+    t = tmp(0, torch.int64)
+    x = torch.bitwise_and(index, MASK32, out=torch.empty_like(index) if out is None else out)
+    hi = torch.bitwise_right_shift(index, 32, out=t).mul_(M2).bitwise_and_(MASK32)
+    return _fmix32(x.bitwise_xor_(run_key).bitwise_xor_(hi), t)
 
 
-def to_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+def to_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor, out=None, tmp=None) -> torch.Tensor:
     """float32 ``x`` rounded to bfloat16, up with probability the dropped fraction (by
-    the low 16 of ``bits``); NaN stays NaN, infinities stay."""
-    raw = x.float().view(torch.int32).to(torch.int64) & MASK32
-    out = ((raw + (bits & 0xFFFF)) >> 16) & 0xFFFF
-    out = torch.where(torch.isinf(x), raw >> 16, out)
-    out = torch.where(torch.isnan(x), torch.full_like(out, 0x7FC0), out)  # the canonical NaN
-    out = torch.where(out >= 0x8000, out - 0x10000, out)  # as int16
-    return out.to(torch.int16).view(torch.bfloat16)
+    the low 16 of ``bits``); NaN stays NaN, infinities stay. ``out``: a bfloat16 tensor to
+    write; ``tmp`` as in ``zero_triton.kernels.quant.scratch``."""
+    tmp = tmp or scratch(x)
+    i64, flag = torch.int64, tmp(0, torch.bool)
+    raw = tmp(0, i64).copy_(x.float().view(torch.int32)).bitwise_and_(MASK32)
+    y = torch.bitwise_and(bits, 0xFFFF, out=tmp(1, i64))
+    y.add_(raw).bitwise_right_shift_(16).bitwise_and_(0xFFFF)  # ((raw + low 16) >> 16) & 0xFFFF
+    inf = torch.eq(torch.abs(x, out=tmp(0, torch.float32)), float("inf"), out=flag)
+    torch.where(inf, raw.bitwise_right_shift_(16), y, out=y)  # infinities: truncated
+    y.masked_fill_(torch.ne(x, x, out=flag), 0x7FC0)  # NaN: the canonical NaN
+    y.sub_(raw.copy_(torch.ge(y, 0x8000, out=flag)).mul_(0x10000))  # as int16
+    if out is None:
+        return y.to(torch.int16).view(torch.bfloat16)
+    out.view(torch.int16).copy_(y)
+    return out

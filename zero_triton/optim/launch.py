@@ -21,6 +21,7 @@ from zero_triton.comm.group import without_python_tls
 from zero_triton.kernels import rounding
 from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
+from zero_triton.state.buffers import PLAIN, Buffers, Scratch
 from zero_triton.state.int8_rows import RowBlocks
 
 
@@ -64,67 +65,77 @@ class RowsLaunch:
 
     - a parameter rounded stochastically (``master_weights="stochastic"``) and bf16
       moments are rounded keyed by each element's canonical index (``RowMap.index``), as
-      the kernels key a run;
+      the kernels key a run, from the step count on the device;
     - int8 moments are encoded with the scales the ranks that cut the row agree on: the
       largest magnitude of each rank's part of each block, one MAX all-reduce of the
       table of its rows' blocks per mesh dimension that cuts them (``state.int8_rows``).
 
     The same bits as the kernels on a layout that holds the blocks whole. Several passes
-    over the shard and allocations (the fallback for cut rows, not the fast path); the
-    agreement is one collective per parameter per step, every rank of the group in the
-    same order (the shards' parameters and order are the same on every rank), also when
-    a rank skips the step (GradScaler's inf: it contributes nothing)."""
+    over the shard (the fallback for cut rows, not the fast path); the agreement is one
+    collective per parameter per step, every rank of the group in the same order (the
+    shards' parameters and order are the same on every rank), also when a rank skips the
+    step (GradScaler's inf: it contributes nothing and keeps its state, decided on the
+    device). Its intermediates come from ``buffers``: ``Kept`` under capturable=True, so
+    that a warmed-up step allocates nothing and reads nothing on the host."""
 
-    def __init__(self, backend: str, maps: list):
+    def __init__(self, backend: str, maps: list, buffers: Buffers = PLAIN):
         self.step = backends.step_function(backend, "fp32")
-        self.maps = maps
+        self.maps, self.buffers = maps, buffers
 
     def run(self, launches: list, args: StepArgs) -> None:
-        skipped = args.found_inf is not None and bool(args.found_inf.item() != 0)
+        skip = None  # where set (bool [1]), the step keeps the state it had
+        if args.found_inf is not None:
+            skip = torch.ne(args.found_inf, 0, out=self.buffers.kept(
+                "skip", 1, torch.bool, args.found_inf.device))
         for ops, _, k in launches:
-            self._one(ops, args, self.maps[k], skipped)
+            self._one(ops, args, k, Scratch(self.buffers, k, ops.grad.device), skip)
 
-    def _one(self, ops: Operands, args: StepArgs, rows, skipped: bool) -> None:
+    def _one(self, ops: Operands, args: StepArgs, k: int, tmp: Scratch, skip) -> None:
+        rows, n = self.maps[k], ops.grad.numel()
         first, second, third = ops.moments
         blocks = third if isinstance(third, RowBlocks) else None
+        keyed = first.dtype == torch.bfloat16  # bf16 moments, rounded stochastically
         if blocks is not None:
-            m, v, most = *blocks.widen(), None
-        elif first.dtype == torch.bfloat16:
-            m, v, most = first.float(), second.float(), None
+            m, v, most = *blocks.widen(tmp), None
+        elif keyed:
+            m, v = (tmp(name, (n,), torch.float32).copy_(t) for name, t in (("m", first), ("v", second)))
+            most = None
         else:
             m, v, most = first, second, third
-        param, param_lp, remainder = ops.param, ops.param_lp, ops.remainder
+        param = tmp("param", (n,), torch.float32).copy_(ops.param) if args.stochastic else ops.param
+        # The kernel skips on the device where found_inf is set.
+        self.step(Operands(param, ops.grad, (m, v, most), ops.param_lp, ops.step, ops.lr,
+                           ops.remainder, ops.scratch), args.replace(stochastic=False, index=0))
+        rounded = []
         if args.stochastic:
-            param = ops.param.float()
-        if not skipped:
-            self.step(Operands(param, ops.grad, (m, v, most), param_lp, ops.step, ops.lr,
-                               remainder, ops.scratch),
-                      args.replace(stochastic=False, found_inf=None, index=0))
-        index = None
-        t = int(ops.step.item()) if (args.stochastic or first.dtype == torch.bfloat16) else 0
-        if args.stochastic and not skipped:
-            index = rows.index(param.device)
-            bits = rounding.random_bits_at(rounding.key(args.seed, t, rounding.PARAM_STREAM), index)
-            ops.param.copy_(rounding.to_bf16_stochastic(param, bits))
-        if blocks is None and first.dtype == torch.bfloat16 and not skipped:
-            index = rows.index(m.device) if index is None else index.to(m.device)
-            for moment, x, stream in ((first, m, rounding.FIRST_STREAM), (second, v, rounding.SECOND_STREAM)):
-                bits = rounding.random_bits_at(rounding.key(args.seed, t, stream), index)
-                moment.copy_(rounding.to_bf16_stochastic(x, bits))
+            rounded.append((ops.param, param, rounding.PARAM_STREAM))
+        if blocks is None and keyed:
+            rounded += [(first, m, rounding.FIRST_STREAM), (second, v, rounding.SECOND_STREAM)]
+        if rounded:
+            index = self.buffers.constant(("index", k), lambda: rows.index(m.device))
+            key, t = tmp("key", (1,), torch.int64), tmp("key scratch", (1,), torch.int64)
+            for target, x, stream in rounded:
+                bits = rounding.random_bits_at(rounding.key_at(ops.step, args.seed, stream, key, t), index,
+                                               out=tmp("bits", (n,), torch.int64),
+                                               tmp=tmp.shaped((n,), "scratch"))
+                into = target if skip is None else tmp("rounded", (n,), torch.bfloat16)
+                rounding.to_bf16_stochastic(x, bits, out=into, tmp=tmp.shaped((n,), "scratch"))
+                if skip is not None:
+                    torch.where(skip, target, into, out=target)
         if blocks is not None:
-            _agree(blocks, m, v, rows, skipped)
+            _agree(blocks, m, v, rows, skip, tmp)
 
 
-def _agree(blocks: RowBlocks, m: torch.Tensor, v: torch.Tensor, rows, skipped: bool = False) -> None:
+def _agree(blocks: RowBlocks, m: torch.Tensor, v: torch.Tensor, rows, skip=None, tmp=None) -> None:
     """Encode ``m`` and ``v`` into ``blocks`` with the scales the ranks that cut ``rows``
-    agree on (a rank that skips the step contributes nothing and keeps its codes)."""
-    agreed = blocks.maxima(m, v)
-    if skipped:
-        agreed.zero_()
+    agree on (a rank that skips the step, ``skip`` set, contributes nothing and keeps its
+    codes)."""
+    agreed = blocks.maxima(m, v, tmp)
+    if skip is not None:
+        agreed.masked_fill_(skip, 0)
     for group in rows.groups:
         agreed = _all_reduce_max(agreed, group)
-    if not skipped:
-        blocks.narrow(m, v, agreed)
+    blocks.narrow(m, v, agreed, skip, tmp)
 
 
 def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:

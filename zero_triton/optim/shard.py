@@ -26,6 +26,7 @@ from zero_triton.optim.launch import DeviceLaunch, ListLaunch, RowsLaunch
 from zero_triton.optim.offload import DevicePlace, HostPlace, MirroredMaster, host_backend, split, whole
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
+from zero_triton.state.buffers import buffers_for
 from zero_triton.state.flat import real_dtype
 from zero_triton.state.param_view import ParamView
 from zero_triton.state.shards import ShardState
@@ -107,14 +108,6 @@ class Shard:
         """DTensor ``params`` stepped where their engine keeps them (``EngineHome``;
         ``maps``, ``rows``, ``seed``: ``zero_triton.optim.build.engine_shards``)."""
         home = EngineHome(params, comm, spec, key=key, maps=maps, rows=rows, seed=seed)
-        if rows and spec.capturable:
-            raise ValueError(
-                f"capturable=True over DTensor parameters stepped through their rows "
-                f"({', '.join(m.name for m in home.maps)}: placements {home.maps[0].placements}): "
-                "their int8 scales are agreed among the ranks that cut a row, and their "
-                "rounding keyed element by element, with allocations a CUDA graph cannot "
-                "capture. Use a tensor-parallel size whose part of each row is a multiple of "
-                "256, moments='fp32' for their param group, or leave capturable out")
         cls._check_master(spec, home.dtype)
         cls._check_capturable(spec, home.dtype, home.device)
         return cls(home, spec, amsgrad=amsgrad, key=key)
@@ -365,7 +358,7 @@ class Side:
         else:
             self.backend = backends.resolve(spec.backend, shard.device)
         if home.rows:
-            self.launch = RowsLaunch(self.backend, home.maps)
+            self.launch = RowsLaunch(self.backend, home.maps, buffers_for(spec.capturable))
         else:
             launch = ListLaunch if home.engine_owned else DeviceLaunch
             self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)

@@ -12,6 +12,8 @@ for a captured step) changes where every buffer lives without touching a call si
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -30,6 +32,11 @@ class Buffers:
         """The buffer of one use, named by ``key`` (a bucket's payload, clipping's
         norm): here a fresh one at every call (``Kept``: the same one)."""
         return self.empty(size, dtype, device)
+
+    def constant(self, key, make) -> torch.Tensor:
+        """A tensor whose value never changes, made by ``make()``: here made at every
+        call (``Kept``: once, then handed out again)."""
+        return make()
 
     def nbytes(self) -> int:
         """Bytes held between calls."""
@@ -51,11 +58,33 @@ class Kept(Buffers):
             t = self.held[full] = self.empty(size, dtype, device)
         return t
 
+    def constant(self, key, make) -> torch.Tensor:
+        t = self.held.get(("constant", key))
+        if t is None:
+            t = self.held[("constant", key)] = make()
+        return t
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.held.values())
 
 
 PLAIN = Buffers()
+
+
+class Scratch:
+    """The intermediates of one site of a step (a DTensor local shard stepped through
+    its rows), from ``buffers`` under ``key``: with ``Kept`` buffers (capturable=True) the
+    same tensors at every step, so the step allocates nothing."""
+
+    def __init__(self, buffers: Buffers, key, device):
+        self.buffers, self.key, self.device = buffers, key, torch.device(device)
+
+    def __call__(self, name, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        return self.buffers.kept((self.key, name), math.prod(shape), dtype, self.device).view(shape)
+
+    def shaped(self, shape: tuple, prefix: str):
+        """``tmp(name, dtype)`` of ``shape`` under ``prefix`` (``zero_triton.kernels.quant.scratch``)."""
+        return lambda name, dtype: self((prefix, name), shape, dtype)
 
 
 def buffers_for(keep: bool) -> Buffers:

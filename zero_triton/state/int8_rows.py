@@ -28,6 +28,7 @@ import torch
 
 from zero_triton.kernels import quant
 
+from .buffers import PLAIN, Scratch
 from .int8 import ALIGN, BLOCK
 from .keys import FIRST, SECOND
 from .lowbit import NoMaximum
@@ -37,59 +38,86 @@ MAGNITUDE = 0x7FFFFFFF
 
 class RowBlocks:
     """The int8 moments of one piece whose blocks are cut (its launch's third operand):
-    decoded before the step, encoded after it with the scales its sharers agree on."""
+    decoded before the step, encoded after it with the scales its sharers agree on. The
+    intermediates come from ``tmp`` (``Scratch``: kept ones under capturable=True)."""
 
     def __init__(self, store: "Int8RowMoments", s0: int, rows):
         self.store, self.s0, self.map = store, s0, rows
         self.first = rows.first_block(BLOCK)
         self.count = rows.blocks(BLOCK)
         self.offset = rows.c0 - self.first * BLOCK  # where the part starts in its first block
+        self.shape = (rows.rows.numel(), rows.width)  # the local part, as rows
 
     @property
     def table(self) -> torch.Tensor:
         return self.store.tables[self.s0]
 
-    def _per_element(self, table: torch.Tensor) -> torch.Tensor:
-        """Each local element's scales, float32 [numel, 2], from a table of its rows."""
-        mine = table[:, self.first:self.first + self.count]  # [rows, count, 2]
-        wide = mine[:, :, None, :].expand(-1, -1, BLOCK, -1).reshape(mine.shape[0], -1, 2)
-        return wide[:, self.offset:self.offset + self.map.width].reshape(-1, 2)
+    def _scratch(self, tmp):
+        return tmp or Scratch(PLAIN, None, self.store.device)
 
-    def widen(self) -> tuple:
-        """The moments in float32 (fresh tensors): the pending ones, or decoded."""
+    def _codes(self) -> tuple:
+        n = self.map.numel
+        return tuple(t[self.s0:self.s0 + n].view(self.shape)
+                     for t in (self.store.exp_avg, self.store.exp_avg_sq))
+
+    def _per_element(self, table: torch.Tensor, col: int, tmp) -> torch.Tensor:
+        """Each local element's scale of moment ``col``, float32 [rows, width] (a view
+        of ``tmp``'s "wide"), from a table of its rows."""
+        rows = self.shape[0]
+        wide = tmp("wide", (rows, self.count * BLOCK), torch.float32)
+        mine = table[:, self.first:self.first + self.count, col, None]
+        wide.view(rows, self.count, BLOCK).copy_(mine.expand(-1, -1, BLOCK))
+        return wide[:, self.offset:self.offset + self.map.width]
+
+    def widen(self, tmp=None) -> tuple:
+        """The moments in float32 (``tmp``'s "m" and "v"): the pending ones, or decoded."""
+        tmp = self._scratch(tmp)
+        n = self.map.numel
+        m, v = tmp("m", (n,), torch.float32), tmp("v", (n,), torch.float32)
         pending = self.store.pending.get(self.s0)
         if pending is not None:
-            return pending[0].clone(), pending[1].clone()
-        n = self.map.numel
-        first, second = (t[self.s0:self.s0 + n] for t in (self.store.exp_avg, self.store.exp_avg_sq))
-        scales = self._per_element(self.table)
-        return (quant.decode_each(first, scales[:, 0], quant.FIRST),
-                quant.decode_each(second, scales[:, 1], quant.SECOND))
+            return m.copy_(pending[0]), v.copy_(pending[1])
+        for codes, x, col, fmt in zip(self._codes(), (m, v), (0, 1), (quant.FIRST, quant.SECOND)):
+            quant.decode_each(codes, self._per_element(self.table, col, tmp), fmt,
+                              out=x.view(self.shape), tmp=tmp.shaped(self.shape, "scratch"))
+        return m, v
 
-    def maxima(self, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def maxima(self, m: torch.Tensor, v: torch.Tensor, tmp=None) -> torch.Tensor:
         """int32 [rows, cols / 256, 2]: the largest magnitude's bits of this rank's part of
         each block of its rows (zero where it holds none; NaN the largest, as in the
         kernels), for a MAX all-reduce among the ranks that share the rows."""
-        rows = self.map.rows.numel()
-        out = torch.zeros(rows, self.map.cols // BLOCK, 2, dtype=torch.int32, device=m.device)
-        if not rows or not self.map.width:
+        tmp = self._scratch(tmp)
+        rows, width = self.shape
+        out = tmp("maxima", (rows, self.map.cols // BLOCK, 2), torch.int32).zero_()
+        if not rows or not width:
             return out
+        padded = tmp("padded", (rows, self.count * BLOCK), torch.int32)
+        part = tmp("part", (rows, self.count), torch.int32)
         for col, x in enumerate((m, v)):
-            bits = x.reshape(rows, self.map.width).view(torch.int32) & MAGNITUDE
-            padded = torch.zeros(rows, self.count * BLOCK, dtype=torch.int32, device=m.device)
-            padded[:, self.offset:self.offset + self.map.width] = bits
-            out[:, self.first:self.first + self.count, col] = padded.view(rows, self.count, BLOCK).amax(-1)
+            padded.zero_()
+            torch.bitwise_and(x.view(torch.int32).view(self.shape), MAGNITUDE,
+                              out=padded[:, self.offset:self.offset + width])
+            torch.amax(padded.view(rows, self.count, BLOCK), -1, out=part)
+            out[:, self.first:self.first + self.count, col].copy_(part)
         return out
 
-    def narrow(self, m: torch.Tensor, v: torch.Tensor, agreed: torch.Tensor) -> None:
+    def narrow(self, m: torch.Tensor, v: torch.Tensor, agreed: torch.Tensor, skip=None,
+               tmp=None) -> None:
         """Keep the agreed scales (``agreed``: ``maxima``'s all-reduced bits) and encode
-        ``m`` and ``v`` with them."""
-        table = self.table
-        table.copy_(agreed.to(table.device).view(torch.float32))
-        scales = self._per_element(table)
-        n = self.map.numel
-        self.store.exp_avg[self.s0:self.s0 + n] = quant.encode_each(m, scales[:, 0], quant.FIRST)
-        self.store.exp_avg_sq[self.s0:self.s0 + n] = quant.encode_each(v, scales[:, 1], quant.SECOND)
+        ``m`` and ``v`` with them; where ``skip`` (bool [1] on the device: this rank
+        skipped the step) is set, the codes and scales stay as they were."""
+        tmp = self._scratch(tmp)
+        agreed = agreed.to(self.table.device).view(torch.float32)
+        for codes, x, col, fmt in zip(self._codes(), (m, v), (0, 1), (quant.FIRST, quant.SECOND)):
+            into = codes if skip is None else tmp(("codes", col), self.shape, codes.dtype)
+            quant.encode_each(x.view(self.shape), self._per_element(agreed, col, tmp), fmt,
+                              out=into, tmp=tmp.shaped(self.shape, "scratch"))
+            if skip is not None:
+                torch.where(skip, codes, into, out=codes)
+        if skip is None:
+            self.table.copy_(agreed)
+        else:
+            torch.where(skip, self.table, agreed, out=self.table)
         self.store.pending.pop(self.s0, None)
 
 
