@@ -14,36 +14,36 @@ from zero_triton.tools.bench.cases import BETAS, EPS, LR
 # -- the limit kernels ----------------------------------------------------------------
 
 _CPU_LIMIT_SRC = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// The limit kernels: plain C++ over raw pointers, no torch headers, so the first run on a
+// machine compiles them in about a second (with torch's headers it took a minute of a
+// core). Each splits [0, n) into chunks of 2^16 over `threads` OpenMP threads, as
+// at::parallel_for does over torch's.
 #include <cstdint>
 #include <cstring>
 
+static const int64_t kChunk = int64_t(1) << 16;
+static int64_t chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+static int64_t chunk_end(int64_t c, int64_t n) { return (c + 1) * kChunk < n ? (c + 1) * kChunk : n; }
+
 // The step's memory traffic with as little arithmetic as keeps the values bounded
 // (no inf, no denormals after thousands of calls): read p, g, m, v; write p, m, v.
-void stream_fp32(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
-  float* __restrict__ P = p.data_ptr<float>();
-  const float* __restrict__ G = g.data_ptr<float>();
-  float* __restrict__ M = m.data_ptr<float>();
-  float* __restrict__ V = v.data_ptr<float>();
-  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) {
-    #pragma omp simd
-    for (int64_t i = b; i < e; ++i) {
-      const float gi = G[i];
-      const float mi = 0.9f * M[i] + 0.1f * gi;
-      V[i] = 0.999f * V[i] + 0.001f * gi * gi;
-      M[i] = mi;
-      P[i] = P[i] - 1e-3f * mi;
-    }
-  });
+__attribute__((noinline)) static void fp32_range(float* __restrict__ P, const float* __restrict__ G,
+                                                 float* __restrict__ M, float* __restrict__ V,
+                                                 int64_t b, int64_t e) {
+  #pragma omp simd
+  for (int64_t i = b; i < e; ++i) {
+    const float gi = G[i];
+    const float mi = 0.9f * M[i] + 0.1f * gi;
+    V[i] = 0.999f * V[i] + 0.001f * gi * gi;
+    M[i] = mi;
+    P[i] = P[i] - 1e-3f * mi;
+  }
 }
 
-// bf16 + fp32 master: read g2, master4, m4, v4; write master4, m4, v4, p2. The
-// pointers are parameters of a noinline function so that gcc keeps __restrict__
-// (it drops it on lambda captures) and vectorises the mixed 2/4-byte loop.
-__attribute__((noinline)) void bf16_range(uint16_t* __restrict__ P, const uint16_t* __restrict__ G,
-                                          float* __restrict__ W, float* __restrict__ M,
-                                          float* __restrict__ V, int64_t b, int64_t e) {
+// bf16 + fp32 master: read g2, master4, m4, v4; write master4, m4, v4, p2.
+__attribute__((noinline)) static void bf16_range(uint16_t* __restrict__ P, const uint16_t* __restrict__ G,
+                                                 float* __restrict__ W, float* __restrict__ M,
+                                                 float* __restrict__ V, int64_t b, int64_t e) {
   for (int64_t i = b; i < e; ++i) {
     uint32_t gb = uint32_t(G[i]) << 16;
     float gi; std::memcpy(&gi, &gb, 4);
@@ -57,23 +57,14 @@ __attribute__((noinline)) void bf16_range(uint16_t* __restrict__ P, const uint16
   }
 }
 
-void stream_bf16(at::Tensor p, at::Tensor g, at::Tensor master, at::Tensor m, at::Tensor v) {
-  uint16_t* P = reinterpret_cast<uint16_t*>(p.data_ptr<at::BFloat16>());
-  const uint16_t* G = reinterpret_cast<const uint16_t*>(g.data_ptr<at::BFloat16>());
-  float* W = master.data_ptr<float>();
-  float* M = m.data_ptr<float>();
-  float* V = v.data_ptr<float>();
-  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { bf16_range(P, G, W, M, V, b, e); });
-}
-
 // bench/lowbit_step.py's limits for 1- and 2-byte moments (its 28 B row is stream_fp32):
 // read p, g (4 B each), m, v; write p, m, v. Counters that halve and count keep the values
 // bounded with the least arithmetic. Moments as int8 + uint8: 16 B/param; as two uint16
 // (bf16's bytes): 20 B/param.
 template <typename TM, typename TV>
-__attribute__((noinline)) void small_range(float* __restrict__ P, const float* __restrict__ G,
-                                           TM* __restrict__ M, TV* __restrict__ V,
-                                           int64_t b, int64_t e) {
+__attribute__((noinline)) static void small_range(float* __restrict__ P, const float* __restrict__ G,
+                                                  TM* __restrict__ M, TV* __restrict__ V,
+                                                  int64_t b, int64_t e) {
   for (int64_t i = b; i < e; ++i) {
     const float g = G[i];
     M[i] = TM(M[i] / 2 + TM(g > 0.0f));
@@ -82,39 +73,97 @@ __attribute__((noinline)) void small_range(float* __restrict__ P, const float* _
   }
 }
 
-template <typename TM, typename TV>
-void small_stream(at::Tensor p, at::Tensor g, TM* M, TV* V) {
-  float* P = p.data_ptr<float>(); const float* G = g.data_ptr<float>();
-  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t b, int64_t e) { small_range(P, G, M, V, b, e); });
+extern "C" {
+void stream_fp32(float* P, const float* G, float* M, float* V, int64_t n, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t c = 0; c < chunks(n); ++c) fp32_range(P, G, M, V, c * kChunk, chunk_end(c, n));
 }
 
-void stream20(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
-  small_stream(p, g, reinterpret_cast<uint16_t*>(m.data_ptr<at::BFloat16>()),
-               reinterpret_cast<uint16_t*>(v.data_ptr<at::BFloat16>()));
+void stream_bf16(uint16_t* P, const uint16_t* G, float* W, float* M, float* V, int64_t n, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t c = 0; c < chunks(n); ++c) bf16_range(P, G, W, M, V, c * kChunk, chunk_end(c, n));
 }
 
-void stream16(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
-  small_stream(p, g, m.data_ptr<int8_t>(), v.data_ptr<uint8_t>());
+void stream20(float* P, const float* G, uint16_t* M, uint16_t* V, int64_t n, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t c = 0; c < chunks(n); ++c) small_range(P, G, M, V, c * kChunk, chunk_end(c, n));
+}
+
+void stream16(float* P, const float* G, int8_t* M, uint8_t* V, int64_t n, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t c = 0; c < chunks(n); ++c) small_range(P, G, M, V, c * kChunk, chunk_end(c, n));
+}
 }
 """
+# -march=native is right here, unlike in anything shipped: this is compiled on, and only
+# ever run on, the machine being measured, and a limit built for a lesser ISA than the
+# step's run-time-dispatched kernel would not be one (SSE2 packs the bf16 stores slowly
+# enough to lose ~1/3 of bandwidth).
+_CPU_LIMIT_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_CPU_LIMIT_HOW = "C++ loop over OpenMP threads (torch's count), -O3 -march=native -fopenmp"
+
+
+class CpuLimit:
+    """The compiled limit kernels (``_CPU_LIMIT_SRC``), called with tensors."""
+
+    def __init__(self, lib):
+        import ctypes
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        for name, pointers in (("stream_fp32", 4), ("stream_bf16", 5), ("stream20", 4), ("stream16", 4)):
+            getattr(lib, name).argtypes = [p] * pointers + [i64, i32]
+            getattr(lib, name).restype = None
+        self.lib = lib
+
+    def _call(self, name: str, *tensors) -> None:
+        getattr(self.lib, name)(*(t.data_ptr() for t in tensors), tensors[0].numel(),
+                                torch.get_num_threads())
+
+    def stream_fp32(self, p, g, m, v):
+        self._call("stream_fp32", p, g, m, v)
+
+    def stream_bf16(self, p, g, master, m, v):
+        self._call("stream_bf16", p, g, master, m, v)
+
+    def stream20(self, p, g, m, v):
+        self._call("stream20", p, g, m, v)
+
+    def stream16(self, p, g, m, v):
+        self._call("stream16", p, g, m, v)
 
 
 def load_cpu_limit():
-    """(module, description) of the compiled limit kernels, or (None, why not)."""
+    """(kernels, description) of the compiled limit kernels, or (None, why not). Compiled
+    once per machine and compiler into the extension cache (a folder named by a hash of
+    the source and flags; a new file is renamed into place, so concurrent first runs
+    each compile and neither reads a half-written one)."""
+    import ctypes
+    import hashlib
+    import os
+    import subprocess
+    import tempfile
+
+    from zero_triton.native import cache
     try:
-        from torch.utils.cpp_extension import load_inline
-        mod = load_inline(
-            name="zero_triton_bench_limit", cpp_sources=[_CPU_LIMIT_SRC],
-            functions=["stream_fp32", "stream_bf16", "stream20", "stream16"],
-            # -march=native is right here, unlike in anything shipped: this is compiled
-            # on, and only ever run on, the machine being measured, and a limit built
-            # for a lesser ISA than the step's run-time-dispatched kernel would not be
-            # one (SSE2 packs the bf16 stores slowly enough to lose ~1/3 of bandwidth).
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=False)
-        return mod, ("C++ loop, at::parallel_for over torch's threads, -O3 -march=native "
-                     "-fopenmp (load_inline)")
-    except Exception as exc:  # no compiler, no headers: say so and approximate
+        cxx = cache.compiler_command()
+        digest = hashlib.sha256("\0".join([_CPU_LIMIT_SRC, *_CPU_LIMIT_FLAGS, *cxx]).encode())
+        folder = cache.cache_base() / f"zero_triton_bench_limit_{digest.hexdigest()[:16]}"
+        so = folder / "limit.so"
+        if not so.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            try:
+                proc = subprocess.run([*cxx, *_CPU_LIMIT_FLAGS, "-x", "c++", "-", "-o", tmp],
+                                      input=_CPU_LIMIT_SRC, capture_output=True, text=True,
+                                      timeout=300)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{cxx[0]} failed: {cache.one_line(proc.stderr, 200)}")
+                os.replace(tmp, so)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        return CpuLimit(ctypes.CDLL(str(so))), _CPU_LIMIT_HOW
+    except Exception as exc:  # no compiler: say so and approximate
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
