@@ -180,12 +180,16 @@ def _cycles(rank, world, ports):
     2 steps -> rank 0's state_dict() -> destroy_process_group(), the count of threads and
     open files after each; a group made again at the end, on the last port, for the
     harness to destroy."""
+    import datetime
+
     import torch.distributed as dist
     dist.destroy_process_group()
     counts = []
+    # The harness's own timeout: a rank whose peer failed to join fails, not waits 30 min.
+    timeout = datetime.timedelta(seconds=60)
     for port in ports[:-1]:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+                                world_size=world, timeout=timeout)
         model, opt = _trained()
         if rank == 0:
             opt.state_dict()
