@@ -86,7 +86,8 @@ def source_dir() -> Path | None:
     return None
 
 
-# Five compile jobs, the longest 17 s and 71 s in all on one core here: MAX_JOBS at a time.
+# Five compile jobs, MAX_JOBS at a time: the longest 17 s, 71 s in all on one core of a
+# two-core x86-64 machine (36 s there with two jobs).
 BUILD_TIME = "about 20 s on 5 cores, 40 on 2"
 
 
