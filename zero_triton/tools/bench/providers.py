@@ -135,7 +135,8 @@ def load_cpu_limit():
     """(kernels, description) of the compiled limit kernels, or (None, why not). Compiled
     once per machine and compiler into the extension cache (a folder named by a hash of
     the source and flags; a new file is renamed into place, so concurrent first runs
-    each compile and neither reads a half-written one)."""
+    each compile and neither reads a half-written one), and loaded only where that
+    folder and file are this user's alone, as the extension's are."""
     import ctypes
     import hashlib
     import os
@@ -149,7 +150,7 @@ def load_cpu_limit():
         folder = cache.cache_base() / f"zero_triton_bench_limit_{digest.hexdigest()[:16]}"
         so = folder / "limit.so"
         if not so.exists():
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
             os.close(fd)
             try:
@@ -162,6 +163,10 @@ def load_cpu_limit():
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+        for path in (folder, so):  # the extension cache's rule: loaded only if this user's alone
+            why = cache.not_private(path)
+            if why is not None:
+                raise RuntimeError(f"{path} {why}: not loaded")
         return CpuLimit(ctypes.CDLL(str(so))), _CPU_LIMIT_HOW
     except Exception as exc:  # no compiler: say so and approximate
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
