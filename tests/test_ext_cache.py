@@ -3,9 +3,11 @@ processes: a build killed part-way, a truncated cached .so, a cache that cannot 
 written, no compiler, and a lock held past the bound. Every child runs under a hard
 timeout, so a hang fails the test instead of hanging the suite.
 
-Each test gets its own cache (ZERO_TRITON_EXT_DIR). Real builds (~40 s on two cores)
-are kept to one: the module fixture's, which kills one part-way and rebuilds a
-truncated .so with three processes at once.
+Each test gets its own cache (ZERO_TRITON_EXT_DIR). The children build at -O0
+(ZERO_TRITON_EXT_CFLAGS): these tests check the build's machinery (lock, kill, checksum,
+rename, trust), not the kernels' speed, and -O0 compiles in about 23 s of a core against
+68 at -O3. Real builds are kept to one: the module fixture's, which kills one part-way
+and rebuilds a truncated .so with three processes at once.
 """
 import contextlib
 import fcntl
@@ -45,9 +47,13 @@ STEP = textwrap.dedent("""
 """)
 
 
+FAST = {"ZERO_TRITON_EXT_CFLAGS": "-O0"}  # the children's builds (the module's docstring)
+
+
 def env_for(cache, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_TRITON_")}
     env["ZERO_TRITON_EXT_DIR"] = str(cache)
+    env.update(FAST)
     env.update(extra)
     return env
 
@@ -73,6 +79,8 @@ def said(stderr):
 def cache_dir(cache, monkeypatch):
     """The folder the child processes use for these sources, under ``cache``."""
     monkeypatch.setenv("ZERO_TRITON_EXT_DIR", str(cache))
+    for name, value in FAST.items():
+        monkeypatch.setenv(name, value)
     root = _ext.source_dir()
     return ext_cache.cache_dir(_ext._cpu_sources(root), root)
 
@@ -112,10 +120,14 @@ def recovered(tmp_path_factory):
     """A first build SIGKILLed part-way (with its compilers) beside a truncated .so (a
     whole build's first 100000 bytes), then three processes started at once on that
     cache, as torchrun ranks would be: one ``zero_triton info``, two steps. One real
-    build here in all: the suite's own first use compiles the whole .so this plants."""
+    build here in all (at -O0): the truncated .so is the first 100000 bytes of the
+    suite's own first-use build (its checksum beside it), which the children's flags
+    do not match, so only its bytes are used."""
     needs_compiler()
     whole = Path(_ext.load().__file__)  # this process's build, in the default cache
     cache = tmp_path_factory.mktemp("killed-build")
+    with pytest.MonkeyPatch.context() as patch:
+        expected = cache_dir(cache, patch)  # the folder of these sources at the children's flags
     log_path = cache.parent / "killed-build.log"
     # The compilers' temporary files (a killed cc1plus leaves its .s) in a folder of its own.
     scratch = tmp_path_factory.mktemp("killed-build-tmp")
@@ -136,7 +148,7 @@ def recovered(tmp_path_factory):
         victim.wait()
     left = sorted(p.name for p in cache.glob("*/*"))
     (build_dir,) = cache.iterdir()
-    assert build_dir.name == whole.parent.name, (build_dir, whole)  # the same sources' folder
+    assert build_dir == expected, (build_dir, expected)  # the same sources' folder
     so = build_dir / whole.name
     shutil.copy(whole.parent / "zero_triton_C.so.sha256", build_dir)
     shutil.copy(whole, so)
@@ -157,8 +169,7 @@ def recovered(tmp_path_factory):
             if rank.poll() is None:
                 rank.kill()
                 rank.wait()
-    return {"cache": cache, "left": left, "outputs": outputs, "whole": whole.stat().st_size,
-            "seconds": time.monotonic() - start}
+    return {"cache": cache, "left": left, "outputs": outputs, "seconds": time.monotonic() - start}
 
 
 def test_killed_build_blocks_nothing_and_concurrent_ranks_build_once(recovered):
@@ -186,7 +197,9 @@ def test_killed_build_blocks_nothing_and_concurrent_ranks_build_once(recovered):
     names = sorted(p.name for p in build_dir.iterdir())
     # the killed build's private folder is cleaned up; nothing half-built remains
     assert names == ["build.lock", "zero_triton_C.so", "zero_triton_C.so.sha256"], names
-    assert (build_dir / "zero_triton_C.so").stat().st_size == recovered["whole"]
+    # whole: the size and sha256 recorded by the build that renamed it into place
+    assert (build_dir / "zero_triton_C.so").stat().st_size > TRUNCATED
+    assert ext_cache.damage(build_dir) is None, ext_cache.damage(build_dir)
     step = run(["-c", STEP], recovered["cache"])
     assert step.returncode == 0, step.stderr
     assert "backend cpu 0.9" in step.stdout
@@ -332,3 +345,23 @@ def test_the_cache_folders_it_makes_are_private(tmp_path):
     assert build_dir.stat().st_mode & 0o077 == 0, oct(build_dir.stat().st_mode)
     for f in build_dir.iterdir():
         assert f.stat().st_mode & 0o022 == 0, (f, oct(f.stat().st_mode))
+
+
+def test_flags_of_ones_own_get_a_folder_of_their_own_and_bad_quoting_is_said(tmp_path, monkeypatch):
+    """ZERO_TRITON_EXT_CFLAGS: part of the folder key (a -O0 build is never loaded for
+    the default flags, nor the other way round); flags that cannot be split fall back to
+    the plain step with one line that names the variable, before any build."""
+    root = _ext.source_dir()
+    sources = _ext._cpu_sources(root)
+    monkeypatch.setenv("ZERO_TRITON_EXT_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("ZERO_TRITON_EXT_CFLAGS", raising=False)
+    default = ext_cache.cache_dir(sources, root)
+    monkeypatch.setenv("ZERO_TRITON_EXT_CFLAGS", "-O0")
+    assert ext_cache.jit_cflags()[-1] == "-O0"
+    assert ext_cache.cache_dir(sources, root) != default
+    step = run(["-c", STEP], tmp_path / "cache", ZERO_TRITON_EXT_CFLAGS='-O0 "-g')
+    assert step.returncode == 0, step.stderr
+    assert "backend torch 0.9" in step.stdout
+    lines = step.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ZERO_TRITON_EXT_CFLAGS" in lines[0] and "quoting" in lines[0], lines
+    assert not (tmp_path / "cache").exists()  # nothing built, nothing made

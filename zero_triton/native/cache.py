@@ -31,6 +31,7 @@ JIT_NAME = "zero_triton_C"
 DIR_ENV = "ZERO_TRITON_EXT_DIR"
 TIMEOUT_ENV = "ZERO_TRITON_EXT_TIMEOUT"
 RETRY_ENV = "ZERO_TRITON_EXT_RETRY"
+CFLAGS_ENV = "ZERO_TRITON_EXT_CFLAGS"
 
 # Part of the folder key: folders written by older versions (torch's ninja build, no
 # checksum) are left alone rather than half-trusted.
@@ -92,6 +93,19 @@ def cache_base() -> Path:
     return Path(root) / f"{python}_{accelerator}"
 
 
+def jit_cflags() -> list[str]:
+    """The first-use build's compiler flags: the extension's own (flags.py), then
+    ``$ZERO_TRITON_EXT_CFLAGS`` after them, so they win (``-O0 -g`` to step through the
+    kernels in a debugger). Part of the folder key: each set of flags has its own build.
+    A flag that changes the arithmetic (``-ffast-math``, ``-ffp-contract=fast``) gives a
+    step that is no longer bit-identical to the other backends'."""
+    try:
+        extra = shlex.split(os.environ.get(CFLAGS_ENV, ""))
+    except ValueError as exc:
+        raise Unavailable(f"{CFLAGS_ENV} cannot be split into flags ({exc}): fix its quoting") from None
+    return [*JIT_CFLAGS, *extra]
+
+
 def cache_dir(sources: list[Path], root: Path) -> Path:
     import torch
 
@@ -99,7 +113,7 @@ def cache_dir(sources: list[Path], root: Path) -> Path:
     for path in sources + sorted((root / "cpu").glob("*.h")) + sorted(root.glob("*.h")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
-    digest.update(" ".join(JIT_CFLAGS).encode())
+    digest.update(" ".join(jit_cflags()).encode())
     digest.update(torch.__version__.encode())
     digest.update(sys.version.encode())
     return cache_base() / f"{JIT_NAME}_{digest.hexdigest()[:16]}"

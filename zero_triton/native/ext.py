@@ -33,7 +33,9 @@ that cannot be written costs no build attempt and is looked at again on every st
 Sources are looked for inside the installed package first (``zero_triton/csrc``,
 copied there by setup.py's build_py), then in the repository's ``csrc/`` (editable
 install). ``ZERO_TRITON_NO_EXT=1`` disables the extension (to test the fallback). The
-compiler is ``$CXX`` (default ``c++``); ``MAX_JOBS`` caps the parallel compiler calls.
+compiler is ``$CXX`` (default ``c++``); ``MAX_JOBS`` caps the parallel compiler calls;
+``$ZERO_TRITON_EXT_CFLAGS`` adds flags after the extension's own (``-O0 -g`` for a
+debugger: a folder of its own in the cache).
 
 Usage::
 
@@ -157,7 +159,7 @@ def _build(sources: list[Path], build_dir: Path, work: Path, deadline: float) ->
     for path in [*ce.include_paths(), sysconfig.get_paths()["include"]]:
         includes += ["-isystem", str(path)]
     flags = [f"-DTORCH_EXTENSION_NAME={cache.JIT_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-fPIC", "-std=c++20", *JIT_CFLAGS]
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-fPIC", "-std=c++20", *cache.jit_cflags()]
     objects = [work / f"{src.stem}.o" for src in sources]
     _run_all([(src.name, [*cxx, *flags, *includes, "-c", str(src), "-o", str(obj)])
               for src, obj in zip(sources, objects)], work, deadline)
