@@ -503,10 +503,20 @@ def test_the_ways_out_see_the_state_through_the_per_parameter_view():
     assert not outside, f"position arithmetic outside the state layer's view: {sorted(outside)}"
 
 
-def test_a_seat_shows_the_public_face_and_its_declared_members_only():
-    """What the optimizers' parts are handed (``optim/seat.py``): torch.optim's face and
-    the members the seat declares; the optimizer's private attributes stay out of reach,
-    and the seat does not keep a dropped optimizer alive."""
+def test_no_attribute_is_passed_through_by_name_in_optim_or_comm():
+    """No ``__getattr__`` in ``optim/`` or ``comm/``: a part's members are declared where
+    it is (a wrapper that forwards whatever is asked hides what it depends on)."""
+    found = [f"{rel}:{node.lineno}" for rel, tree in _sources()
+             if rel.startswith(("optim/", "comm/"))
+             for node in ast.walk(tree)
+             if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+    assert not found, "declare the members instead: " + ", ".join(found)
+
+
+def test_a_seat_shows_its_declared_members_only():
+    """What the optimizers' parts are handed (``optim/seat.py``): the members the seat
+    declares (``param_groups``, ``state``, Join's calls and the optimizer's parts), no
+    other attribute of the optimizer, and it does not keep a dropped optimizer alive."""
     import gc
 
     import torch
@@ -517,8 +527,43 @@ def test_a_seat_shows_the_public_face_and_its_declared_members_only():
     seat = seat_of(opt)
     assert seat.param_groups is opt.param_groups and seat.state is opt.state
     assert seat.comm.world_size == 1 and [f for _, f in seat.all_flats()]
-    with pytest.raises(AttributeError, match="public face"):
-        seat._comm  # noqa: B018
+    for undeclared in ("_comm", "defaults", "add_param_group"):  # nothing passed through by name
+        with pytest.raises(AttributeError):
+            getattr(seat, undeclared)
     del opt
     gc.collect()
     assert seat.optimizer is None
+
+
+def _protocol_members(proto) -> tuple:
+    """(methods, data attributes) a Protocol declares."""
+    methods = {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+    return methods, set(proto.__annotations__)
+
+
+def test_the_parts_implement_the_protocols_they_are_chosen_by():
+    """The ranks parts (``OneRank``, ``AgreedRanks``) implement ``Ranks`` and the places
+    (``DevicePlace``, ``HostPlace``: offload chosen once, when a shard is built)
+    implement ``Place``: every declared method, and the data on a built one."""
+    import inspect
+
+    import torch
+    import zero_triton
+    from zero_triton.optim.protocol import Place, Ranks
+    from zero_triton.optim.ranks import AgreedRanks, OneRank
+
+    methods, data = _protocol_members(Ranks)
+    assert {"enter", "agree", "backward_entry", "catch_up"} <= methods  # the check sees them
+    for cls in (OneRank, AgreedRanks):
+        assert not [m for m in methods if not callable(getattr(cls, m, None))], cls
+        init = inspect.getsource(cls.__init__) if "__init__" in vars(cls) else ""
+        assert all(hasattr(cls, d) or f"self.{d} =" in init for d in data), cls
+    methods, data = _protocol_members(Place)
+    assert {"fetch", "grad", "done", "pull", "push", "write"} <= methods
+    for offload in (None, "cpu"):
+        p = torch.nn.Parameter(torch.zeros(64))
+        opt = zero_triton.FusedAdamW([p], offload=offload)
+        (side,) = opt._flats[0][0].sides
+        assert isinstance(side.place, Place), type(side.place)
+        assert side.place.offloaded == (offload is not None)
+        assert side.state.master.mirror is side.place  # the master keeps the views through it

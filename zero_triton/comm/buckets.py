@@ -197,7 +197,8 @@ class Reducer:
     """Launches the buckets of every flat buffer of one optimizer in one agreed order,
     and waits for them."""
 
-    def __init__(self, comm: Comm, max_in_flight: int = 2, fixed: bool = False):
+    def __init__(self, comm: Comm, max_in_flight: int = 2, fixed: bool = False,
+                 early: bool = True, enter=None):
         self.comm = comm
         self.buckets: list[Bucket] = []
         self.order: list[Bucket] | None = None   # agreed launch order, once learned
@@ -205,7 +206,7 @@ class Reducer:
         self.seen: list | None = []              # this rank's finishing order, until learned
         self.next = 0
         self.sync = True                          # False inside no_sync()
-        self.early = True                         # False: launch in finish() only
+        self.early = early                        # False: launch in finish() only
         self.in_flight = collections.deque()     # CPU: buckets whose buffers a wait frees
         self.sides: dict = {}                     # device -> streams.SideStream (GPUs)
         # Receive scratch and ZeRO-2 staging buffers (zero_triton.comm.pools).
@@ -223,8 +224,8 @@ class Reducer:
         self.signature = 0
         self.last_signature = 0
         # Called before backward launches the first bucket of a round: ZeroAdam's
-        # agreement that every rank is there (zero_triton.comm.agreement); None: no check.
-        self.enter = None
+        # agreement that every rank is there (``Ranks.backward_entry``); None: no check.
+        self.enter = enter
         # Every rank agreed at the start of this round's launches: they are all in it, so
         # launching the rest of it (complete_round) pairs up before any other agreement.
         self.round_agreed = False

@@ -103,10 +103,10 @@ class FusedAdam(torch.optim.Optimizer):
         # opt.state and the user's edits; one rank holds whole parameters' state, which
         # opt.state views.
         self._edits = UserEdits(type(self).__name__, views_state=comm.world_size == 1)
-        self._reducer = buckets.Reducer(comm, fixed=spec.capturable)
-        # bucket_cap_mb=None (safe for ranks reaching different parameters) or capturable=True
-        # (a captured step is self-contained): averaged in step() only, never in backward.
-        self._reducer.early = spec.bucket_cap_mb is not None and not spec.capturable
+        # Averaged in step() only with bucket_cap_mb=None (safe for ranks reaching different
+        # parameters) or capturable=True (a captured step is self-contained).
+        self._reducer = buckets.Reducer(comm, fixed=spec.capturable, enter=ranks.backward_entry(self._seat),
+                                        early=spec.bucket_cap_mb is not None and not spec.capturable)
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._flats: list[list[Shard]] = []   # per param group
         self._grads_reduced = False

@@ -57,7 +57,7 @@ class ZeroJoinHook(JoinHook):
                     opt.step()
                     break
                 except CatchUp as up:  # the others made a call first: make it, step again
-                    opt.ranks.agreement.pending = (up.entry, up.rows)
+                    opt.ranks.catch_up(up.entry, up.rows)
                     if up.entry == "backward":  # another micro-batch
                         self._backward()
                     else:

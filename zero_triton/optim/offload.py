@@ -12,9 +12,10 @@
   at the reducer's wait on CPUs), or at the step for buckets backward did not average
   and averages written since (``fetch``); in the order the optimizer steps them, the
   host kernel steps the segment once its copy has landed (``grad``), and its parameters
-  go back to the device (``done``) before the optimizer starts the segment's all-gather. ``MirroredMaster`` keeps the mirrors and
-  the device's parameters equal wherever the master reads or writes parameters (a
-  load, the user's writes, a re-seed).
+  go back to the device (``done``) before the optimizer starts the segment's all-gather.
+  The place is the master's ``mirror`` (``zero_triton.state.master``): it keeps the
+  mirrors and the device's parameters equal wherever the master reads or writes
+  parameters (a load, the user's writes, a re-seed).
 
 Parameters, gradients and communication stay on the device. On CPU parameters the same
 pipeline runs with host-to-host copies: it saves nothing there (that is how it is
@@ -81,8 +82,9 @@ def split(segments, cut: int) -> tuple:
     return first, second
 
 
-class _Place:
-    """What both places share: the pieces each holds and, per home segment, which."""
+class Pieces:
+    """What both places (``optim.protocol.Place``) share: the pieces each holds and, per
+    home segment, which; each piece's views of the home's parameters and gradients."""
 
     def __init__(self, home, held):
         self.home, self.pieces = home, held
@@ -107,7 +109,7 @@ class _Place:
         return grad if self.whole else grad[p.off:p.off + p.hi - p.lo]
 
 
-class DevicePlace(_Place):
+class DevicePlace(Pieces):
     """The state beside the parameters: nothing moves."""
 
     offloaded = False
@@ -142,8 +144,18 @@ class DevicePlace(_Place):
     def host_bytes(self) -> int:
         return 0
 
+    # -- the master's mirror (``state.master``): the views are the parameters ---------------
+    def pull(self) -> None:
+        pass
 
-class HostPlace(_Place):
+    def push(self) -> None:
+        pass
+
+    def write(self, a: int, b: int, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
+class HostPlace(Pieces):
     """The state in host memory, over mirrors of the ``held`` pieces of ``home``'s
     parameter shard (one buffer of the part's ``n`` state elements, in state order); the
     averaged gradients staged through a host buffer of the mirror's size in their dtype."""
@@ -254,36 +266,6 @@ class HostPlace(_Place):
 
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.mirror, *self.staging.values()))
-
-
-class MirroredMaster:
-    """A master (``zero_triton.state.master``) over a ``HostPlace``'s mirrors: it is
-    that master, and after it writes the parameters (``commit``, ``publish``) the device
-    gets them; before it reads them (``seed``, ``reseed``) the mirrors get the device's."""
-
-    def __init__(self, inner, place: HostPlace):
-        self.inner, self.place = inner, place
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def commit(self, master: torch.Tensor) -> None:
-        self.inner.commit(master)
-        self.place.push()
-
-    def publish(self) -> None:
-        self.inner.publish()
-        self.place.push()
-
-    def seed(self) -> None:
-        self.place.pull()
-        self.inner.seed()
-
-    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
-        self.inner.reseed(a, b, self.place.write(a, b, part))
-
-    def carry_over(self, old) -> None:
-        self.inner.carry_over(getattr(old, "inner", old))
 
 
 HELD = ("params", "grads", "master", "moments", "padding", "scratch", "buckets", "comm")

@@ -34,6 +34,20 @@ class Ranks(Protocol):
         gradients must be averaged again (``stale``: changed after their average began,
         on any rank)."""
 
+    def backward_entry(self, seat: Any) -> Any:
+        """What backward's launches call (with a detail naming the bucket) before the
+        first bucket of a round, handed to the reducer as it is made; None: nothing."""
+
+    def built(self, seat: Any) -> None:
+        """The optimizer is built (its state exists)."""
+
+    def catch_up(self, entry: str, rows: Any) -> None:
+        """Under torch's Join, this joined rank's shadow iteration met call ``entry``
+        that the others made first; ``rows``: what that call's exchange brought."""
+
+    def refuse_under_join(self, enabled: bool) -> None:
+        """Join's hook was asked for (``enabled``: Join is on): refuse what it cannot do."""
+
     def before_reduce(self, flats: list) -> None:
         """The local gradients are all in ``flats``' buffers, about to be averaged."""
 
@@ -59,3 +73,46 @@ class Ranks(Protocol):
     def load_state_dict(self, seat: Any, state_dict: dict) -> None:
         """Load a full state in torch.optim.Adam's format: checked (on every rank)
         before anything changes."""
+
+
+@runtime_checkable
+class Place(Protocol):
+    """Where one part of a shard's optimizer state lives (``zero_triton.optim.offload``:
+    ``DevicePlace`` beside the parameters, ``HostPlace`` in host memory), chosen when the
+    shard is built from ``offload``. It holds ``pieces`` of the home's segments (a piece:
+    segment ``k``'s elements [off, off + hi - lo), at ``s0`` in this part's state) and is
+    the part's master's ``mirror`` (``zero_triton.state.master``)."""
+
+    offloaded: bool      # the state is not beside the parameters (what memory_report counts)
+    pieces: list         # the pieces it holds, in state order
+    of_segment: dict     # home segment -> the indices of its pieces here
+
+    def parts(self) -> list:
+        """The parameter views the state is built over (the device's, or host mirrors)."""
+
+    def refresh(self) -> None:
+        """The engine swapped parameters: views of a part of them follow."""
+
+    def fetch(self, js) -> None:
+        """Pieces ``js``' averaged gradients on their way to where the state is."""
+
+    def forget(self) -> None:
+        """The averages were written where a copy taken cannot see it: copies are stale."""
+
+    def grad(self, j: int) -> Any:
+        """Piece ``j``'s averaged gradients where the state is, once they are there."""
+
+    def done(self, js) -> None:
+        """Pieces ``js`` were stepped: their parameters back where the model reads them."""
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory it holds beyond the state (mirrors, staging)."""
+
+    def pull(self) -> None:
+        """The views from the model's parameters."""
+
+    def push(self) -> None:
+        """The model's parameters from the views."""
+
+    def write(self, a: int, b: int, values: Any) -> Any:
+        """State elements [a, b) of the views set to ``values``; that range returned."""

@@ -45,6 +45,18 @@ class OneRank:
         reseed_written(shards)
         return stale
 
+    def backward_entry(self, seat):
+        return None  # one rank: backward's launches have nothing to agree on
+
+    def built(self, seat) -> None:
+        pass
+
+    def catch_up(self, entry: str, rows) -> None:
+        raise AssertionError("one rank has no peers to catch up with")
+
+    def refuse_under_join(self, enabled: bool) -> None:
+        pass
+
     def before_reduce(self, flats) -> None:
         pass
 
@@ -120,11 +132,25 @@ class AgreedRanks:
         self.averaged_before = AlreadyAveraged(everyone, needed=not spec.grads.sharded)
         self.capturable = spec.capturable
 
+    def backward_entry(self, seat):
+        """What backward's launches call before the first bucket of a round (handed to
+        the reducer as it is made): every rank agrees it is in that round."""
+        def entered(detail: str) -> None:
+            seat.enter("backward", detail=detail)
+        return entered
+
     def built(self, seat) -> None:
-        """The optimizer is built: backward's launches enter too, and the shard server
-        answers from its state."""
-        seat.reducer.enter = lambda detail: seat.enter("backward", detail=detail)
+        """The optimizer is built: the shard server answers from its state."""
         self.served = ServedState(seat, self.agreement, self.server)
+
+    def catch_up(self, entry: str, rows) -> None:
+        """A joined rank's shadow iteration met ``entry`` (``optim.join``'s CatchUp):
+        the next check of that call uses the ``rows`` exchanged already."""
+        self.agreement.pending = (entry, rows)
+
+    def refuse_under_join(self, enabled: bool) -> None:
+        """Join's hook was asked for: refuse what Join cannot average (``AlreadyAveraged``)."""
+        self.averaged_before.refuse_under_join(enabled)
 
     def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         """What this rank found (``_edits_found``, ``_step_found``), one agreement on

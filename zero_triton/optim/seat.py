@@ -2,9 +2,10 @@
 
 The parts inside ``optim/`` (the ``Ranks`` part, the state dicts' assembly and loads, the
 compact and DCP forms, the shard server's view, Join's hook, ``overlap()``) are handed a
-``Seat`` instead of the optimizer: the optimizer's public face (torch.optim.Optimizer's:
-``param_groups``, ``state``, ``step``, ...) and the short list of its own members declared
-below. A private attribute of the optimizer is read here and in the optimizers' own
+``Seat`` instead of the optimizer: the members declared below, no more (no attribute is
+passed through by name): of the optimizer's public face, ``param_groups`` and ``state``
+and the calls torch's Join makes for a joined rank (``step``, ``zero_grad``,
+``clip_grad_norm_``, ``wait_params``); of its own, a short list. A private attribute of the optimizer is read here and in the optimizers' own
 modules, nowhere else (``tests/test_layers.py`` holds that), so a part names exactly what
 it depends on and a new part (a host launch, a captured step) adds a member here, not a
 reach into the optimizer.
@@ -31,14 +32,11 @@ class Seat:
         (Join), never for its private attributes."""
         return self._ref()
 
-    def __getattr__(self, name: str):
-        """The optimizer's public face; its private attributes are not reachable here."""
-        if name.startswith("_"):
-            raise AttributeError(f"Seat has no {name!r}: a part reads only the optimizer's public "
-                                 "face and the members Seat declares")
-        return getattr(self._ref(), name)
+    # -- torch.optim.Optimizer's ----------------------------------------------------------
+    @property
+    def param_groups(self) -> list:
+        return self._ref().param_groups
 
-    # -- torch.optim.Optimizer's, written by the parts ---------------------------------------
     @property
     def state(self):
         return self._ref().state
@@ -46,6 +44,19 @@ class Seat:
     @state.setter
     def state(self, value) -> None:
         self._ref().state = value
+
+    # -- the public calls Join's hook makes for a joined rank (``optim.join``) -------------
+    def step(self, closure=None):
+        return self._ref().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._ref().zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0):
+        return self._ref().clip_grad_norm_(max_norm, norm_type)
+
+    def wait_params(self) -> None:
+        self._ref().wait_params()
 
     # -- the optimizer's parts ------------------------------------------------------------
     @property

@@ -23,7 +23,7 @@ from zero_triton.native import backends
 from zero_triton.optim.engine_home import EngineHome
 from zero_triton.optim.flat_home import FLAT_DTYPES, LOW_PRECISION, SUPPORTED, FlatHome, one_kind
 from zero_triton.optim.launch import DeviceLaunch, ListLaunch, RowsLaunch
-from zero_triton.optim.offload import DevicePlace, HostPlace, MirroredMaster, host_backend, split, whole
+from zero_triton.optim.offload import DevicePlace, HostPlace, host_backend, split, whole
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
 from zero_triton.state.buffers import buffers_for
@@ -346,9 +346,7 @@ class Side:
             rows = {p.s0: home.maps[p.k] for p in place.pieces}
         self.state = ShardState(place.parts(), [(p.lo, p.hi, p.s0) for p in place.pieces],
                                 home.layout, master=shard.master_format, amsgrad=amsgrad,
-                                moments=spec.moments, numel=n, rows=rows)
-        if place.offloaded:
-            self.state.master = MirroredMaster(self.state.master, place)
+                                moments=spec.moments, numel=n, rows=rows, mirror=place)
         if shard.dtype == torch.float64 or shard.device.type == "meta":
             # The kernels step float32 state: torch's ops step float64. Parameters on the
             # meta device are never stepped (step refuses them until they are materialised).

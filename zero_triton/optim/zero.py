@@ -174,8 +174,7 @@ class ZeroAdam(FusedAdam, Joinable):
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._build(groups, hyper, spec, comm, ranks)
         self._constructed = True
-        if isinstance(ranks, AgreedRanks):
-            ranks.built(self._seat)
+        ranks.built(self._seat)
 
     # -- torch's Join (zero_triton.optim.join) ----------------------------------------
     def join_hook(self, **kwargs) -> join.ZeroJoinHook:
@@ -193,8 +192,7 @@ class ZeroAdam(FusedAdam, Joinable):
                 "ZeroAdam under Join averages over the initial world size (a joined rank's "
                 "gradients count as zeros, DDP's default): divide_by_initial_world_size=False "
                 "is not supported; leave it out")
-        if isinstance(self._ranks, AgreedRanks):
-            self._ranks.averaged_before.refuse_under_join(self._join_config.enable)
+        self._ranks.refuse_under_join(self._join_config.enable)
         return join.ZeroJoinHook(self._seat)
 
     @property

@@ -30,12 +30,36 @@ them, one per segment (``param_parts``, a list the owner may update in place):
 - ``rebase(master, param)``: the master a written ``param`` takes from the one it had
   (for a state dict assembled from shards the owner has not re-seeded yet);
 - ``nbytes()``, ``storage()``, ``carry_over(old)``.
+
+Where the views are copies of the model's parameters (host mirrors of offloaded state),
+a master is handed their ``mirror`` (``optim.offload.HostPlace``; ``SAME`` otherwise):
+``pull()`` the views from the model's parameters, ``push()`` the model's parameters
+from the views, ``write(a, b, values)`` state elements [a, b) of the views set to
+``values`` (that range returned). The master pushes after it writes the parameters
+(``commit``, ``publish``) and pulls before it reads them (``seed``, ``reseed``); each
+format implements ``_commit``, ``_publish``, ``_seed`` and ``_reseed`` over its views.
 """
 from __future__ import annotations
 
 import torch
 
 from zero_triton.kernels import remainder as remainders
+
+
+class Same:
+    """The views are the model's parameters: nothing to copy either way."""
+
+    def pull(self) -> None:
+        pass
+
+    def push(self) -> None:
+        pass
+
+    def write(self, a: int, b: int, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
+SAME = Same()
 
 
 class _Master:
@@ -46,9 +70,9 @@ class _Master:
     plain = True   # the kernel steps a float32 buffer (the list kernel can)
     stochastic = False  # the kernel rounds the bf16 parameter back stochastically (StepArgs)
 
-    def __init__(self, param_parts, segments, numel: int, device):
+    def __init__(self, param_parts, segments, numel: int, device, mirror=SAME):
         self.param_parts, self.segments = param_parts, segments
-        self.numel, self.device = numel, device
+        self.numel, self.device, self.mirror = numel, device, mirror
 
     def _spans(self):
         """(state slice, the parameters' view) per segment."""
@@ -72,18 +96,35 @@ class _Master:
         master = self.export()
         return master if master is not None else self.parameters().float()
 
+    # -- what every format does around its own: the mirror follows ----------------------
     def commit(self, master: torch.Tensor) -> None:
+        self._commit(master)
+        self.mirror.push()
+
+    def publish(self) -> None:
+        self._publish()
+        self.mirror.push()
+
+    def seed(self) -> None:
+        self.mirror.pull()
+        self._seed()
+
+    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
+        self._reseed(a, b, self.mirror.write(a, b, part))
+
+    # -- each format's own, over its views ------------------------------------------------
+    def _commit(self, master: torch.Tensor) -> None:
         for span, part in self._spans():
             if part.data_ptr() != master[span].data_ptr():
                 part.copy_(master[span])
 
-    def publish(self) -> None:
+    def _publish(self) -> None:
         pass
 
-    def seed(self) -> None:
+    def _seed(self) -> None:
         pass
 
-    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
+    def _reseed(self, a: int, b: int, part: torch.Tensor) -> None:
         pass
 
     @staticmethod
@@ -130,10 +171,10 @@ class Fp32Master(_Master):
     format = "fp32"
     exact = True
 
-    def __init__(self, param_parts, segments, numel: int, device):
-        super().__init__(param_parts, segments, numel, device)
+    def __init__(self, param_parts, segments, numel: int, device, mirror=SAME):
+        super().__init__(param_parts, segments, numel, device, mirror)
         self.master = torch.zeros(numel, dtype=torch.float32, device=device)
-        self.seed()
+        self._seed()  # the views are the parameters' as the place was made
 
     def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
         return self.master[a:b], param, None
@@ -141,19 +182,19 @@ class Fp32Master(_Master):
     def export(self) -> torch.Tensor:
         return self.master
 
-    def commit(self, master: torch.Tensor) -> None:
+    def _commit(self, master: torch.Tensor) -> None:
         if master.data_ptr() != self.master.data_ptr():
             self.master.copy_(master)
 
-    def publish(self) -> None:
+    def _publish(self) -> None:
         for span, part in self._spans():
             part.copy_(self.master[span])
 
-    def seed(self) -> None:
+    def _seed(self) -> None:
         for span, part in self._spans():
             self.master[span].copy_(part)
 
-    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
+    def _reseed(self, a: int, b: int, part: torch.Tensor) -> None:
         m = self.master[a:b]
         m.copy_(self.rebase(m, part))
 
@@ -178,8 +219,8 @@ class RemainderMaster(_Master):
     live = False  # export() joins a copy
     plain = False
 
-    def __init__(self, param_parts, segments, numel: int, device):
-        super().__init__(param_parts, segments, numel, device)
+    def __init__(self, param_parts, segments, numel: int, device, mirror=SAME):
+        super().__init__(param_parts, segments, numel, device, mirror)
         self.remainder = torch.zeros(numel, dtype=torch.int16, device=device)
 
     def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
@@ -188,7 +229,7 @@ class RemainderMaster(_Master):
     def export(self) -> torch.Tensor:
         return remainders.join(self.parameters(), self.remainder)
 
-    def commit(self, master: torch.Tensor) -> None:
+    def _commit(self, master: torch.Tensor) -> None:
         """The elements of ``master`` that differ from the one the parameters and
         remainders make now: an export written back unchanged changes nothing (not even
         a parameter the user wrote since, which ``reseed`` has yet to pair)."""
@@ -199,11 +240,11 @@ class RemainderMaster(_Master):
         for span, part in self._spans():
             part.copy_(torch.where(changed[span], high[span], part))
 
-    def seed(self) -> None:
+    def _seed(self) -> None:
         """A bf16 parameter is exactly the master whose low half is zero."""
         self.remainder.zero_()
 
-    def reseed(self, a: int, b: int, part: torch.Tensor) -> None:
+    def _reseed(self, a: int, b: int, part: torch.Tensor) -> None:
         r = self.remainder[a:b]
         r.copy_(remainders.consistent(part, r))
 
@@ -224,6 +265,7 @@ class RemainderMaster(_Master):
 FORMATS = {cls.format: cls for cls in (OwnMaster, NoMaster, Fp32Master, RemainderMaster)}
 
 
-def make(format: str, param_parts, segments, numel: int, device):
-    """The master part of ``format`` for a shard of ``numel`` state elements."""
-    return FORMATS[format](param_parts, segments, numel, device)
+def make(format: str, param_parts, segments, numel: int, device, mirror=SAME):
+    """The master part of ``format`` for a shard of ``numel`` state elements, over views
+    that ``mirror`` keeps (``SAME``: the model's parameters themselves)."""
+    return FORMATS[format](param_parts, segments, numel, device, mirror)

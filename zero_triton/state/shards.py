@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .master import SAME
 from .master import make as make_master
 from .moments import make as make_moments
 
@@ -35,11 +36,14 @@ class ShardState:
     segment; ``layout``: the buffer's FlatLayout; ``segments``: this rank's."""
 
     def __init__(self, param_parts, segments, layout, *, master: str = "own", amsgrad: bool,
-                 moments: str = "fp32", numel: int | None = None, rows: dict | None = None):
+                 moments: str = "fp32", numel: int | None = None, rows: dict | None = None,
+                 mirror=SAME):
         self.param_parts, self.segments, self.layout = param_parts, segments, layout
         self.device = param_parts[0].device
         n = layout.shard_numel if numel is None else numel  # a part of the shard: its own size
-        self.master = make_master(master, param_parts, segments, n, self.device)
+        # ``mirror``: who keeps param_parts equal to the model's parameters where they are
+        # copies of them (``state.master``).
+        self.master = make_master(master, param_parts, segments, n, self.device, mirror)
         # float64 parameters keep float64 state (torch steps them in float64); every
         # other dtype float32.
         self.dtype = torch.float64 if param_parts[0].dtype == torch.float64 else torch.float32
