@@ -504,12 +504,18 @@ def test_the_ways_out_see_the_state_through_the_per_parameter_view():
 
 
 def test_no_attribute_is_passed_through_by_name_in_optim_or_comm():
-    """No ``__getattr__`` in ``optim/`` or ``comm/``: a part's members are declared where
-    it is (a wrapper that forwards whatever is asked hides what it depends on)."""
+    """No ``__getattr__`` in ``optim/`` or ``comm/``, and no ``setattr(self, name, ...)``
+    copies there or in ``state/``: a part's members are declared where it is (a wrapper
+    that forwards whatever is asked hides what it depends on)."""
+    def passes_through(node) -> bool:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            return True
+        return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id == "setattr" and isinstance(node.args[0], ast.Name) \
+            and node.args[0].id == "self"
     found = [f"{rel}:{node.lineno}" for rel, tree in _sources()
-             if rel.startswith(("optim/", "comm/"))
-             for node in ast.walk(tree)
-             if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"]
+             if rel.startswith(("optim/", "comm/", "state/"))
+             for node in ast.walk(tree) if passes_through(node)]
     assert not found, "declare the members instead: " + ", ".join(found)
 
 

@@ -216,9 +216,10 @@ class Int8Comm:
                  feedback: torch.dtype | None = torch.bfloat16, keep: bool = False):
         self.inner = inner
         self.gather_codec, self.reduce_codec, self.feedback = gather, reduce, feedback
-        for name in ("rank", "world_size", "group", "process_group", "replica", "replicas",
-                     "members"):
-            setattr(self, name, getattr(inner, name))
+        # Where this rank is: the inner communicator's (the Comm protocol's fields).
+        self.rank, self.world_size, self.group = inner.rank, inner.world_size, inner.group
+        self.process_group, self.members = inner.process_group, inner.members
+        self.replica, self.replicas = inner.replica, inner.replicas
         # keep (capturable=True): each launch's payloads kept for the next, by its name
         # (a bucket's), so that a captured step sends from and receives into the same
         # memory at every replay; else made per launch and let go at its wait.

@@ -68,8 +68,9 @@ class SplitMaster(_Split):
 
     def __init__(self, first, second, cut: int):
         super().__init__(first, second, cut)
-        for name in ("format", "exact", "keyed", "plain", "stochastic", "rebase"):
-            setattr(self, name, getattr(first, name))
+        # Both parts are of one format: its properties are the first's.
+        self.format, self.exact, self.keyed = first.format, first.exact, first.keyed
+        self.plain, self.stochastic, self.rebase = first.plain, first.stochastic, first.rebase
         # Live only where there is nothing to export (the parameters are the master).
         self.live = first.live and not first.exact
         self.numel = cut + second.numel
@@ -111,8 +112,8 @@ class SplitMoments(_Split):
 
     def __init__(self, first, second, cut: int):
         super().__init__(first, second, cut)
-        for name in ("format", "dtype", "align", "keyed"):
-            setattr(self, name, getattr(first, name))
+        # Both parts are of one format: its properties are the first's.
+        self.format, self.dtype, self.align, self.keyed = first.format, first.dtype, first.align, first.keyed
         self.numel = cut + second.numel
 
     @property
