@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_triton.state.buffers import PLAIN, Kept
+from zero_triton.state.buffers import PLAIN
 
 from .group import settled
 
@@ -213,17 +213,18 @@ class Int8Comm:
     gradients' error buffers (None: no error feedback)."""
 
     def __init__(self, inner, gather: str | None = None, reduce: str | None = None,
-                 feedback: torch.dtype | None = torch.bfloat16, keep: bool = False):
+                 feedback: torch.dtype | None = torch.bfloat16, buffers=None):
         self.inner = inner
         self.gather_codec, self.reduce_codec, self.feedback = gather, reduce, feedback
         # Where this rank is: the inner communicator's (the Comm protocol's fields).
         self.rank, self.world_size, self.group = inner.rank, inner.world_size, inner.group
         self.process_group, self.members = inner.process_group, inner.members
         self.replica, self.replicas = inner.replica, inner.replicas
-        # keep (capturable=True): each launch's payloads kept for the next, by its name
-        # (a bucket's), so that a captured step sends from and receives into the same
-        # memory at every replay; else made per launch and let go at its wait.
-        self.buffers = Kept() if keep else inner.buffers
+        # ``buffers``: where each launch's payloads come from, by its name (a bucket's):
+        # ``Kept`` (capturable=True, chosen by the optimizer) keeps them for the next, so
+        # that a captured step sends from and receives into the same memory at every
+        # replay; by default the inner communicator's, made per launch and let go at its wait.
+        self.buffers = inner.buffers if buffers is None else buffers
         self.errors: dict = {}  # (name, numel) -> this rank's error buffer of that input
         self.scratch = Scratch(self.buffers)
 

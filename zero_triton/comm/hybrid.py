@@ -34,7 +34,6 @@ import collections
 
 import torch
 
-from zero_triton.state.buffers import Kept
 
 from .group import GroupComm, settled
 
@@ -87,11 +86,12 @@ class Chain:
 class HybridComm:
     """ZeroAdam over a (replicate, shard) mesh (``comm.protocol.Comm``)."""
 
-    def __init__(self, mesh, wrap=lambda comm: comm, keep: bool = False):
+    def __init__(self, mesh, wrap=lambda comm: comm, buffers=None):
         """``wrap``: what each dim's ``GroupComm`` becomes (``comm.compressed.Int8Comm``:
-        both averages, and the row's parameter gathers, sent compressed); ``keep``
-        (capturable=True): each average's buffers kept for the next, by its name (a
-        bucket's), so that a captured step uses the same memory at every replay."""
+        both averages, and the row's parameter gathers, sent compressed); ``buffers``:
+        where each average's buffers come from, by its name (a bucket's): ``Kept``
+        (capturable=True, chosen by the optimizer) keeps them for the next, so that a
+        captured step uses the same memory at every replay; by default the shard dim's."""
         import torch.distributed as dist
         self.mesh = mesh
         replicate, shard = mesh.get_group(0), mesh.get_group(1)
@@ -103,7 +103,7 @@ class HybridComm:
         self.process_group = self.shard.process_group
         self.rank, self.world_size = self.shard.rank, self.shard.world_size
         self.replica, self.replicas = self.replicate.rank, self.replicate.world_size
-        self.buffers = Kept() if keep else self.shard.buffers
+        self.buffers = self.shard.buffers if buffers is None else buffers
         # The ranks of this rank's shard group, as ``everyone`` numbers them, by shard.
         self.members = [dist.get_group_rank(self.everyone.process_group, g)
                         for g in dist.get_process_group_ranks(self.process_group)]

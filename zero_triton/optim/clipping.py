@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from zero_triton.state.buffers import Buffers, buffers_for
+from zero_triton.state.buffers import PLAIN, Buffers
 
 
 def global_norm(flats: list, comm, norm_type: float, buffers: Buffers) -> torch.Tensor:
@@ -93,10 +93,10 @@ class Clipping:
     ``clip_grads_with_norm_`` checks a norm against where local gradients are not the
     averaged ones. ``reset`` at each step and ``zero_grad``."""
 
-    def __init__(self, keep: bool = False):
+    def __init__(self, buffers: Buffers = PLAIN):
         self.coef = None
         self.given: list = []
-        self.buffers = buffers_for(keep)  # kept: capturable=True
+        self.buffers = buffers  # ``Kept`` under capturable=True (chosen by the optimizer)
 
     def reset(self) -> None:
         self.coef = None

@@ -30,6 +30,7 @@ from zero_triton.optim.seat import Seat
 from zero_triton.optim.ranks import OneRank
 from zero_triton.optim.shard import Shard
 from zero_triton.optim.spec import Spec
+from zero_triton.state.buffers import buffers_for
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -110,7 +111,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._flats: list[list[Shard]] = []   # per param group
         self._grads_reduced = False
-        self._clipping = clipping.Clipping(keep=spec.capturable)  # this step's coefficient and norms
+        self._clipping = clipping.Clipping(buffers_for(spec.capturable))  # this step's coefficient and norms
         defaults = {**hyper, **adam_state.group_keys(differentiable, spec.capturable)}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor

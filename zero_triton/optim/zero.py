@@ -34,6 +34,7 @@ from zero_triton.optim.fused import FusedAdam
 from zero_triton.optim.ranks import AgreedRanks, OneRank
 from zero_triton.optim.seat import Seat
 from zero_triton.optim.spec import Spec
+from zero_triton.state.buffers import Kept
 
 
 def _signature(param_groups) -> list:
@@ -148,7 +149,7 @@ class ZeroAdam(FusedAdam, Joinable):
             .with_offload(offload, offload_fraction)
         compress = _compressing(spec)
         if device_mesh is not None and device_mesh.ndim == 2:
-            comm = HybridComm(device_mesh, wrap=compress, keep=spec.capturable)
+            comm = HybridComm(device_mesh, wrap=compress, buffers=Kept() if spec.capturable else None)
         else:
             comm = compress(GroupComm(device_mesh.get_group() if device_mesh is not None
                                       else process_group))
@@ -356,7 +357,8 @@ def _compressing(spec):
     if spec.gather_codec is None and spec.reduce_codec is None:
         return lambda comm: comm
     return lambda comm: Int8Comm(comm, gather=spec.gather_codec, reduce=spec.reduce_codec,
-                                 feedback=spec.error_feedback, keep=spec.capturable)
+                                 feedback=spec.error_feedback,
+                                 buffers=Kept() if spec.capturable else None)
 
 
 def _check_mesh_device(device_mesh, groups) -> None:
