@@ -398,6 +398,42 @@ def _call(fn, cls, kwargs, *args):
     return fn(*args, cls, kwargs)
 
 
+def test_differentiable_is_a_class_of_its_own_checked_as_fused_adam():
+    """``FusedAdam(differentiable=True)`` is a ``DifferentiableAdam``: FusedAdamW's
+    defaults (weight decay 1e-2, decoupled), FusedAdam's checks and messages, torch's
+    face and nothing of the fused one; GradScaler unscales its gradients as torch's
+    AdamW(differentiable=True)'s, to the same bits."""
+    from zero_triton.optim.differentiable import DifferentiableAdam
+    p = torch.rand(4, requires_grad=True).clone()
+    opt = FusedAdamW([p], lr=0.1, differentiable=True)
+    assert type(opt) is DifferentiableAdam and isinstance(opt, torch.optim.Optimizer)
+    assert opt.defaults["weight_decay"] == 1e-2 and opt.defaults["decoupled_weight_decay"]
+    assert not hasattr(opt, "clip_grad_norm_") and not hasattr(opt, "memory_report")
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        FusedAdam([p], lr=-1.0, differentiable=True)
+    with pytest.raises(ValueError, match="moments='int8' cannot be used with differentiable=True"):
+        FusedAdam([p], moments="int8", differentiable=True)
+    with pytest.raises(TypeError, match=r"FusedAdamW.__init__\(\) got an unexpected keyword argument 'bogus'"):
+        FusedAdamW([p], differentiable=True, bogus=1)
+    with pytest.raises(ValueError, match="compact=True"):
+        opt.state_dict(compact=True)
+    results = []
+    for cls in (FusedAdamW, torch.optim.AdamW):
+        w = torch.linspace(-1, 1, 8, dtype=torch.float64, requires_grad=True)
+        q = w.clone()
+        o = cls([q], lr=0.1, differentiable=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        for k in range(4):  # the third step's gradients overflow: skipped by both
+            q.grad = scaler.scale(torch.full((8,), float("inf") if k == 2 else 0.5 + k,
+                                             dtype=torch.float64))
+            scaler.step(o)
+            scaler.update()
+        results.append((q.detach(), scaler.get_scale()))
+    assert results[0][1] == 2.0 ** 7  # the skipped step halved the scale
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+    assert not torch.equal(results[0][0], torch.linspace(-1, 1, 8, dtype=torch.float64))
+
+
 def test_fused_on_meta_parameters_raises_torchs_error_at_step():
     # Built over a model on the meta device, the optimizer refuses a step with gradients
     # with torch's message; after zero_grad its (meta) parameters have none and a step is

@@ -7,11 +7,24 @@ torch.optim.Adam's own layout — one state dict entry of tensors per parameter,
 parameters where the user made them (non-leaf tensors allowed, as in torch) — and steps
 them with torch's functional single-tensor Adam with ``differentiable=True``: the same
 results, and the same graph, as ``torch.optim.Adam(differentiable=True)``.
+
+It is a class of its own, ``DifferentiableAdam``: ``FusedAdam(..., differentiable=True)``
+(and FusedAdamW's) checks its arguments as FusedAdam does and returns one (``build``).
+It has torch's optimizer face and nothing of the fused one: no flat buffers, and no
+``clip_grad_norm_`` or ``memory_report`` (torch's clipping works on its gradients);
+GradScaler unscales its gradients as it does torch's optimizers'.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
+from zero_triton.optim import compact as compact_state
+from zero_triton.optim.checks import (adam_hyperparameters, check_flag, check_hyperparameters,
+                                      check_params_argument)
+from zero_triton.optim.spec import Spec
+from zero_triton.optim.state_dict import group_keys
 from zero_triton.state.moments import FIRST, MAXIMUM, SECOND
 
 
@@ -78,3 +91,57 @@ def step(opt, closure=None):
                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                maximize=group["maximize"])
     return loss
+
+
+class DifferentiableAdam(torch.optim.Optimizer):
+    """``FusedAdam(..., differentiable=True)``: torch.optim.Adam's layout and its
+    differentiable single-tensor step (``step`` above). ``defaults``: the param groups'
+    hyperparameters and torch's flags, checked (``build``)."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        group = {**self.defaults, **param_group}
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        super().add_param_group(param_group)
+
+    def step(self, closure=None):
+        """One differentiable step of every group (grad mode on, as torch's)."""
+        return step(self, closure)
+
+    def state_dict(self, compact: bool | None = None) -> dict:
+        """torch's. ``compact=True`` (or inside ``compact_state_dicts()``) is refused:
+        it holds the codes of a low-bit store."""
+        compact = compact_state.wanted(self, compact)
+        check_flag("compact", compact)
+        if compact:
+            raise ValueError("state_dict(compact=True) holds the codes of a low-bit store; "
+                             "a differentiable optimizer keeps torch's own state")
+        return super().state_dict()
+
+
+def build(cls, fused_init, args: tuple, kwargs: dict) -> DifferentiableAdam:
+    """What ``cls(*args, **kwargs)`` (a FusedAdam class, ``differentiable=True``) is: its
+    arguments taken as ``cls.__init__`` takes them (FusedAdamW's defaults and its
+    decoupled weight decay included; the rest at FusedAdam's, ``fused_init``), checked in
+    FusedAdam's order with its messages, then a DifferentiableAdam of them."""
+    try:
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+    except TypeError as exc:  # as the interpreter words it for a call of cls.__init__
+        raise TypeError(f"{cls.__name__}.__init__() {exc}") from None
+    bound.apply_defaults()
+    given = dict(list(bound.arguments.items())[1:])  # self left out
+    given.update(given.pop("kwargs", {}))
+    full = {name: p.default for name, p in inspect.signature(fused_init).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+    a = {**full, **given, "decoupled_weight_decay": cls._decoupled_weight_decay
+         or given.get("decoupled_weight_decay", False)}
+    unknown = sorted(set(a) - set(inspect.signature(fused_init).parameters))
+    if unknown:
+        raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+    hyper = adam_hyperparameters(a["lr"], a["betas"], a["eps"], a["weight_decay"], a["amsgrad"],
+                                 a["maximize"], a["decoupled_weight_decay"], foreach=a["foreach"],
+                                 fused=a["fused"], capturable=a["capturable"], differentiable=True)
+    check_params_argument(a["params"], cls.__name__)
+    Spec.build(master_weights=a["master_weights"], backend=a["backend"],
+               max_grad_norm=a["max_grad_norm"], differentiable=True, moments=a["moments"],
+               capturable=a["capturable"]).with_offload(a["offload"], a["offload_fraction"])
+    return DifferentiableAdam(a["params"], {**hyper, **group_keys(True, a["capturable"])})

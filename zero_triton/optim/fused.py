@@ -57,14 +57,22 @@ class FusedAdam(torch.optim.Optimizer):
     ``.grad`` None, or zeroed in place with ``set_to_none=False``. As in
     torch.optim.Adam, a parameter whose ``.grad`` is None at ``step`` is not updated;
     parameters with ``requires_grad=False`` at construction are left out. With
-    ``differentiable=True`` the step is torch's differentiable one
-    (``zero_triton.optim.differentiable``).
+    ``differentiable=True`` it is a ``DifferentiableAdam``: torch's layout and its
+    differentiable step (``zero_triton.optim.differentiable``).
     """
 
     _step_supports_amp_scaling = True
     # A param group whose parameters were replaced is rebuilt over the new ones before
     # its first step (optim/edits.py); ZeroAdam refuses it.
     _rebuilds_replaced_groups = True
+    _decoupled_weight_decay = False  # FusedAdamW: True
+    _builds_differentiable = True    # ZeroAdam: refused in its constructor
+
+    def __new__(cls, *args, **kwargs):
+        """``differentiable=True``: a ``DifferentiableAdam`` of these arguments."""
+        if kwargs.get("differentiable") and cls._builds_differentiable:
+            return plain.build(cls, FusedAdam.__init__, args, kwargs)
+        return super().__new__(cls)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
@@ -85,19 +93,14 @@ class FusedAdam(torch.optim.Optimizer):
         hyperparameters, ``adam_hyperparameters``) and what the optimizer is built with,
         ``spec``, over ``comm`` (``LocalComm`` here; ZeroAdam passes its process group's),
         meeting the other ranks through ``ranks`` (``zero_triton.optim.ranks``)."""
-        differentiable = spec.differentiable
-        if differentiable and not isinstance(comm, LocalComm):
+        if spec.differentiable:  # FusedAdam's are DifferentiableAdams (__new__)
             raise ValueError(f"{type(self).__name__}(differentiable=True) is not supported: autograd "
                              "through a sharded step would need every rank's graph; use "
                              "FusedAdam(differentiable=True) (or torch.optim.Adam) on one process")
-        # differentiable=True: torch's per-parameter state and torch's differentiable
-        # single-tensor step (zero_triton.optim.differentiable); no flat buffers.
         self._spec = spec
         # What the parts are handed instead of the optimizer (zero_triton.optim.seat).
         self._seat = self.__dict__.get("_seat") or Seat(self)
-        self._differentiable = differentiable
-        if not differentiable:
-            hyper = {**hyper, "betas": tuple(to_float(b) for b in hyper["betas"])}
+        hyper = {**hyper, "betas": tuple(to_float(b) for b in hyper["betas"])}
         self.grad_norm = None
         self._comm = comm
         self._ranks = ranks
@@ -112,7 +115,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._flats: list[list[Shard]] = []   # per param group
         self._grads_reduced = False
         self._clipping = clipping.Clipping(buffers_for(spec.capturable))  # this step's coefficient and norms
-        defaults = {**hyper, **adam_state.group_keys(differentiable, spec.capturable)}
+        defaults = {**hyper, **adam_state.group_keys(False, spec.capturable)}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
         # leaves the parameters as it found them.
@@ -128,11 +131,6 @@ class FusedAdam(torch.optim.Optimizer):
     # -- construction -------------------------------------------------------------
     @disable_dynamo
     def add_param_group(self, param_group: dict) -> None:
-        if self._differentiable:
-            group = {**self.defaults, **param_group}
-            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            torch.optim.Optimizer.add_param_group(self, param_group)
-            return
         if not self.param_groups:  # construction: torch.optim.Optimizer's empty state
             self.state = self._edits.tracked
         param_group, params, group = group_params(param_group, self.param_groups, self.defaults)
@@ -204,8 +202,7 @@ class FusedAdam(torch.optim.Optimizer):
     # -- what users read; the layers above read the rest through optim.interface ----------
     @property
     def backend(self) -> str | None:
-        """The backend that steps the first flat buffer (None without flat buffers:
-        ``differentiable=True``)."""
+        """The backend that steps the first flat buffer (None before there is one)."""
         return next((flat.backend for _, flat in self._all_flats()), None)
 
     def _flat_shards(self, reader: str | None = None) -> list:
@@ -251,8 +248,6 @@ class FusedAdam(torch.optim.Optimizer):
         the default; nothing is written), or each gradient zeroed in place and kept, so
         that the parameter is stepped with a zero gradient even if the next backward
         does not reach it."""
-        if self._differentiable:
-            return torch.optim.Optimizer.zero_grad(self, set_to_none)
         self._reducer.reset()  # reductions still reading the gradients finish first
         for _, flat in self._current_flats(hint=True):
             flat.zero_grads(set_to_none)
@@ -360,9 +355,7 @@ class FusedAdam(torch.optim.Optimizer):
         """One optimizer step. With GradScaler (``scaler.step(opt)``), the scale and the
         inf flag it attaches are applied inside the kernel; a step with inf/nan
         gradients changes nothing. Parameters without a gradient are not updated.
-        With ``differentiable=True``, torch's differentiable step (grad mode on)."""
-        if self._differentiable:
-            return plain.step(self, closure)
+        """
         return self._fused_step(closure)
 
     # torch.compile runs the fused step as it is, one eager island in the traced code,
@@ -456,11 +449,6 @@ class FusedAdam(torch.optim.Optimizer):
         hooks registered on the optimizer run as torch runs them."""
         compact = compact_state.wanted(self, compact)
         check_flag("compact", compact)
-        if self._differentiable:
-            if compact:
-                raise ValueError("state_dict(compact=True) holds the codes of a low-bit store; "
-                                 "a differentiable optimizer keeps torch's own state")
-            return torch.optim.Optimizer.state_dict(self)
         self.wait_params()
         if compact:
             return adam_state.with_state_dict_hooks(
@@ -473,8 +461,6 @@ class FusedAdam(torch.optim.Optimizer):
         ``state_dict(compact=True)``. Everything is checked before anything changes;
         without ``master_param`` the master is the current parameter upcast.
         Load-state-dict hooks run as torch runs them."""
-        if self._differentiable:
-            return torch.optim.Optimizer.load_state_dict(self, state_dict)
         self.wait_params()
         adam_state.load_with_hooks(self, state_dict, self._load_full_state_dict)
 
@@ -488,6 +474,8 @@ class FusedAdam(torch.optim.Optimizer):
 class FusedAdamW(FusedAdam):
     """AdamW: FusedAdam with decoupled weight decay (default 1e-2), as torch.optim.AdamW."""
 
+    _decoupled_weight_decay = True
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, master_weights=None, backend="auto", **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
@@ -500,8 +488,6 @@ def _pickled(opt) -> dict:
     parameters), the options, and the state in torch.optim.Adam's format. A copy
     is rebuilt from them: new flat buffers over the copied parameters, same state,
     as a deep copy of torch.optim.Adam gives an optimizer of the copied tensors."""
-    if opt._differentiable:
-        return {"_plain": {k: v for k, v in opt.__dict__.items() if k != "_seat"}}
     if not isinstance(opt._comm, LocalComm):
         raise TypeError(
             f"{type(opt).__name__} over a process group cannot be deep-copied or pickled: "
@@ -515,12 +501,9 @@ def _pickled(opt) -> dict:
 def _unpickled(opt, saved: dict) -> None:
     """``__setstate__``: a copy rebuilt from what ``_pickled`` kept."""
     if "_plain" in saved:
-        opt.__dict__.update(saved["_plain"])
-        opt._seat = Seat(opt)
-        return
-    if opt.__dict__.get("_differentiable"):  # torch.optim.Optimizer.load_state_dict's call
-        torch.optim.Optimizer.__setstate__(opt, saved)
-        return
+        raise TypeError("this is a FusedAdam(differentiable=True) pickled by an earlier version; "
+                        "build FusedAdam(..., differentiable=True) (a DifferentiableAdam) and load "
+                        "the old optimizer's state_dict() into it")
     groups, hyper, options = adam_state.pickled(saved)
     offload = options.pop("offload", None)
     fraction = options.pop("offload_fraction", None)
