@@ -70,7 +70,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __new__(cls, *args, **kwargs):
         """``differentiable=True``: a ``DifferentiableAdam`` of these arguments."""
-        if kwargs.get("differentiable") and cls._builds_differentiable:
+        flag = kwargs.get("differentiable", False)  # a flag as check_flag takes it; else refused there
+        if isinstance(flag, int) and flag == 1 and cls._builds_differentiable:
             return plain.build(cls, FusedAdam.__init__, args, kwargs)
         return super().__new__(cls)
 
