@@ -403,7 +403,14 @@ def test_differentiable_is_a_class_of_its_own_checked_as_fused_adam():
     defaults (weight decay 1e-2, decoupled), FusedAdam's checks and messages, torch's
     face and nothing of the fused one; GradScaler unscales its gradients as torch's
     AdamW(differentiable=True)'s, to the same bits."""
+    import inspect
+
     from zero_triton.optim.differentiable import DifferentiableAdam
+    for ours, theirs in ((FusedAdam, torch.optim.Adam), (FusedAdamW, torch.optim.AdamW)):
+        # the class's signature is its constructor's (as torch's is), not the dispatch's
+        sig, torch_sig = inspect.signature(ours).parameters, inspect.signature(theirs).parameters
+        assert set(torch_sig) <= set(sig) or "kwargs" in sig, (ours, set(torch_sig) - set(sig))
+        assert sig["weight_decay"].default == torch_sig["weight_decay"].default, ours
     p = torch.rand(4, requires_grad=True).clone()
     opt = FusedAdamW([p], lr=0.1, differentiable=True)
     assert type(opt) is DifferentiableAdam and isinstance(opt, torch.optim.Optimizer)

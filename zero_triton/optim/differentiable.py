@@ -118,11 +118,27 @@ class DifferentiableAdam(torch.optim.Optimizer):
         return super().state_dict()
 
 
-def build(cls, fused_init, args: tuple, kwargs: dict) -> DifferentiableAdam:
+class BuildsDifferentiable:
+    """A base of FusedAdam's: ``FusedAdam(..., differentiable=True)`` (FusedAdamW's too)
+    is a ``DifferentiableAdam`` (``build``). After torch.optim.Optimizer in FusedAdam's
+    bases, so that ``inspect.signature(FusedAdam)`` is its ``__init__``'s, not this
+    ``__new__``'s. ``_builds_differentiable``: False where the constructor refuses the
+    flag itself (ZeroAdam)."""
+
+    _builds_differentiable = True
+
+    def __new__(cls, *args, **kwargs):
+        flag = kwargs.get("differentiable", False)  # a flag as check_flag takes it; else refused there
+        if isinstance(flag, int) and flag == 1 and cls._builds_differentiable:
+            return build(cls, args, kwargs)
+        return super().__new__(cls)
+
+
+def build(cls, args: tuple, kwargs: dict) -> DifferentiableAdam:
     """What ``cls(*args, **kwargs)`` (a FusedAdam class, ``differentiable=True``) is: its
     arguments taken as ``cls.__init__`` takes them (FusedAdamW's defaults and its
-    decoupled weight decay included; the rest at FusedAdam's, ``fused_init``), checked in
-    FusedAdam's order with its messages, then a DifferentiableAdam of them."""
+    decoupled weight decay included; the rest at its bases' constructors' defaults),
+    checked in FusedAdam's order with its messages, then a DifferentiableAdam of them."""
     try:
         bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
     except TypeError as exc:  # as the interpreter words it for a call of cls.__init__
@@ -130,11 +146,17 @@ def build(cls, fused_init, args: tuple, kwargs: dict) -> DifferentiableAdam:
     bound.apply_defaults()
     given = dict(list(bound.arguments.items())[1:])  # self left out
     given.update(given.pop("kwargs", {}))
-    full = {name: p.default for name, p in inspect.signature(fused_init).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    names, full = set(), {}
+    for klass in reversed(cls.__mro__):  # FusedAdam's constructor's defaults, then FusedAdamW's
+        if issubclass(klass, BuildsDifferentiable) and "__init__" in vars(klass):
+            for name, p in inspect.signature(klass.__init__).parameters.items():
+                if p.kind is not inspect.Parameter.VAR_KEYWORD:
+                    names.add(name)
+                    if p.default is not inspect.Parameter.empty:
+                        full[name] = p.default
     a = {**full, **given, "decoupled_weight_decay": cls._decoupled_weight_decay
          or given.get("decoupled_weight_decay", False)}
-    unknown = sorted(set(a) - set(inspect.signature(fused_init).parameters))
+    unknown = sorted(set(a) - names)
     if unknown:
         raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}")
     hyper = adam_hyperparameters(a["lr"], a["betas"], a["eps"], a["weight_decay"], a["amsgrad"],

@@ -33,7 +33,7 @@ from zero_triton.optim.spec import Spec
 from zero_triton.state.buffers import buffers_for
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
     """Adam with torch.optim.Adam's signature and semantics, one fused kernel per flat
     buffer.
 
@@ -66,14 +66,6 @@ class FusedAdam(torch.optim.Optimizer):
     # its first step (optim/edits.py); ZeroAdam refuses it.
     _rebuilds_replaced_groups = True
     _decoupled_weight_decay = False  # FusedAdamW: True
-    _builds_differentiable = True    # ZeroAdam: refused in its constructor
-
-    def __new__(cls, *args, **kwargs):
-        """``differentiable=True``: a ``DifferentiableAdam`` of these arguments."""
-        flag = kwargs.get("differentiable", False)  # a flag as check_flag takes it; else refused there
-        if isinstance(flag, int) and flag == 1 and cls._builds_differentiable:
-            return plain.build(cls, FusedAdam.__init__, args, kwargs)
-        return super().__new__(cls)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
