@@ -573,3 +573,30 @@ def test_the_parts_implement_the_protocols_they_are_chosen_by():
         assert isinstance(side.place, Place), type(side.place)
         assert side.place.offloaded == (offload is not None)
         assert side.state.master.mirror is side.place  # the master keeps the views through it
+
+
+def _written_fields(tree, names) -> list:
+    """(line, field) of each assignment to ``<name>.<field>`` for a variable or attribute
+    called one of ``names``."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, (ast.Attribute, ast.Name)):
+                    base = sub.value.attr if isinstance(sub.value, ast.Attribute) else sub.value.id
+                    if base in names:
+                        found.append((node.lineno, sub.attr))
+    return found
+
+
+def test_the_reducers_fields_are_written_in_its_own_module_only():
+    """The reducer (``comm/buckets.py``) changes its own state: the other modules call its
+    methods (``start_gathers``, ``set_overlapped``, ``accumulating``, ...)."""
+    planted = _written_fields(ast.parse("opt._reducer.gathering = True\nseat.reducer.sync = 1"),
+                              ("reducer", "_reducer"))
+    assert [f for _, f in planted] == ["gathering", "sync"]  # the check sees a write
+    found = [f"{rel}:{line} {field}" for rel, tree in _sources() if rel != "comm/buckets.py"
+             for line, field in _written_fields(tree, ("reducer", "_reducer"))]
+    assert not found, "call a method of the reducer instead: " + ", ".join(found)

@@ -31,6 +31,7 @@ and an optimizer that is dropped must be collectable (its finalizer removes them
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 
@@ -488,6 +489,30 @@ class Reducer:
     def wait_all(self) -> None:
         self.wait_reduces()
         self.wait_gathers()
+
+    def start_gathers(self) -> list[Bucket]:
+        """The step's all-gathers begin (the caller starts each bucket's, in this order):
+        until ``wait_gathers``, they may be in flight."""
+        self.gathering = True
+        return self.gather_order()
+
+    def set_overlapped(self, on: bool) -> None:
+        """``zero_triton.overlap`` installed (``on``) or removed: the gathers outlive step()."""
+        self.overlapped = on
+
+    def reset_backwards(self) -> None:
+        """A step completed: count backward passes from here."""
+        self.backwards = 0
+
+    @contextlib.contextmanager
+    def accumulating(self, averaged: bool):
+        """``no_sync()``: backward passes inside only accumulate the local gradients,
+        unless ``averaged`` (stage 2: every micro-batch is averaged into the shard)."""
+        before, self.sync = self.sync, averaged
+        try:
+            yield
+        finally:
+            self.sync = before
 
     def gather_order(self) -> list[Bucket]:
         """The order the next forward needs the parameters in: backward's, reversed."""

@@ -223,7 +223,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         self.wait_params()
         if self._overlap is prefetch:
             self._overlap = None
-            self._reducer.overlapped = False
+            self._reducer.set_overlapped(False)
 
     def wait_params(self) -> None:
         """Wait for the parameter all-gathers still in flight. Only needed with
@@ -386,8 +386,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
                 for flat, plan in plans.values():
                     flat.update(plan)
             else:  # each bucket's all-gather starts as soon as its kernel is done
-                self._reducer.gathering = True
-                for b in self._reducer.gather_order():
+                for b in self._reducer.start_gathers():
                     flat, plan = plans[b.key[0]]
                     flat.update_bucket(b.key[1], plan)
                     flat.gather_bucket(b.key[1])

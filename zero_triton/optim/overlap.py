@@ -33,7 +33,7 @@ def overlap(model: torch.nn.Module, optimizer) -> ParamPrefetch:
     seat = seat_of(optimizer)  # its declared face
     if seat.overlap is not None:
         seat.overlap.remove()
-    seat.reducer.overlapped = True
+    seat.reducer.set_overlapped(True)
     prefetch = ParamPrefetch(model, seat.reducer, weakref.WeakMethod(seat.overlap_removed))
     seat.overlap = prefetch
     return prefetch

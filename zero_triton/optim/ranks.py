@@ -343,7 +343,7 @@ class AgreedRanks:
     def stepped(self, seat) -> None:
         self.notified = False
         self.served.stepped()
-        seat.reducer.backwards = 0
+        seat.reducer.reset_backwards()
 
     def loaded(self) -> None:
         self.served.loaded()

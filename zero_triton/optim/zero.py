@@ -262,13 +262,8 @@ class ZeroAdam(FusedAdam, Joinable):
         bucket as it goes, and ``step()`` waits for what is still in flight. Under
         stage 2 every micro-batch is averaged into the shard anyway (there is no full
         gradient buffer to accumulate in): the context changes nothing there."""
-        reducer = self._reducer
-        before = reducer.sync
-        reducer.sync = self._spec.grads.sharded
-        try:
+        with self._reducer.accumulating(self._spec.grads.sharded):
             yield
-        finally:
-            reducer.sync = before
 
     @property
     def stage(self) -> int:
