@@ -34,7 +34,6 @@ import collections
 
 import torch
 
-
 from .group import GroupComm, settled
 
 

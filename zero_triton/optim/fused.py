@@ -471,7 +471,8 @@ class FusedAdamW(FusedAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, master_weights=None, backend="auto", **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         decoupled_weight_decay=True, master_weights=master_weights,
+                         decoupled_weight_decay=self._decoupled_weight_decay,
+                         master_weights=master_weights,
                          backend=backend, **kwargs)
 
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from zero_triton.native import backends
+from zero_triton.state.master import Same
 
 PLACEMENTS = ("cpu",)  # offload=: where the optimizer state may be put
 
@@ -109,8 +110,9 @@ class Pieces:
         return grad if self.whole else grad[p.off:p.off + p.hi - p.lo]
 
 
-class DevicePlace(Pieces):
-    """The state beside the parameters: nothing moves."""
+class DevicePlace(Pieces, Same):
+    """The state beside the parameters: nothing moves (as the master's mirror, ``Same``:
+    its views are the parameters)."""
 
     offloaded = False
 
@@ -143,16 +145,6 @@ class DevicePlace(Pieces):
 
     def host_bytes(self) -> int:
         return 0
-
-    # -- the master's mirror (``state.master``): the views are the parameters ---------------
-    def pull(self) -> None:
-        pass
-
-    def push(self) -> None:
-        pass
-
-    def write(self, a: int, b: int, values: torch.Tensor) -> torch.Tensor:
-        return values
 
 
 class HostPlace(Pieces):

@@ -5,10 +5,11 @@ compact and DCP forms, the shard server's view, Join's hook, ``overlap()``) are 
 ``Seat`` instead of the optimizer: the members declared below, no more (no attribute is
 passed through by name): of the optimizer's public face, ``param_groups`` and ``state``
 and the calls torch's Join makes for a joined rank (``step``, ``zero_grad``,
-``clip_grad_norm_``, ``wait_params``); of its own, a short list. A private attribute of the optimizer is read here and in the optimizers' own
-modules, nowhere else (``tests/test_layers.py`` holds that), so a part names exactly what
-it depends on and a new part (a host launch, a captured step) adds a member here, not a
-reach into the optimizer.
+``clip_grad_norm_``, ``wait_params``); of its own, a short list. A private attribute of
+the optimizer is read here and in the optimizers' own modules, nowhere else
+(``tests/test_layers.py`` holds that), so a part names exactly what it depends on and a
+new part (a host launch, a captured step) adds a member here, not a reach into the
+optimizer.
 
 The seat holds the optimizer weakly (the optimizer holds its seat): parts that outlive a
 dropped optimizer (the shard server's registry) see ``optimizer`` None.
