@@ -60,9 +60,10 @@ def assert_quick_outputs(tmp_path):
 
 def test_guard_catches_a_wrong_step(tmp_path, monkeypatch):
     """A provider whose step differs from torch's gets an error row, not a time. (Only
-    zero_triton's providers, with the baseline and the limit that always run: the others
-    run in the dry run below, and DeepSpeed's first use compiles its cpu_adam, about 85 s
-    of a core, that a second process would wait for.)"""
+    zero_triton's providers, with the baseline and the limit that always run: torch's
+    others run in the dry run below. DeepSpeedCPUAdam runs in neither: its first use in
+    an environment compiles cpu_adam, about 85 s of a core; ``bench/step.py --device cpu``
+    times it.)"""
     real = providers.make_zt
 
     def off_by_lr(backend, p0s, g0s, case):
