@@ -461,6 +461,41 @@ def test_stage_is_read_in_at_most_four_modules():
     assert len(readers) <= 4, sorted(readers)
 
 
+def mode_readers(word: str, sources) -> set:
+    """The modules of ``sources`` ((path, tree) pairs; tools aside: they are users of the
+    public keywords) that read the name or attribute ``word``, other than to hand torch's
+    keyword on as it came (``word=word`` in a call: a public constructor passing it to
+    where the mode is chosen)."""
+    found = set()
+    for rel, tree in sources:
+        if rel.startswith("tools/"):
+            continue
+        passed = {id(k.value) for k in ast.walk(tree) if isinstance(k, ast.keyword)
+                  and k.arg == word and isinstance(k.value, ast.Name) and k.value.id == word}
+        for node in ast.walk(tree):
+            name = node.id if isinstance(node, ast.Name) else \
+                node.attr if isinstance(node, ast.Attribute) else None
+            if name == word and isinstance(node.ctx, ast.Load) and id(node) not in passed:
+                found.add(rel)
+    return found
+
+
+# Where torch's ``capturable`` and our ``offload`` become parts (``optim/capture.py``'s modes,
+# ``optim/offload.py``'s placements), and where torch's own rules for its keyword are
+# checked; below, the parts are handed what they need and nothing asks which mode it is.
+MODES_CHOSEN = {"capturable": {"optim/spec.py", "optim/checks.py"}, "offload": {"optim/spec.py"}}
+
+
+@pytest.mark.parametrize("word", sorted(MODES_CHOSEN))
+def test_the_modes_are_read_only_where_they_are_chosen(word):
+    planted = ast.parse(f"def f({word}):\n    g({word}={word})\n    return h() if {word} else 0")
+    assert mode_readers(word, [("optim/x.py", planted)]) == {"optim/x.py"}  # it can fail
+    passed_on = ast.parse(f"def f({word}):\n    g({word}={word})")
+    assert not mode_readers(word, [("optim/x.py", passed_on)])
+    readers = mode_readers(word, _sources())
+    assert readers <= MODES_CHOSEN[word] and len(readers) <= 2, sorted(readers)
+
+
 def test_the_step_functions_are_called_from_one_module():
     """``backends.step_function`` / ``list_step_function`` are obtained (and the kernels'
     entry points imported) only by the launch part (and torch.library's operator); the
@@ -556,13 +591,13 @@ def test_the_parts_implement_the_protocols_they_are_chosen_by():
     import torch
     import zero_triton
     from zero_triton.optim.protocol import Place, Ranks
-    from zero_triton.optim.ranks import AgreedRanks, OneRank
+    from zero_triton.optim.ranks import AgreedRanks, CapturedRanks, OneRank
 
     methods, data = _protocol_members(Ranks)
     assert {"enter", "agree", "backward_entry", "catch_up"} <= methods  # the check sees them
-    for cls in (OneRank, AgreedRanks):
+    for cls in (OneRank, AgreedRanks, CapturedRanks):
         assert not [m for m in methods if not callable(getattr(cls, m, None))], cls
-        init = inspect.getsource(cls.__init__) if "__init__" in vars(cls) else ""
+        init = "".join(inspect.getsource(c.__init__) for c in cls.__mro__[:-1] if "__init__" in vars(c))
         assert all(hasattr(cls, d) or f"self.{d} =" in init for d in data), cls
     methods, data = _protocol_members(Place)
     assert {"fetch", "grad", "done", "pull", "push", "write"} <= methods
@@ -573,6 +608,46 @@ def test_the_parts_implement_the_protocols_they_are_chosen_by():
         assert isinstance(side.place, Place), type(side.place)
         assert side.place.offloaded == (offload is not None)
         assert side.state.master.mirror is side.place  # the master keeps the views through it
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_capturable_is_chosen_once_into_the_parts_it_changes(capturable):
+    """``optim/capture.py``'s mode hands each part its own: the reducer's staging, the
+    buffers of clipping and of a DTensor's rows, torch's group key; nothing below asks."""
+    import torch
+    import zero_triton
+    from zero_triton.comm.staging import OwnStaging, Staging
+    from zero_triton.optim.capture import CAPTURED, EAGER
+    from zero_triton.state.buffers import PLAIN, Kept
+
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = zero_triton.FusedAdamW([p], capturable=capturable, backend="triton")
+    assert opt._spec.capture is (CAPTURED if capturable else EAGER)
+    assert type(opt._reducer.staging) is (OwnStaging if capturable else Staging)
+    assert opt._reducer.early is False  # one process: nothing launched from backward
+    assert isinstance(opt._clipping.buffers, Kept) if capturable else opt._clipping.buffers is PLAIN
+    assert opt.param_groups[0]["capturable"] is capturable
+    copy = __import__("copy").deepcopy(opt)  # a copy is built with the same mode
+    assert copy._spec.capture is opt._spec.capture
+
+
+def test_offload_is_chosen_once_into_a_placement():
+    """``offload``/``offload_fraction`` become a placement (``optim/offload.py``) that
+    makes each shard's places; a copy is built with the same one."""
+    import copy
+
+    import torch
+    import zero_triton
+    from zero_triton.optim.offload import BESIDE, Offloaded
+
+    for offload, fraction, sides in ((None, None, [False]), ("cpu", None, [True]),
+                                     ("cpu", 0.5, [False, True]), ("cpu", 0, [False])):
+        ps = [torch.nn.Parameter(torch.zeros(64)) for _ in range(4)]
+        opt = zero_triton.FusedAdamW(ps, offload=offload, offload_fraction=fraction)
+        placement = opt._spec.placement
+        assert placement is BESIDE if sides == [False] else isinstance(placement, Offloaded)
+        assert [s.place.offloaded for s in opt._flats[0][0].sides] == sides, (offload, fraction)
+        assert copy.deepcopy(opt)._spec.placement.keywords == placement.keywords
 
 
 def _written_fields(tree, names) -> list:

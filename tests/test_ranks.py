@@ -1,5 +1,6 @@
 """How an optimizer meets the other ranks (``zero_triton.optim.protocol.Ranks``): one
-rank (``OneRank``) and a group (``AgreedRanks``) implement the protocol signature by
+rank (``OneRank``) and a group (``AgreedRanks``, ``CapturedRanks`` under capturable=True)
+implement the protocol signature by
 signature, ZeroAdam changes FusedAdam's step by the part it is built with (it overrides
 none of FusedAdam's private hooks), and the user's ``opt.state`` edits reach a store
 whose export is a copy (``MomentStore.commit``), as a quantized format's is."""
@@ -14,7 +15,7 @@ from zero_triton.optim import ranks
 from zero_triton.optim.protocol import Ranks
 from zero_triton.state import moments
 
-IMPLS = [ranks.OneRank, ranks.AgreedRanks]
+IMPLS = [ranks.OneRank, ranks.AgreedRanks, ranks.CapturedRanks]
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda c: c.__name__)

@@ -198,7 +198,7 @@ class Reducer:
     """Launches the buckets of every flat buffer of one optimizer in one agreed order,
     and waits for them."""
 
-    def __init__(self, comm: Comm, max_in_flight: int = 2, fixed: bool = False,
+    def __init__(self, comm: Comm, max_in_flight: int = 2, staging=Staging,
                  early: bool = True, enter=None):
         self.comm = comm
         self.buckets: list[Bucket] = []
@@ -217,8 +217,9 @@ class Reducer:
         self.gathering = False            # all-gathers may be in flight
         self.overlapped = False           # zero_triton.overlap: they outlive step()
         self.reads = pending_reads.ReadGuards()  # of step() under overlap(), until the forward
-        # ZeRO-2's (zero_triton.comm.staging); ``fixed``: a buffer per bucket (capturable=True).
-        self.staging = Staging(self.pools, self.in_flight, fixed)
+        # Where the buckets' buffers wait between backward and the step (``staging``: a
+        # class of zero_triton.comm.staging; ``OwnStaging``: one per bucket, capturable=True).
+        self.staging = staging(self.pools, self.in_flight)
         # A checksum of the buckets launched this step, in order: ranks that launched
         # different ones (a parameter reached on some ranks only) paired the wrong
         # collectives, which the step's agreement detects (FusedAdam._agree).

@@ -64,7 +64,6 @@ class LocalGrads:  # implements comm.protocol.GradHolder
     the buffer never needs zeroing as a whole.
     """
 
-    stage = 1
     sharded = False
 
     def __init__(self, params, layout, flat_param, reducer=None):
@@ -193,7 +192,6 @@ class LocalGrads:  # implements comm.protocol.GradHolder
 class ShardedGrads:  # implements comm.protocol.GradHolder
     """ZeRO-2: no gradient buffer; backward's hooks hand each ``.grad`` to its bucket."""
 
-    stage = 2
     sharded = True
     flat = None
     views = None
@@ -302,4 +300,4 @@ def _first_moved(params, param_views, dtype, device) -> int:
 
 # A ZeRO stage -> how its gradients are held (``comm.protocol.GradHolder``): the one place a
 # stage is turned into behaviour (``optim.spec.Spec.grads``).
-HOLDERS = {LocalGrads.stage: LocalGrads, ShardedGrads.stage: ShardedGrads}
+HOLDERS = {1: LocalGrads, 2: ShardedGrads}

@@ -134,7 +134,6 @@ class GradHolder(Protocol):
     where their engine puts them). ``comm.grads.HOLDERS`` maps a ZeRO stage to its class;
     ``stage`` picks one once, at construction, and nothing else asks which stage it is."""
 
-    stage: int      # the ZeRO stage this way of holding is (0: the engine's own)
     sharded: bool   # handed over as backward makes them: no local buffer, every micro-batch averaged
     flat: Optional[torch.Tensor]  # the local gradient buffer, None without one
 

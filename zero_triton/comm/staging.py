@@ -12,15 +12,21 @@ its staging buffer (``adopted``): no copy, and no pool buffer the size of the la
 parameter (embeddings, output layers). It is never written: a second micro-batch's
 gradient before the launch moves it into a pool buffer first (``restaged``).
 
-``fixed`` (capturable=True): each bucket stages into a buffer of its own, the same at
-every step, so that a captured step's average reads its gradients where backward wrote
-them at every replay; it holds every bucket's gradients until the step, as stage 1 does.
+``OwnStaging`` (capturable=True, ``optim.capture``): each bucket stages into a buffer of
+its own, the same at every step, so that a captured step's average reads its gradients
+where backward wrote them at every replay; it holds every bucket's gradients until the
+step, as stage 1 does.
 """
 from __future__ import annotations
 
 import torch
 
 from zero_triton.state.buffers import PLAIN
+
+# Larger blocks glibc maps afresh at every allocation (its mmap threshold grows only to
+# this), paying a page fault per 4 KiB page each step (~0.85 ms per MiB measured on a
+# 2-core CPU, 5x a copy): a bucket's averages that large are kept across steps on CPUs.
+_C_HEAP_MAX_BYTES = 32 * 2**20
 
 
 class Staged:
@@ -36,7 +42,7 @@ class Staged:
         self.adopted = False
         self.sending = None
         self.sending_adopted = False
-        self.own = None           # ``Staging.fixed``: the bucket's own buffer
+        self.own = None           # ``OwnStaging``: the bucket's own buffer
 
     def sent(self) -> None:
         """The CPU average that read ``sending`` is done: back to the pool (a gradient
@@ -53,15 +59,28 @@ class Staged:
 
 
 class Staging:
-    """The staging of every ZeRO-2 bucket of one Reducer. ``pools``: its
-    ``BufferPools``; ``in_flight``: its CPU averages in launch order (a full pool waits
-    for the oldest). ``counts``: gradients taken as they were, and moved out again."""
+    """Where the buckets of one Reducer keep their buffers between backward and the step:
+    the staging of every ZeRO-2 bucket, and whether averaged shards are kept
+    (``keeps_averages``). ``pools``: its ``BufferPools``; ``in_flight``: its CPU averages
+    in launch order (a full pool waits for the oldest). ``counts``: gradients taken as
+    they were, and moved out again."""
 
-    def __init__(self, pools, in_flight, fixed: bool = False):
+    adopts = True  # a bucket of one parameter may take autograd's gradient as its buffer
+
+    def __init__(self, pools, in_flight):
         self.pools = pools
         self.in_flight = in_flight
-        self.fixed = fixed
         self.counts = {"adopted": 0, "restaged": 0}
+
+    @staticmethod
+    def keeps_averages(device: torch.device, numel: int, dtype: torch.dtype) -> bool:
+        """Whether a bucket's averaged shard (``numel`` of ``dtype`` on ``device``) is
+        kept between steps rather than made during each backward: on GPUs the caching
+        allocator hands its block to the next forward's activations and back for free;
+        on CPUs only blocks the C heap recycles."""
+        if device.type == "cuda":
+            return False
+        return numel * dtype.itemsize > _C_HEAP_MAX_BYTES
 
     def add(self, bucket, lo: int, hi: int, grad: torch.Tensor, adopt: bool = False) -> None:
         """Add a parameter's gradient into elements [lo, hi) of ``bucket``'s staging
@@ -71,7 +90,7 @@ class Staging:
         if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
             grad = torch.view_as_real(grad)
         staged = bucket.staged
-        if bucket.grad_in is None and adopt and lo == 0 and not self.fixed and adoptable(bucket, grad):
+        if bucket.grad_in is None and adopt and lo == 0 and self.adopts and adoptable(bucket, grad):
             staged.buffer = bucket.grad_in = grad.view(-1)
             staged.adopted = True
             self.counts["adopted"] += 1
@@ -98,7 +117,7 @@ class Staging:
         then); on CPUs it is ``sending`` until the wait. The next micro-batch stages into
         another buffer."""
         staged = bucket.staged
-        if staged.buffer is staged.own:  # fixed: it stays the bucket's
+        if staged.buffer is staged.own:  # OwnStaging: it stays the bucket's
             staged.sending = staged.own if done is None else None
         elif done is not None:
             if staged.adopted:
@@ -121,19 +140,30 @@ class Staging:
 
     def _new(self, bucket) -> None:
         """A staging buffer for ``bucket`` (not zeroed): from the pool, after the oldest
-        average in flight when it is empty, or a new one (handed back at step); ``fixed``:
-        the bucket's own."""
-        staged = bucket.staged
-        if self.fixed:
-            if staged.own is None:
-                staged.own = PLAIN.empty(bucket.geometry.numel, bucket.grad_dtype,
-                                         bucket.param_full.device)
-            staged.buffer, staged.adopted = staged.own, False
-            bucket.grad_in = staged.own
-            return
+        average in flight when it is empty, or a new one (handed back at step)."""
         buf = self.pools.take(bucket.staged.pool, bucket, "staging", True, self.in_flight)
         bucket.staged.buffer, bucket.staged.adopted = buf, False
         bucket.grad_in = buf[:bucket.geometry.numel]
+
+
+class OwnStaging(Staging):
+    """Staging for a step a CUDA graph can capture: each bucket's own buffer, made at its
+    first use and staged into at every step after, never a pool's or autograd's."""
+
+    adopts = False
+
+    @staticmethod
+    def keeps_averages(device: torch.device, numel: int, dtype: torch.dtype) -> bool:
+        """Always: a replay reads each average where the captured step did."""
+        return True
+
+    def _new(self, bucket) -> None:
+        staged = bucket.staged
+        if staged.own is None:
+            staged.own = PLAIN.empty(bucket.geometry.numel, bucket.grad_dtype,
+                                     bucket.param_full.device)
+        staged.buffer, staged.adopted = staged.own, False
+        bucket.grad_in = staged.own
 
 
 def adoptable(bucket, grad: torch.Tensor) -> bool:

@@ -163,7 +163,7 @@ def build(cls, args: tuple, kwargs: dict) -> DifferentiableAdam:
                                  a["maximize"], a["decoupled_weight_decay"], foreach=a["foreach"],
                                  fused=a["fused"], capturable=a["capturable"], differentiable=True)
     check_params_argument(a["params"], cls.__name__)
-    Spec.build(master_weights=a["master_weights"], backend=a["backend"],
-               max_grad_norm=a["max_grad_norm"], differentiable=True, moments=a["moments"],
-               capturable=a["capturable"]).with_offload(a["offload"], a["offload_fraction"])
-    return DifferentiableAdam(a["params"], {**hyper, **group_keys(True, a["capturable"])})
+    spec = Spec.build(master_weights=a["master_weights"], backend=a["backend"],
+                      max_grad_norm=a["max_grad_norm"], differentiable=True, moments=a["moments"],
+                      capturable=a["capturable"]).with_offload(a["offload"], a["offload_fraction"])
+    return DifferentiableAdam(a["params"], {**hyper, **group_keys(True, **spec.capture.keywords)})

@@ -139,7 +139,6 @@ class EngineGrads:
     (``sync``), never moved. ``grads[i]``: parameter ``i``'s local gradient, flat, at
     this step (None without one)."""
 
-    stage = 0  # not ZeRO's: the engine's own (FSDP2, tensor parallel)
     sharded = False
     flat = None
 

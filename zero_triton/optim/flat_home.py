@@ -21,11 +21,6 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLAT_DTYPES = (torch.float32,) + LOW_PRECISION + (torch.float64,)
 SUPPORTED = FLAT_DTYPES + (torch.complex64, torch.complex128)
 
-# Larger blocks glibc maps afresh at every allocation (its mmap threshold grows only to
-# this), paying a page fault per 4 KiB page each step (~0.85 ms per MiB measured on a
-# 2-core CPU, 5x a copy): a bucket's averages that large are kept across steps on CPUs.
-_C_HEAP_MAX_BYTES = 32 * 2**20
-
 
 def one_kind(kinds: set, who: str) -> tuple:
     """The one (dtype, device) of ``kinds`` (the parameters of a shard after a move), or
@@ -37,15 +32,6 @@ def one_kind(kinds: set, who: str) -> tuple:
             "optimizer was built; move the whole model at once (model.to(device, dtype)) or "
             "build the optimizer after moving it")
     return next(iter(kinds))
-
-
-def _keeps_averages(device: torch.device, numel: int, dtype) -> bool:
-    """Whether a bucket's averaged shard is kept between steps rather than made during
-    each backward: on GPUs the caching allocator hands its block to the next forward's
-    activations and back for free; on CPUs only blocks the C heap recycles."""
-    if device.type == "cuda":
-        return False
-    return numel * dtype.itemsize > _C_HEAP_MAX_BYTES
 
 
 def norm_term(g: torch.Tensor, norm_type: float, out: torch.Tensor) -> torch.Tensor:
@@ -106,8 +92,8 @@ class FlatHome:
         # The averaged gradients of the shard, bucket by bucket (``Bucket.averaged``), in
         # reduce_dtype (bf16 grads averaged in fp32); at world size 1 without a wider
         # dtype, the gradients themselves. Otherwise each bucket's is made during
-        # backward and let go after the step, unless it is too large to come back from
-        # the C heap (``_keeps_averages``) or a captured step reads it (capturable=True).
+        # backward and let go after the step, unless the staging keeps it (``comm.staging``:
+        # too large to come back from the C heap, or a captured step reads it).
         reduce_dtype = spec.reduce_dtype
         wide = reduce_dtype is not None and reduce_dtype != self.dtype
         self.separate_shard = comm.everyone.world_size > 1 or wide or sharded
@@ -117,8 +103,8 @@ class FlatHome:
         self.buckets = [buckets.Bucket((key, k), g, local, own, self.flat_param, comm.rank,
                                        zip(params[g.first:g.end], self.param_views[g.first:g.end]),
                                        out_dtype=out_dtype,
-                                       keep_out=spec.capturable or
-                                       _keeps_averages(self.device, g.shard_numel, out_dtype))
+                                       keep_out=spec.capture.staging.keeps_averages(
+                                           self.device, g.shard_numel, out_dtype))
                         for k, g in enumerate(self.layout.buckets)]
         self.hooks = self.grad_buffer.register_hooks(self.buckets, reducer)
         # The hooks live on the parameters, which outlive an optimizer that is dropped

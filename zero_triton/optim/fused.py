@@ -30,7 +30,6 @@ from zero_triton.optim.seat import Seat
 from zero_triton.optim.ranks import OneRank
 from zero_triton.optim.shard import Shard
 from zero_triton.optim.spec import Spec
-from zero_triton.state.buffers import buffers_for
 
 
 class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
@@ -78,7 +77,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         check_params_argument(params, type(self).__name__)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
-                          moments=moments, capturable=capturable).with_offload(offload, offload_fraction)
+                          moments=moments, capturable=capturable) \
+            .with_offload(offload=offload, offload_fraction=offload_fraction)
         self._build(params, hyper, spec, LocalComm(), OneRank())
 
     def _build(self, params, hyper: dict, spec: Spec, comm, ranks: Ranks) -> None:
@@ -102,13 +102,14 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         self._edits = UserEdits(type(self).__name__, views_state=comm.world_size == 1)
         # Averaged in step() only with bucket_cap_mb=None (safe for ranks reaching different
         # parameters) or capturable=True (a captured step is self-contained).
-        self._reducer = buckets.Reducer(comm, fixed=spec.capturable, enter=ranks.backward_entry(self._seat),
-                                        early=spec.bucket_cap_mb is not None and not spec.capturable)
+        self._reducer = buckets.Reducer(comm, staging=spec.capture.staging,
+                                        enter=ranks.backward_entry(self._seat),
+                                        early=spec.capture.early(spec.bucket_cap_mb))
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._flats: list[list[Shard]] = []   # per param group
         self._grads_reduced = False
-        self._clipping = clipping.Clipping(buffers_for(spec.capturable))  # this step's coefficient and norms
-        defaults = {**hyper, **adam_state.group_keys(False, spec.capturable)}
+        self._clipping = clipping.Clipping(spec.capture.buffers())  # this step's coefficient and norms
+        defaults = {**hyper, **adam_state.group_keys(False, **spec.capture.keywords)}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
         # leaves the parameters as it found them.
@@ -498,8 +499,5 @@ def _unpickled(opt, saved: dict) -> None:
                         "build FusedAdam(..., differentiable=True) (a DifferentiableAdam) and load "
                         "the old optimizer's state_dict() into it")
     groups, hyper, options = adam_state.pickled(saved)
-    offload = options.pop("offload", None)
-    fraction = options.pop("offload_fraction", None)
-    opt._build(groups, hyper, Spec.build(**options).with_offload(offload, fraction), LocalComm(),
-               OneRank())
+    opt._build(groups, hyper, Spec.from_options(options), LocalComm(), OneRank())
     opt.load_state_dict(saved["state_dict"])

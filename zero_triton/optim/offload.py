@@ -263,6 +263,54 @@ class HostPlace(Pieces):
 HELD = ("params", "grads", "master", "moments", "padding", "scratch", "buckets", "comm")
 
 
+def cut_at(layout, fraction: float) -> int:
+    """Where a shard of ``layout`` splits for ``offload_fraction``: the state element
+    nearest (1 - fraction) of the shard on the moments' alignment (an int8 block is never
+    cut). A shard that is a whole buffer (one process; an engine's local shards) splits
+    between parameters, nearest the same point, so that each parameter's state lies on one
+    side and ``opt.state`` shows views of it, as torch's optimizers do."""
+    n = layout.shard_numel
+    if fraction >= 1:
+        return 0
+    target = (1.0 - fraction) * n
+    if layout.world_size == 1:
+        return min((*layout.offsets, n), key=lambda o: (abs(o - target), o))
+    return min(n, round(target / layout.align) * layout.align)
+
+
+class Beside:
+    """offload=None: the state beside the parameters, in one side."""
+
+    keywords: dict = {}  # what a copy of the optimizer is built with again
+
+    def places(self, home, grad_dtype: torch.dtype) -> list:
+        """(place, elements, first element) of each side of ``home``'s shard."""
+        return [(DevicePlace(home, whole(home.segments)), home.layout.shard_numel, 0)]
+
+
+class Offloaded(Beside):
+    """offload="cpu": ``fraction`` of each shard's state in host memory (``cut_at``),
+    the rest beside the parameters."""
+
+    def __init__(self, fraction: float = 1.0):
+        self.fraction = fraction
+        self.keywords = {"offload": "cpu", "offload_fraction": fraction}
+
+    def places(self, home, grad_dtype: torch.dtype) -> list:
+        n = home.layout.shard_numel
+        cut = cut_at(home.layout, self.fraction)
+        if cut == 0:
+            return [(HostPlace(home, grad_dtype, whole(home.segments), n), n, 0)]
+        if cut == n:  # too few elements to split: all of them beside the parameters
+            return super().places(home, grad_dtype)
+        first, second = split(home.segments, cut)
+        return [(DevicePlace(home, first), cut, 0),
+                (HostPlace(home, grad_dtype, second, n - cut), n - cut, cut)]
+
+
+BESIDE = Beside()
+
+
 def split_host(report: dict, flats) -> dict:
     """``memory_report()``'s bytes with ``device`` beside ``host`` (the flats' offloaded
     state and scratch, the parameters' mirrors and the gradients' staging): what of

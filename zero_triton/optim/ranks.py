@@ -1,8 +1,10 @@
 """The optimizers' ``Ranks`` parts (``zero_triton.optim.protocol``): what a step asks of
-the other ranks, with one rank (``OneRank``) and over a process group (``AgreedRanks``).
+the other ranks, with one rank (``OneRank``), over a process group (``AgreedRanks``), and
+over a process group for a step a CUDA graph can capture (``CapturedRanks``).
 
-FusedAdam is built with a ``OneRank``; ZeroAdam with an ``AgreedRanks`` when its group
-has more than one rank. The optimizer's step is the same code either way: it calls its
+FusedAdam is built with a ``OneRank``; ZeroAdam with an ``AgreedRanks`` (or, under
+capturable=True, a ``CapturedRanks``: ``zero_triton.optim.capture`` chooses) when its
+group has more than one rank. The optimizer's step is the same code either way: it calls its
 part, with its ``Seat`` (``zero_triton.optim.seat``: the optimizer's declared face), at
 the same points (``enter`` at every call that reads the state, ``agree`` before
 the kernels, ``stepped`` after), and the part decides what that takes.
@@ -18,7 +20,7 @@ from zero_triton.optim import join, sharded_state
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.ddp_check import AlreadyAveraged
 from zero_triton.optim.edits import reseed_written, sharded_state_edit
-from zero_triton.optim.served import ServedState
+from zero_triton.optim.served import CapturedServedState, ServedState
 from zero_triton.state import watch
 
 # The calls of an iteration that start collectives: the first of them tells Join.
@@ -130,7 +132,6 @@ class AgreedRanks:
         # Stage 2 refuses a DDP wrapper at step (a .grad written after backward handed
         # it over): no fingerprint needed there.
         self.averaged_before = AlreadyAveraged(everyone, needed=not spec.grads.sharded)
-        self.capturable = spec.capturable
 
     def backward_entry(self, seat):
         """What backward's launches call before the first bucket of a round (handed to
@@ -139,9 +140,11 @@ class AgreedRanks:
             seat.enter("backward", detail=detail)
         return entered
 
+    served_as = ServedState  # what the shard server answers from
+
     def built(self, seat) -> None:
         """The optimizer is built: the shard server answers from its state."""
-        self.served = ServedState(seat, self.agreement, self.server)
+        self.served = self.served_as(seat, self.agreement, self.server)
 
     def catch_up(self, entry: str, rows) -> None:
         """A joined rank's shadow iteration met ``entry`` (``optim.join``'s CatchUp):
@@ -154,13 +157,7 @@ class AgreedRanks:
 
     def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         """What this rank found (``_edits_found``, ``_step_found``), one agreement on
-        what every rank found, then every rank follows it alike (``_follow``). Under
-        capturable=True the calls a graph captures follow this rank's own findings
-        (``_enter_captured``) and agree on the device."""
-        if self.capturable:
-            if entry in CAPTURED:
-                return self._enter_captured(seat, flats, stale)
-            self._check_device_agreement()
+        what every rank found, then every rank follows it alike (``_follow``)."""
         self._notify_join(seat, entry)
         flats = flats if flats is not None else seat.current_flats()
         flags, refuse, error = self._edits_found(seat, flats)
@@ -178,34 +175,6 @@ class AgreedRanks:
             raise error
         self._follow(seat, entry, agreed, flats)
         return bool(agreed & agreement.STALE)
-
-    def _enter_captured(self, seat, flats, stale: bool) -> bool:
-        """A captured call's entry: what this rank can follow alone (its param groups
-        checked, written parameters re-seeded); an ``opt.state`` edit, which every rank
-        must agree on, is refused with the fix."""
-        flats = flats if flats is not None else seat.current_flats()
-        edits = seat.edits
-        edits.check_groups(seat.param_groups)
-        if edits.edited(seat.state):
-            raise RuntimeError(
-                "ZeroAdam(capturable=True): opt.state was edited, which every rank must agree "
-                "on, and a step that a CUDA graph can capture agrees on the device only. Load "
-                "state with opt.load_state_dict (collective, agreed on the host), or build the "
-                "optimizer without capturable=True")
-        if reseed_written([flat for _, flat in flats]):
-            self.served.written()
-        return stale
-
-    def _check_device_agreement(self) -> None:
-        """A call that agrees on the host first reads what the captured steps' device
-        agreement found (the same on every rank: it was all-reduced)."""
-        if self.step_flags.diverged_on_device():
-            raise RuntimeError(
-                "ZeroAdam(capturable=True): at a step since the last call that agreed on the "
-                "host, the ranks held different step counts, lrs or gradients present (a rank "
-                "replayed or stepped more often than the others, or a scheduler stepped on "
-                "some ranks only); every rank has skipped its steps since, changing nothing. "
-                "Step (and replay) on every rank alike, and change the lr on every rank")
 
     def _notify_join(self, seat, entry: str) -> None:
         """Under Join: this rank still has inputs, said before the iteration's first
@@ -304,9 +273,6 @@ class AgreedRanks:
         any rank has its gradient)."""
         if not flats:
             return found_inf
-        if self.capturable:
-            return self.step_flags.exchange_on_device(flats, found_inf,
-                                                      [g["lr"] for g in seat.param_groups])
         self._check_launches(seat)
         told, self.told = self.told, None
         if told is not None and found_inf is None and not told & agreement.GRADS_DIFFER:
@@ -335,8 +301,11 @@ class AgreedRanks:
 
     def agree_found_inf(self, seat, per_device: dict) -> None:
         """GradScaler's per-device inf flags, max-reduced over the group in place."""
-        if not self.capturable:
-            self.agreement.check("GradScaler", agreement.Row(backwards=seat.reducer.backwards))
+        self.agreement.check("GradScaler", agreement.Row(backwards=seat.reducer.backwards))
+        self._reduce_found_inf(seat, per_device)
+
+    @staticmethod
+    def _reduce_found_inf(seat, per_device: dict) -> None:
         for flag in per_device.values():
             seat.comm.all_reduce(flag, "max")
 
@@ -351,8 +320,6 @@ class AgreedRanks:
     def state_dict(self, seat) -> dict:
         """The full state on this rank: the other ranks' shards from their shard servers
         (``adam_state.served_state_dict``), wherever those ranks are."""
-        if self.capturable:
-            self._check_device_agreement()
         if seat.edits.edited(seat.state):
             # seat.state edited on this rank: what the state holds is decided by every rank
             # together at an agreed entry, so this call is collective.
@@ -384,3 +351,66 @@ class AgreedRanks:
                 raise ValueError(f"rank {r} rejected the state dict: {msg}; nothing was changed")
         adam_state.apply_load(seat, state_dict, plan)
         self.loaded()
+
+
+class CapturedRanks(AgreedRanks):
+    """``AgreedRanks`` for a step a CUDA graph can capture (capturable=True, chosen in
+    ``zero_triton.optim.capture``): the calls a graph may capture (``CAPTURED``) follow
+    this rank's own findings and agree on the device (``StepFlags.exchange_on_device``),
+    with no host agreement and no host read; every other call reads what those device
+    agreements found first (``_check_device_agreement``), then agrees on the host as
+    ``AgreedRanks`` does. The shard server answers after the device
+    (``CapturedServedState``)."""
+
+    served_as = CapturedServedState
+
+    def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+        if entry in CAPTURED:
+            return self._enter_captured(seat, flats, stale)
+        self._check_device_agreement()
+        return super().enter(seat, entry, flats, stale, detail)
+
+    def _enter_captured(self, seat, flats, stale: bool) -> bool:
+        """A captured call's entry: what this rank can follow alone (its param groups
+        checked, written parameters re-seeded); an ``opt.state`` edit, which every rank
+        must agree on, is refused with the fix."""
+        flats = flats if flats is not None else seat.current_flats()
+        edits = seat.edits
+        edits.check_groups(seat.param_groups)
+        if edits.edited(seat.state):
+            raise RuntimeError(
+                "ZeroAdam(capturable=True): opt.state was edited, which every rank must agree "
+                "on, and a step that a CUDA graph can capture agrees on the device only. Load "
+                "state with opt.load_state_dict (collective, agreed on the host), or build the "
+                "optimizer without capturable=True")
+        if reseed_written([flat for _, flat in flats]):
+            self.served.written()
+        return stale
+
+    def _check_device_agreement(self) -> None:
+        """A call that agrees on the host first reads what the captured steps' device
+        agreement found (the same on every rank: it was all-reduced)."""
+        if self.step_flags.diverged_on_device():
+            raise RuntimeError(
+                "ZeroAdam(capturable=True): at a step since the last call that agreed on the "
+                "host, the ranks held different step counts, lrs or gradients present (a rank "
+                "replayed or stepped more often than the others, or a scheduler stepped on "
+                "some ranks only); every rank has skipped its steps since, changing nothing. "
+                "Step (and replay) on every rank alike, and change the lr on every rank")
+
+    def agree(self, seat, flats, found_inf):
+        """Agreed on the device: the step counts, lrs and gradients present are compared
+        there, and a step the ranks disagree on changes nothing (read at the next host
+        agreement)."""
+        if not flats:
+            return found_inf
+        return self.step_flags.exchange_on_device(flats, found_inf,
+                                                  [g["lr"] for g in seat.param_groups])
+
+    def agree_found_inf(self, seat, per_device: dict) -> None:
+        """Max-reduced on the device, with no host agreement first."""
+        self._reduce_found_inf(seat, per_device)
+
+    def state_dict(self, seat) -> dict:
+        self._check_device_agreement()
+        return super().state_dict(seat)

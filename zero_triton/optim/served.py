@@ -34,10 +34,6 @@ class ServedState:
         # every rank as steps are, at their ends: the shard server waits for a peer's count.
         self.loads = 0
         self.settled = threading.Condition()
-        # capturable=True: a replayed step writes the state without this Python, so no
-        # version or event follows it: every answer waits for the device and is copied
-        # afresh (``serve.AFTER_DEVICE``).
-        self.capturable = optimizer.spec.capturable
         server.register(agreement.ordinal, self.answer)
 
     def _seat(self):
@@ -55,11 +51,9 @@ class ServedState:
 
     def written(self) -> None:
         """Mark a write of the state (a step's kernels, a load, a reset): a new version
-        and, per GPU, an event on the current stream after it (none under capturable:
-        an event recorded while a graph is captured is not one a replay records)."""
+        and, per GPU, an event on the current stream after it (``CapturedServedState``:
+        none)."""
         self.version += 1
-        if self.capturable:
-            return
         for device in {flat.device for flat in self._flats() if flat.device.type == "cuda"}:
             event = self.events.get(device)
             if event is None:
@@ -108,8 +102,23 @@ class ServedState:
             header[0] = serve.LAYOUT
         if header[0] != serve.OK:
             return serve.Answer(header)
-        if self.capturable:
-            return serve.Answer(header, adam_state.shard_chunks(flats, self._chunk()),
-                                ready=serve.AFTER_DEVICE)
-        return serve.Answer(header, adam_state.shard_chunks(flats, self._chunk()),
-                            ready=list(self.events.values()), version=self.version)
+        return self._answer(header, adam_state.shard_chunks(flats, self._chunk()))
+
+    def _answer(self, header: list, chunks) -> serve.Answer:
+        """The shards' chunks, sent once the writes before them are done on the device:
+        after the events recorded at those writes, unless a later version replaced them."""
+        return serve.Answer(header, chunks, ready=list(self.events.values()), version=self.version)
+
+
+class CapturedServedState(ServedState):
+    """The served state of a captured step (capturable=True, ``optim.capture``): a
+    replayed step writes the state without this Python, so no version or event follows
+    it: no event is recorded at a write (one recorded while a graph is captured is not
+    one a replay records), and every answer waits for the device and is copied afresh
+    (``serve.AFTER_DEVICE``)."""
+
+    def written(self) -> None:
+        self.version += 1
+
+    def _answer(self, header: list, chunks) -> serve.Answer:
+        return serve.Answer(header, chunks, ready=serve.AFTER_DEVICE)

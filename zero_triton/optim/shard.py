@@ -23,10 +23,9 @@ from zero_triton.native import backends
 from zero_triton.optim.engine_home import EngineHome
 from zero_triton.optim.flat_home import FLAT_DTYPES, LOW_PRECISION, SUPPORTED, FlatHome, one_kind
 from zero_triton.optim.launch import DeviceLaunch, ListLaunch, RowsLaunch
-from zero_triton.optim.offload import DevicePlace, HostPlace, host_backend, split, whole
+from zero_triton.optim.offload import BESIDE, host_backend
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
-from zero_triton.state.buffers import buffers_for
 from zero_triton.state.flat import real_dtype
 from zero_triton.state.param_view import ParamView
 from zero_triton.state.shards import ShardState
@@ -78,27 +77,18 @@ class Shard:
         self.keyed = self.state.moments.keyed or self.state.master.keyed
 
     def _sides(self, home, spec, amsgrad: bool) -> list:
-        """The state's sides: one (beside the parameters, or offloaded), or two split at
-        an element on the moments' alignment (``offload_fraction``: the first on the
-        device, the rest in host memory)."""
-        n, grad_dtype = home.layout.shard_numel, spec.reduce_dtype or self.dtype
-        if not spec.offload or self.device.type == "meta":
-            return [Side(self, DevicePlace(home, whole(home.segments)), n, amsgrad)]
-        cut = cut_at(home.layout, spec.offload_fraction)
-        if cut == 0:
-            return [Side(self, HostPlace(home, grad_dtype, whole(home.segments), n), n, amsgrad)]
-        if cut == n:  # too few elements to split: all of them beside the parameters
-            return [Side(self, DevicePlace(home, whole(home.segments)), n, amsgrad)]
-        first, second = split(home.segments, cut)
-        return [Side(self, DevicePlace(home, first), cut, amsgrad),
-                Side(self, HostPlace(home, grad_dtype, second, n - cut), n - cut, amsgrad, cut=cut)]
+        """The state's sides, where the spec's placement puts them
+        (``zero_triton.optim.offload``): one, or two split at an element."""
+        placement = BESIDE if self.device.type == "meta" else spec.placement
+        return [Side(self, place, n, amsgrad, cut=cut)
+                for place, n, cut in placement.places(home, spec.reduce_dtype or self.dtype)]
 
     @classmethod
     def flat(cls, params, comm: Comm, spec, *, amsgrad=False, key=0, reducer=None,
              bucket_numel=None) -> "Shard":
         """``params`` re-homed into a flat buffer of ours (``FlatHome``)."""
         cls._check_master(spec, real_dtype(params[0].dtype))  # before the parameters are re-homed
-        cls._check_capturable(spec, real_dtype(params[0].dtype), params[0].device)
+        spec.capture.check_backend(spec.backend, real_dtype(params[0].dtype), params[0].device)
         return cls(FlatHome(params, comm, spec, key=key, reducer=reducer, bucket_numel=bucket_numel),
                    spec, amsgrad=amsgrad, key=key)
 
@@ -109,23 +99,8 @@ class Shard:
         ``maps``, ``rows``, ``seed``: ``zero_triton.optim.build.engine_shards``)."""
         home = EngineHome(params, comm, spec, key=key, maps=maps, rows=rows, seed=seed)
         cls._check_master(spec, home.dtype)
-        cls._check_capturable(spec, home.dtype, home.device)
+        spec.capture.check_backend(spec.backend, home.dtype, home.device)
         return cls(home, spec, amsgrad=amsgrad, key=key)
-
-    @staticmethod
-    def _check_capturable(spec, dtype, device) -> None:
-        """capturable=True needs a kernel that reads lr, step and the flags on the device:
-        torch's ops (float64 parameters, or no kernel here) read them on the host."""
-        if not spec.capturable or device.type == "meta":
-            return
-        backend = "torch" if dtype == torch.float64 else backends.resolve(spec.backend, device)
-        if backend == "torch":
-            raise ValueError(
-                f"capturable=True with {dtype} parameters on {device}: they would be stepped by "
-                "torch's ops, which read lr, the step count and GradScaler's flag on the host "
-                "(a sync a CUDA graph cannot capture). Step float32/bf16/fp16 parameters with a "
-                "kernel (backend='auto' with Triton or the extension built), or leave "
-                "capturable out")
 
     @staticmethod
     def _check_master(spec, dtype) -> None:
@@ -356,7 +331,7 @@ class Side:
         else:
             self.backend = backends.resolve(spec.backend, shard.device)
         if home.rows:
-            self.launch = RowsLaunch(self.backend, home.maps, buffers_for(spec.capturable))
+            self.launch = RowsLaunch(self.backend, home.maps, spec.capture.buffers())
         else:
             launch = ListLaunch if home.engine_owned else DeviceLaunch
             self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
@@ -434,21 +409,6 @@ class Side:
         if not self.place.offloaded:
             return 0
         return sum(self.state.nbytes().values()) + self.scratch_bytes() + self.place.host_bytes()
-
-
-def cut_at(layout, fraction: float) -> int:
-    """Where a shard of ``layout`` splits for ``offload_fraction``: the state element
-    nearest (1 - fraction) of the shard on the moments' alignment (an int8 block is never
-    cut). A shard that is a whole buffer (one process; an engine's local shards) splits
-    between parameters, nearest the same point, so that each parameter's state lies on one
-    side and ``opt.state`` shows views of it, as torch's optimizers do."""
-    n = layout.shard_numel
-    if fraction >= 1:
-        return 0
-    target = (1.0 - fraction) * n
-    if layout.world_size == 1:
-        return min((*layout.offsets, n), key=lambda o: (abs(o - target), o))
-    return min(n, round(target / layout.align) * layout.align)
 
 
 def written_values(part: torch.Tensor, master: torch.Tensor, comm: Comm) -> torch.Tensor:

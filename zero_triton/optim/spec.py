@@ -20,6 +20,7 @@ from zero_triton.comm import buckets, grads
 from zero_triton.comm.compressed import CODECS  # what can be sent compressed
 from zero_triton.native import backends
 from zero_triton.optim import offload as offloads
+from zero_triton.optim.capture import CAPTURED, EAGER, Eager
 from zero_triton.optim.checks import check_flag
 from zero_triton.state import moments as moment_formats
 
@@ -55,12 +56,13 @@ class Spec:
     ``gather_codec``: how the parameters' all-gather is sent (None: in their dtype;
     "int8"); ``reduce_codec``: how the gradients' average is sent (None: in
     ``reduce_dtype``; "int8", summed in float32); ``error_feedback``: the dtype of the
-    int8 average's error buffers (None: none); ``offload``: where the optimizer
-    state lives when not beside the parameters (None; "cpu": host memory,
-    ``zero_triton.optim.offload``); ``offload_fraction``: the share of it offloaded (1: all;
-    between 0 and 1: the rest of each shard stays beside the parameters); ``capturable``:
-    a step a CUDA graph can capture (torch's keyword: every buffer it uses made before,
-    nothing read on the host; docs/capture.md)."""
+    int8 average's error buffers (None: none); ``placement``: where the optimizer
+    state lives, what the ``offload`` and ``offload_fraction`` keywords chose
+    (``zero_triton.optim.offload``: ``BESIDE`` the parameters, or ``Offloaded(f)``, f of
+    each shard in host memory); ``capture``:
+    what torch's ``capturable`` keyword chose (``zero_triton.optim.capture``: ``CAPTURED``,
+    a step a CUDA graph can capture, every buffer it uses made before and nothing read
+    on the host, docs/capture.md; ``EAGER``), the parts that differ for it."""
 
     backend: str = "auto"
     master_weights: bool | str = True
@@ -73,9 +75,8 @@ class Spec:
     gather_codec: str | None = None
     reduce_codec: str | None = None
     error_feedback: torch.dtype | None = None
-    offload: str | None = None
-    offload_fraction: float = 1.0
-    capturable: bool = False
+    placement: offloads.Beside = offloads.BESIDE
+    capture: Eager = EAGER
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
@@ -136,7 +137,7 @@ class Spec:
                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                    differentiable=bool(differentiable), moments=moments,
-                   reduce_codec=reduce_codec, capturable=bool(capturable),
+                   reduce_codec=reduce_codec, capture=CAPTURED if capturable else EAGER,
                    error_feedback=FEEDBACK[True] if reduce_codec else None)
 
     def with_offload(self, offload=None, offload_fraction=None) -> "Spec":
@@ -161,12 +162,14 @@ class Spec:
             raise ValueError("offload='cpu' cannot be used with differentiable=True: autograd "
                              "through the step needs torch's own state beside the parameters; "
                              "leave offload out")
-        if offload is not None and self.capturable:
+        if offload is not None and self.capture is CAPTURED:
             raise ValueError("offload='cpu' cannot be used with capturable=True: the offloaded "
                              "state is stepped by the host, which a CUDA graph cannot capture "
                              "(it records device work only); leave one of them out")
-        fraction = 1.0 if offload_fraction is None or offload is None else float(offload_fraction)
-        return dataclasses.replace(self, offload=offload, offload_fraction=fraction)
+        if offload is None:
+            return dataclasses.replace(self, placement=offloads.BESIDE)
+        fraction = 1.0 if offload_fraction is None else float(offload_fraction)
+        return dataclasses.replace(self, placement=offloads.Offloaded(fraction))
 
     def with_wire(self, gather_dtype=None, error_feedback=True) -> "Spec":
         """This spec with ZeroAdam's parameter gathers (``gather_dtype``) and the int8
@@ -275,10 +278,16 @@ class Spec:
             return None
         return buckets.bucket_numel(self.bucket_cap_mb, dtype, numel)
 
+    @classmethod
+    def from_options(cls, options: dict) -> "Spec":
+        """The spec whose ``options()`` these are, checked again."""
+        options = dict(options)
+        offload, fraction = options.pop("offload", None), options.pop("offload_fraction", None)
+        return cls.build(**options).with_offload(offload, fraction)
+
     def options(self) -> dict:
         """What a copy (``copy.deepcopy``, ``pickle``) of a one-process optimizer keeps."""
         return {"master_weights": self.master_weights, "backend": self.backend,
                 "max_grad_norm": self.max_grad_norm, "moments": self.moments,
-                "capturable": self.capturable,
-                **({"offload": self.offload, "offload_fraction": self.offload_fraction}
-                   if self.offload else {})}
+                **self.capture.keywords,
+                **self.placement.keywords}

@@ -28,9 +28,10 @@ from zero_triton.state.shards import MASTER
 TORCH_GROUP_KEYS = {"foreach": None, "capturable": False, "differentiable": False, "fused": None}
 
 
-def group_keys(differentiable: bool, capturable: bool) -> dict:
-    """torch.optim.Adam's implementation keys of a param group, as built."""
-    return {**TORCH_GROUP_KEYS, "differentiable": differentiable, "capturable": capturable}
+def group_keys(differentiable: bool, **chosen) -> dict:
+    """torch.optim.Adam's implementation keys of a param group, as built (``chosen``: the
+    capture mode's, ``zero_triton.optim.capture``)."""
+    return {**TORCH_GROUP_KEYS, "differentiable": differentiable, **chosen}
 
 
 # Elements gathered per rank per round: bounds the receiver's transient buffers to

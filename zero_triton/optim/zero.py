@@ -31,10 +31,8 @@ from zero_triton.optim.checks import (adam_hyperparameters, check_device_mesh, c
                                       check_no_dtensors, check_params_argument,
                                       check_process_group)
 from zero_triton.optim.fused import FusedAdam
-from zero_triton.optim.ranks import AgreedRanks, OneRank
 from zero_triton.optim.seat import Seat
 from zero_triton.optim.spec import Spec
-from zero_triton.state.buffers import Kept
 
 
 def _signature(param_groups) -> list:
@@ -147,10 +145,10 @@ class ZeroAdam(FusedAdam, Joinable):
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
                           moments=moments, capturable=capturable).with_wire(gather_dtype, error_feedback) \
-            .with_offload(offload, offload_fraction)
+            .with_offload(offload=offload, offload_fraction=offload_fraction)
         compress = _compressing(spec)
         if device_mesh is not None and device_mesh.ndim == 2:
-            comm = HybridComm(device_mesh, wrap=compress, buffers=Kept() if spec.capturable else None)
+            comm = HybridComm(device_mesh, wrap=compress, buffers=spec.capture.buffers())
         else:
             comm = compress(GroupComm(device_mesh.get_group() if device_mesh is not None
                                       else process_group))
@@ -171,7 +169,7 @@ class ZeroAdam(FusedAdam, Joinable):
         # with the side channel's shard server answering another rank's state_dict();
         # made after the model check, which every rank passes together.
         self._seat = Seat(self)  # what the parts are handed (zero_triton.optim.seat)
-        ranks = AgreedRanks(self._seat, comm, spec) if comm.everyone.world_size > 1 else OneRank()
+        ranks = spec.capture.ranks(self._seat, comm, spec)  # zero_triton.optim.capture
         # torch's Join (uneven inputs): disabled outside a Join block.
         self._join_config = _JoinConfig.construct_disabled_join_config()
         self._build(groups, hyper, spec, comm, ranks)
@@ -183,12 +181,7 @@ class ZeroAdam(FusedAdam, Joinable):
         """What a rank that ran out of inputs runs under ``Join`` while others have some
         (``Join`` passes every joinable the same keywords; DDP's
         ``divide_by_initial_world_size`` is the one that concerns averaging)."""
-        if self._spec.capturable:
-            raise ValueError(
-                "ZeroAdam(capturable=True) under torch's Join: a rank that ran out of inputs "
-                "shadows the others' steps from the host, which a captured step never "
-                "consults (it agrees on the device); give every rank the same number of "
-                "batches (DistributedSampler(drop_last=True)), or leave capturable out")
+        self._spec.capture.check_join()
         if not kwargs.get("divide_by_initial_world_size", True):
             raise ValueError(
                 "ZeroAdam under Join averages over the initial world size (a joined rank's "
@@ -354,7 +347,7 @@ def _compressing(spec):
         return lambda comm: comm
     return lambda comm: Int8Comm(comm, gather=spec.gather_codec, reduce=spec.reduce_codec,
                                  feedback=spec.error_feedback,
-                                 buffers=Kept() if spec.capturable else None)
+                                 buffers=spec.capture.buffers())
 
 
 def _check_mesh_device(device_mesh, groups) -> None:

@@ -85,8 +85,3 @@ class Scratch:
     def shaped(self, shape: tuple, prefix: str):
         """``tmp(name, dtype)`` of ``shape`` under ``prefix`` (``zero_triton.kernels.quant.scratch``)."""
         return lambda name, dtype: self((prefix, name), shape, dtype)
-
-
-def buffers_for(keep: bool) -> Buffers:
-    """``Kept`` buffers under capturable=True (``keep``), else ``PLAIN``."""
-    return Kept() if keep else PLAIN
