@@ -675,3 +675,45 @@ def test_the_reducers_fields_are_written_in_its_own_module_only():
     found = [f"{rel}:{line} {field}" for rel, tree in _sources() if rel != "comm/buckets.py"
              for line, field in _written_fields(tree, ("reducer", "_reducer"))]
     assert not found, "call a method of the reducer instead: " + ", ".join(found)
+
+
+def _field_writes(tree) -> list:
+    """(line, object, field) of each assignment to ``<object>.<field>`` where the object is
+    a bucket (a name or attribute ``bucket``, ``b``, ``*_bucket``, an item of ``buckets``)
+    or a bucket's staging (``staged``)."""
+    def kind(value):
+        if isinstance(value, ast.Subscript):
+            value = value.value
+        name = value.id if isinstance(value, ast.Name) else \
+            value.attr if isinstance(value, ast.Attribute) else ""
+        if name == "staged":
+            return "staged"
+        if name in ("bucket", "b", "buckets") or name.endswith("bucket"):
+            return "bucket"
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(t, ast.Attribute) and kind(t.value):
+                    found.append((node.lineno, kind(t.value), t.attr))
+    return found
+
+
+# A bucket's states and transitions (``comm/buckets.py`` ``Bucket``, its launches by the
+# ``Reducer``) and its staging's (``comm/staging.py`` ``Staged``, moved by ``Staging``):
+# each written in its own module; the others call their methods.
+FIELD_HOMES = {"bucket": "comm/buckets.py", "staged": "comm/staging.py"}
+
+
+def test_the_buckets_fields_are_written_in_their_own_modules_only():
+    planted = _field_writes(ast.parse(
+        "b.gather = 1\nself.buckets[k].watch = f\nbucket.staged.pool = p\nx.y, b.z = 1, 2"))
+    assert planted == [(1, "bucket", "gather"), (2, "bucket", "watch"), (3, "staged", "pool"),
+                       (4, "bucket", "z")]  # the check sees each kind of write
+    found = [f"{rel}:{line} {what}.{field}" for rel, tree in _sources()
+             for line, what, field in _field_writes(tree) if FIELD_HOMES[what] != rel]
+    assert not found, "call the bucket's (or its staging's) method instead: " + ", ".join(found)

@@ -86,7 +86,7 @@ class Bucket:
         self.nparams = g.end - g.first
         self.grads = grads  # zero_triton.comm.grads.LocalGrads; None under ZeRO-2
         self.sharded = grads is None  # ZeRO-2: grad_in is a staging buffer while it exists
-        self.grad_in = None if self.sharded else grads.flat[g.start:g.start + g.numel]
+        self._local_in = None if self.sharded else grads.flat[g.start:g.start + g.numel]
         self.grad_dtype = flat_param.dtype
         # ZeRO-2: the buffer grad_in lives in, and the one the average in flight reads
         # (zero_triton.comm.staging).
@@ -124,6 +124,33 @@ class Bucket:
         # ``FlatHome.watch_averages``). None: nobody watches.
         self.watch = None
         self.landing = None     # CPU: ``watch``, due at the wait for the average in flight
+
+    @property
+    def grad_in(self):
+        """The bucket's local gradients, what its average reads: a view of the local
+        gradients (stage 1), or of its staging buffer while it has one (ZeRO-2)."""
+        return self._local_in if self.staged is None else self.staged.view
+
+    def use_pools(self, recv, staging) -> None:
+        """Take receive scratch from ``recv`` and staging buffers from ``staging``
+        (``comm.pools``: the free ones of the bucket's dtype and device; None: none)."""
+        self.pool = recv
+        if self.staged is not None:
+            self.staged.use(staging)
+
+    def watch_with(self, watch) -> None:
+        """Tell ``watch(landed)`` when an average of the bucket starts and when it has
+        landed (None: nobody watches)."""
+        self.watch = watch
+
+    def start_gather(self, comm, watch_writes: bool) -> None:
+        """Start gathering every rank's updated shard of the bucket (``watch_writes``: it
+        outlives step(), under overlap: the members' versions are noted, see
+        ``wait_gather``)."""
+        self.gather = comm.gather_params(self.param_full, self.param_shard, async_op=True,
+                                         name=self.name("all_gather"))
+        if watch_writes:
+            self.versions = [p._version for p, _ in self.members]
 
     def averaged(self) -> torch.Tensor:
         """This rank's averaged shard of the bucket: what the step's kernel, clipping and

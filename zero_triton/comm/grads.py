@@ -84,6 +84,10 @@ class LocalGrads:  # implements comm.protocol.GradHolder
                     p.grad = view
         self.seen_version = self.flat._version  # the version the last bucket hook saw
 
+    def hooked(self) -> None:
+        """A bucket hook moved a gradient in: what the buffer holds now is what the hooks saw."""
+        self.seen_version = self.flat._version
+
     def written_since_hooks(self) -> bool:
         """Something wrote into the gradients after the last bucket hook (another
         micro-batch, GradScaler.unscale_, a DDP wrapper, a hand): every bucket is stale."""

@@ -42,7 +42,7 @@ def grad_ready(reached: bytearray, i: int, j: int, view: torch.Tensor, bucket: B
         # the flat buffer (a parameter moved by model.to() is re-homed at step instead).
         view.copy_(g)
         param.grad = view
-    bucket.grads.seen_version = bucket.grads.flat._version
+    bucket.grads.hooked()
     reducer = reducer_ref()
     if reducer is not None:
         reducer.note_backward()

@@ -56,9 +56,7 @@ class BufferPools:
             if b.sharded:
                 self.staging.setdefault(k, [])
         for b in buckets:
-            b.pool = self.recv.get(kind(b))
-            if b.staged is not None:
-                b.staged.pool = self.staging.get(kind(b))
+            b.use_pools(self.recv.get(kind(b)), self.staging.get(kind(b)))
 
     def limit(self, device) -> int:
         """Buffers of one kind made before waiting: on a GPU a wait stalls the compute

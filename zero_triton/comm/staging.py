@@ -34,15 +34,21 @@ class Staged:
     launch (``buffer``; the bucket's ``grad_in`` views it), and on CPUs the one the
     average in flight reads (``sending``), each possibly autograd's own gradient."""
 
-    __slots__ = ("pool", "buffer", "adopted", "sending", "sending_adopted", "own")
+    __slots__ = ("pool", "buffer", "view", "adopted", "sending", "sending_adopted", "own")
 
     def __init__(self):
         self.pool = None          # the free staging buffers of the bucket's (dtype, device)
         self.buffer = None
+        self.view = None          # the bucket's gradients in ``buffer`` (its ``grad_in``)
         self.adopted = False
         self.sending = None
         self.sending_adopted = False
         self.own = None           # ``OwnStaging``: the bucket's own buffer
+
+    def use(self, pool) -> None:
+        """Take staging buffers from ``pool`` (``comm.pools``: the free ones of the
+        bucket's dtype and device)."""
+        self.pool = pool
 
     def sent(self) -> None:
         """The CPU average that read ``sending`` is done: back to the pool (a gradient
@@ -90,26 +96,26 @@ class Staging:
         if grad.is_complex():  # a complex parameter's gradient as (real, imaginary) pairs
             grad = torch.view_as_real(grad)
         staged = bucket.staged
-        if bucket.grad_in is None and adopt and lo == 0 and self.adopts and adoptable(bucket, grad):
-            staged.buffer = bucket.grad_in = grad.view(-1)
+        if staged.view is None and adopt and lo == 0 and self.adopts and adoptable(bucket, grad):
+            staged.buffer = staged.view = grad.view(-1)
             staged.adopted = True
             self.counts["adopted"] += 1
             return
         if staged.adopted:  # another micro-batch's gradient: the adopted one is read only
-            adopted = bucket.grad_in
+            adopted = staged.view
             self._new(bucket)
-            bucket.grad_in.copy_(adopted)
+            staged.view.copy_(adopted)
             self.counts["restaged"] += 1
-        elif bucket.grad_in is None:
+        elif staged.view is None:
             self._new(bucket)
-            bucket.grad_in.zero_()
-        bucket.grad_in[lo:hi].add_(grad.reshape(-1))
+            staged.view.zero_()
+        staged.view[lo:hi].add_(grad.reshape(-1))
 
     def ensure(self, bucket) -> None:
         """A launch of a bucket none of whose gradients arrived: this rank sends zeros."""
-        if bucket.grad_in is None:
+        if bucket.staged.view is None:
             self._new(bucket)
-            bucket.grad_in.zero_()
+            bucket.staged.view.zero_()
 
     def launched(self, bucket, done=None) -> None:
         """The launch took the bucket's buffer: on a GPU (``done``: the average's
@@ -126,7 +132,7 @@ class Staging:
                 staged.pool.append((staged.buffer, done))
         else:
             staged.sending, staged.sending_adopted = staged.buffer, staged.adopted
-        staged.buffer = bucket.grad_in = None
+        staged.buffer = staged.view = None
         staged.adopted = False
 
     def drop(self, bucket) -> None:
@@ -135,15 +141,16 @@ class Staging:
         if staged.buffer is not None:
             if not staged.adopted and staged.buffer is not staged.own:
                 staged.pool.append((staged.buffer, None))
-            staged.buffer = bucket.grad_in = None
+            staged.buffer = staged.view = None
             staged.adopted = False
 
     def _new(self, bucket) -> None:
         """A staging buffer for ``bucket`` (not zeroed): from the pool, after the oldest
         average in flight when it is empty, or a new one (handed back at step)."""
         buf = self.pools.take(bucket.staged.pool, bucket, "staging", True, self.in_flight)
-        bucket.staged.buffer, bucket.staged.adopted = buf, False
-        bucket.grad_in = buf[:bucket.geometry.numel]
+        staged = bucket.staged
+        staged.buffer, staged.adopted = buf, False
+        staged.view = buf[:bucket.geometry.numel]
 
 
 class OwnStaging(Staging):
@@ -163,7 +170,7 @@ class OwnStaging(Staging):
             staged.own = PLAIN.empty(bucket.geometry.numel, bucket.grad_dtype,
                                      bucket.param_full.device)
         staged.buffer, staged.adopted = staged.own, False
-        bucket.grad_in = staged.own
+        staged.view = staged.own
 
 
 def adoptable(bucket, grad: torch.Tensor) -> bool:

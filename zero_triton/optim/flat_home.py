@@ -121,7 +121,7 @@ class FlatHome:
         while backward runs (``buckets.Bucket.watch``)."""
         ref = weakref.WeakMethod(watcher)
         for k, b in enumerate(self.buckets):
-            b.watch = functools.partial(_tell, ref, k)
+            b.watch_with(functools.partial(_tell, ref, k))
 
     @property
     def flat_grad(self):
@@ -145,11 +145,7 @@ class FlatHome:
 
     def gather(self, k: int) -> None:
         """Start gathering every rank's updated shard of bucket ``k``."""
-        b = self.buckets[k]
-        b.gather = self.comm.gather_params(b.param_full, b.param_shard, async_op=True,
-                                           name=b.name("all_gather"))
-        if self.reducer is not None and self.reducer.overlapped:  # it outlives step(): watch writes
-            b.versions = [p._version for p, _ in b.members]
+        self.buckets[k].start_gather(self.comm, self.reducer is not None and self.reducer.overlapped)
 
     def grad_norm_terms(self, norm_type: float, out: torch.Tensor) -> None:
         """This rank's part of the gradient norm, bucket by bucket, into ``out`` (one
