@@ -102,6 +102,10 @@ class Clipping:
         self.coef = None
         self.given.clear()
 
+    def forget(self) -> None:
+        """The averages this step's coefficient was taken from were dropped: forget it."""
+        self.coef = None
+
     def global_norm(self, flats: list, comm, norm_type: float) -> torch.Tensor:
         """``global_norm`` in this optimizer's buffers."""
         return global_norm(flats, comm, norm_type, self.buffers)

@@ -13,22 +13,22 @@ from __future__ import annotations
 import torch
 
 from zero_triton.comm import buckets, grads
-from zero_triton.comm.group import LocalComm, phase
+from zero_triton.comm.group import LocalComm
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import clipping, owners
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
-from zero_triton.optim.build import build_flats
 from zero_triton.optim import compact as compact_state
 from zero_triton.optim.checks import (adam_hyperparameters, check_flag, check_group_params,
-                                      check_hyperparameters, check_params_argument, group_params,
+                                      check_params_argument, group_params,
                                       to_float, with_grads, without_meta)
 from zero_triton.optim.edits import UserEdits
 from zero_triton.optim.offload import split_host
 from zero_triton.optim.protocol import Ranks
 from zero_triton.optim.seat import Seat
 from zero_triton.optim.ranks import OneRank
-from zero_triton.optim.shard import Shard
+from zero_triton.optim.pipeline import StepPipeline
+from zero_triton.optim.shards import Shards
 from zero_triton.optim.spec import Spec
 
 
@@ -106,9 +106,10 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
                                         enter=ranks.backward_entry(self._seat),
                                         early=spec.capture.early(spec.bucket_cap_mb))
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
-        self._flats: list[list[Shard]] = []   # per param group
-        self._grads_reduced = False
+        self._shards = Shards(comm, spec, self._reducer, self._edits, self._rebuilds_replaced_groups)
         self._clipping = clipping.Clipping(spec.capture.buffers())  # this step's coefficient and norms
+        self._pipeline = StepPipeline(self._seat, comm, self._shards, self._reducer, self._clipping,
+                                      ranks, self._edits)
         defaults = {**hyper, **adam_state.group_keys(False, **spec.capture.keywords)}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
@@ -131,61 +132,24 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
-        flats = self._group_shards(params, group["amsgrad"], sum(map(len, self._flats)), len(self._flats))
+        flats = self._shards.build(params, group["amsgrad"])
         super().add_param_group(param_group)
         self._edits.add_group(params)  # as given: followed if replaced
-        self._flats.append(flats)
-        self._reducer.rebuild([f for _, f in self._all_flats()])
-        self._edits.expose(*flats)
-        self._edits.tracked.elsewhere = not self._edits.views_state and any(self._flats)
+        self._shards.add(self.param_groups, flats)
 
-    def _group_shards(self, params, amsgrad: bool, key: int, group: int) -> list:
-        """The shards of param group ``group``'s trainable ``params``, numbered from
-        ``key`` (``zero_triton.optim.build``)."""
-        reducer = self._reducer if self._comm.everyone.world_size > 1 or self._spec.grads.sharded else None
-        return build_flats([p for p in params if p.requires_grad], self._comm, self._spec,
-                           amsgrad=amsgrad, key=key, reducer=reducer, group=group)
+    @property
+    def _flats(self) -> list:
+        """The shards of each param group (``Shards.groups``)."""
+        return self._shards.groups
 
-    def _all_flats(self):
-        for group, flats in zip(self.param_groups, self._flats):
-            for flat in flats:
-                yield group, flat
+    def _all_flats(self) -> list:
+        """(param group, shard) of every shard, as they are (``Shards.listed``)."""
+        return self._shards.listed(self.param_groups)
 
     def _current_flats(self, hint: bool = False) -> list:
-        """(group, flat) pairs after following parameters that moved since the last call
-        (``model.to(device or dtype)`` after the optimizer was built): their flat buffers
-        are rebuilt at the new dtype and device, state carried over. Parameters replaced
-        in ``param_groups`` by others are followed first (``UserEdits.replaced_groups``)."""
-        for gi, params in self._edits.replaced_groups(self.param_groups, self._flats,
-                                                      self._rebuilds_replaced_groups):
-            self._rebuild_group(gi, params)
-        moved = False
-        for gi, flats in enumerate(self._flats):
-            for k, flat in enumerate(flats):
-                if flat.first_moved(hint) < 0:
-                    continue
-                flats[k] = flat.rehomed()
-                moved = True
-                self._grads_reduced = False
-                self._edits.expose(flats[k])
-        if moved:
-            self._reducer.rebuild([f for _, f in self._all_flats()])
-        return list(self._all_flats())
-
-    def _rebuild_group(self, gi: int, params: list) -> None:
-        """Param group ``gi`` anew over ``params`` (no state yet): the checks, new shards,
-        the old shards' hooks and ``opt.state`` entries removed."""
-        others = [g for k, g in enumerate(self.param_groups) if k != gi]
-        check_group_params(params, others, materialised=False)
-        key = 1 + max((f.key for flats in self._flats for f in flats), default=-1)
-        flats = self._group_shards(params, self.param_groups[gi]["amsgrad"], key, gi)
-        for flat in self._flats[gi]:
-            flat.remove_hooks()
-        self._edits.regroup(gi, params, self._flats[gi])
-        self._flats[gi] = flats
-        self._grads_reduced = False
-        self._reducer.rebuild([f for _, f in self._all_flats()])
-        self._edits.expose(*flats)
+        """``_all_flats`` after following parameters moved (``model.to(device or dtype)``)
+        or replaced in ``param_groups`` since the last call (``StepPipeline.current``)."""
+        return self._pipeline.current(hint)
 
     def _enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         """Start a call that reads the state (``step``, the state dicts, clipping,
@@ -198,15 +162,6 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
     def backend(self) -> str | None:
         """The backend that steps the first flat buffer (None before there is one)."""
         return next((flat.backend for _, flat in self._all_flats()), None)
-
-    def _flat_shards(self, reader: str | None = None) -> list:
-        """(group index, Shard) of every flat buffer, in order. With ``reader`` (the
-        name of a call that reads the state, e.g. "checkpoint.save"), first follow what the
-        user changed since the last such call (parameters moved or written, ``opt.state``
-        edited), agreed by every rank under ZeRO: a collective there."""
-        if reader is not None:
-            self._enter(reader)
-        return [(gi, flat) for gi, flats in enumerate(self._flats) for flat in flats]
 
     def _shards_loaded(self, flats) -> None:
         """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``flats``
@@ -245,42 +200,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         self._reducer.reset()  # reductions still reading the gradients finish first
         for _, flat in self._current_flats(hint=True):
             flat.zero_grads(set_to_none)
-        self._grads_reduced = False
-        self._clipping.reset()
-
-    def _reduce_grads(self, flats=None, entry: str = "step"):
-        """Average the gradients (once per step), after ``_enter(entry)``; a step whose
-        gradients are averaged already only enters."""
-        pairs = flats or self._current_flats()
-        if self._grads_reduced:
-            self._enter(entry, pairs)
-            self._ranks.after_reduce(self._seat)
-            return
-        flats = [flat for _, flat in pairs]
-        for flat in flats:
-            flat.sync_grads()
-        buffers = [f.grad_buffer for f in flats]
-        stale = self._reducer.changed_since_launch(buffers)
-        if self._reducer.round_agreed:  # finish what every rank started in backward first
-            self._reducer.complete_round()
-        again = self._enter(entry, pairs, stale=stale)
-        self._ranks.before_reduce(flats)
-        if self._comm.everyone.world_size > 1 or any(f.separate_shard for f in flats):
-            with phase("zero_triton.reduce_scatter", any(f.fused for f in flats)):
-                self._reducer.finish(buffers, again)
-        self._grads_reduced = True
-        self._ranks.after_reduce(self._seat)
-
-    def _grads_rescaled(self) -> None:
-        """GradScaler.unscale_ has rescaled the local gradients in place, without bumping
-        their version counter: the averages that buckets started from them during
-        backward are stale, and so is any average already taken (zero_triton.optim.zero makes
-        GradScaler call this). ZeRO-2 unscales its averaged shards instead."""
-        local = [flat.grad_buffer for _, flat in self._all_flats() if not flat.grad_buffer.sharded]
-        for buffer in local:
-            buffer.rewritten()
-        if local:
-            self._grads_reduced = False
+        self._pipeline.zeroed()
 
     @torch.no_grad()
     def _unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
@@ -289,7 +209,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         unscaled by ``inv_scale`` (1 inside ``scaler.step``) into its per-device flags.
         Every other gradient is a ``.grad`` GradScaler sees itself."""
         if self._spec.grads.sharded:
-            self._reduce_grads(entry="GradScaler")
+            self._pipeline.reduce(entry="GradScaler")
             grads.unscale_averaged_([f for _, f in self._all_flats()], inv_scale, found_inf,
                                     per_device, allow_fp16)
 
@@ -305,25 +225,11 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         coefficient is applied inside the next ``step``'s kernel; returns the total
         norm as a tensor (no host sync). Under ZeroAdam, torch.nn.utils.clip_grad_norm_
         over the optimizer's parameters calls this (``zero_triton.integrations.clip_grad``)."""
-        # The call's arguments go in its agreement row: a rank shadowing under Join makes
-        # the same call (zero_triton.optim.join).
-        self._ranks.clip_args = None if _in_step else (max_norm, norm_type)
-        try:
-            total = self._global_norm(norm_type, averaged=_in_step)
-        finally:
-            self._ranks.clip_args = None
-        if total is None:
+        norm = self._pipeline.clip(max_norm, norm_type, _grad_scale, _in_step)
+        if norm is None:
             return torch.zeros(())
-        self.grad_norm = self._clipping.clip(total, max_norm, _grad_scale)
-        return self.grad_norm
-
-    def _global_norm(self, norm_type: float, averaged: bool = False):
-        """The ``norm_type`` norm of the averaged gradients over every rank's shard, None
-        without flat buffers; ``averaged``: step() has entered and averaged already."""
-        if not averaged:
-            self._reduce_grads(entry="clip_grad_norm_")
-        flats = [flat for _, flat in self._all_flats()]
-        return self._clipping.global_norm(flats, self._comm, float(norm_type)) if flats else None
+        self.grad_norm = norm
+        return norm
 
     @torch.no_grad()
     def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -333,7 +239,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         ``clip_grads_with_norm_`` it is ``clip_grad_norm_`` in two calls, as torch splits
         it. Under ZeroAdam, torch.nn.utils.get_total_norm over the optimizer's gradients
         calls this (``zero_triton.integrations.clip_grad``)."""
-        return self._clipping.hand_out(self._global_norm(norm_type))
+        return self._clipping.hand_out(self._pipeline.global_norm(norm_type))
 
     @torch.no_grad()
     def clip_grads_with_norm_(self, max_norm: float, total_norm) -> None:
@@ -368,42 +274,11 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         if any(flat.device.type == "meta" for _, flat in flats):
             flats = without_meta(flats)
         self._edits.check_frozen()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        self._reduce_grads(flats)
-        if self._spec.max_grad_norm is not None:  # on top of any clipping called since backward
-            self.clip_grad_norm_(self._spec.max_grad_norm, _grad_scale=grad_scale, _in_step=True)
-        found_inf = self._ranks.agree(self._seat, [flat for _, flat in flats], found_inf)
-        for group, flat in flats:
-            if group["amsgrad"] and flat.state.ensure_amsgrad():
-                self._edits.expose(flat)
-        cuda = any(flat.fused for _, flat in flats)
-        with phase("zero_triton.adam_step", cuda):
-            plans = {}
-            for group, flat in flats:  # each shard moves the coefficient to its state
-                plans[flat.key] = (flat, flat.prepare(group, grad_scale, found_inf,
-                                                      self._clipping.coef))
-            if self._comm.world_size == 1:
-                for flat, plan in plans.values():
-                    flat.update(plan)
-            else:  # each bucket's all-gather starts as soon as its kernel is done
-                for b in self._reducer.start_gathers():
-                    flat, plan = plans[b.key[0]]
-                    flat.update_bucket(b.key[1], plan)
-                    flat.gather_bucket(b.key[1])
-        if self._comm.world_size > 1:
-            if self._overlap is None:
-                with phase("zero_triton.all_gather", cuda):
-                    self._reducer.wait_gathers()
-            else:
-                self._reducer.guard_reads()
-        if self._edits.views_state:
-            for _, flat in flats:
-                if flat.exposed_steps is not flat.state.steps:  # one step became several, or back
-                    self._edits.expose(flat)
-        self._grads_reduced = False
-        self._clipping.reset()
-        self._ranks.stepped(self._seat)
+        norm = self._pipeline.step(flats, getattr(self, "grad_scale", None),
+                                   getattr(self, "found_inf", None), self._spec.max_grad_norm,
+                                   overlapped=self._overlap is not None)
+        if norm is not None:
+            self.grad_norm = norm
         return loss
 
     # -- copy and pickle ------------------------------------------------------------

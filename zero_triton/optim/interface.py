@@ -35,7 +35,9 @@ class Internals:
         name of a call that reads the state, e.g. "checkpoint.save"), first follow what the
         user changed since the last such call (parameters moved or written, ``opt.state``
         edited), agreed by every rank under ZeRO: a collective there."""
-        return self._opt._flat_shards(reader)
+        if reader is not None:
+            self._opt._enter(reader)
+        return [(gi, s) for gi, shards in enumerate(self._opt._shards.groups) for s in shards]
 
     def shards_loaded(self, flats) -> None:
         """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``flats``
@@ -46,7 +48,7 @@ class Internals:
     def grads_rescaled(self) -> None:
         """GradScaler.unscale_ rescaled the local gradients in place (their version
         counters unchanged): averages taken from them are stale."""
-        self._opt._grads_rescaled()
+        self._opt._pipeline.rescaled()
 
     def unscale_grads_(self, inv_scale, found_inf, per_device: dict, allow_fp16: bool) -> None:
         """Check (and unscale) the gradients GradScaler cannot see: ZeRO-2's shards."""

@@ -103,7 +103,7 @@ class Seat:
     @property
     def grads_reduced(self) -> bool:
         """Whether this step's gradients were averaged already."""
-        return self._ref()._grads_reduced
+        return self._ref()._pipeline.reduced
 
     @property
     def overlap(self):
@@ -135,9 +135,7 @@ class Seat:
     def drop_averages(self) -> None:
         """A step was refused after its averages: average again at the next step, and
         forget the clip coefficient taken from them."""
-        opt = self._ref()
-        opt._grads_reduced = False
-        opt._clipping.coef = None
+        self._ref()._pipeline.drop_averages()
 
 
 def seat_of(optimizer) -> Seat:

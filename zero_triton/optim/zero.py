@@ -225,7 +225,7 @@ class ZeroAdam(FusedAdam, Joinable):
     @disable_dynamo  # as torch.optim.Optimizer's
     def add_param_group(self, param_group: dict) -> None:
         """Collective when called after construction: every rank must add the same group."""
-        if getattr(self, "_constructed", False) and self._grads_reduced:
+        if getattr(self, "_constructed", False) and self._pipeline.reduced:
             # The step's averages exist already (every rank took them together), without
             # the new group's: its gradients would never be averaged this step, and
             # averaging everything again would lose stage 2's, held nowhere else.
