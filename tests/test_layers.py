@@ -14,7 +14,7 @@
   constructors and the operator torch's schema spells out: what is built once travels
   as one value (the optimizer's ``Spec``, the agreement's ``Row``, the step's ``StepArgs``
   and ``Operands``), not keyword by keyword.
-- The house's sizes: no class over 450 lines, no function over 80, no subclass that
+- The house's sizes: no class over 350 lines, no function over 60, no subclass that
   overrides more than 5 of its base's concrete methods; ZeRO's ``stage`` read in at most 4
   of the library's modules; the step functions obtained and called in one module
   (``optim/launch.py``); where a parameter's state sits in a shard computed only in the
@@ -396,12 +396,18 @@ def _sources():
         yield path.relative_to(PACKAGE).as_posix(), ast.parse(path.read_text())
 
 
-def test_no_class_over_450_lines_nor_function_over_80():
+# torch.optim.Adam's single-tensor step as torch writes it, line for line: the reference
+# the kernels are held to reads best next to torch's own.
+LONG_FUNCTIONS = {"reference.py": {"torch_adam_step_"}}
+
+
+def test_no_class_over_350_lines_nor_function_over_60():
     found = []
     for rel, tree in _sources():
         for node in ast.walk(tree):
-            limit = 450 if isinstance(node, ast.ClassDef) else \
-                80 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            limit = 350 if isinstance(node, ast.ClassDef) else \
+                60 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.name not in LONG_FUNCTIONS.get(rel, ()) else None
             if limit and node.end_lineno - node.lineno + 1 > limit:
                 found.append(f"{rel}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not found, "split it by what it does: " + "; ".join(found)
@@ -608,6 +614,32 @@ def test_the_parts_implement_the_protocols_they_are_chosen_by():
         assert isinstance(side.place, Place), type(side.place)
         assert side.place.offloaded == (offload is not None)
         assert side.state.master.mirror is side.place  # the master keeps the views through it
+
+
+def test_both_homes_implement_the_declared_home():
+    """``FlatHome`` and ``EngineHome`` implement ``optim.protocol.Home``: every declared
+    method with its signature, and the data on a built flat home and in the engine
+    home's class or constructor."""
+    import inspect
+
+    import torch
+    import zero_triton
+    from conftest import assert_signature
+    from zero_triton.optim.engine_home import EngineHome
+    from zero_triton.optim.flat_home import FlatHome
+    from zero_triton.optim.protocol import Home
+
+    methods, data = _protocol_members(Home)
+    assert {"grad", "first_moved", "rehomed", "views"} <= methods and "segments" in data
+    for cls in (FlatHome, EngineHome):
+        for m in methods:
+            assert_signature(cls, Home, m)
+    init = inspect.getsource(EngineHome.__init__)
+    assert all(hasattr(EngineHome, d) or f"self.{d} =" in init or f"self.{d}," in init
+               for d in data), sorted(d for d in data if not hasattr(EngineHome, d))
+    opt = zero_triton.FusedAdamW([torch.nn.Parameter(torch.zeros(64))])
+    home = opt._flats[0][0].home
+    assert isinstance(home, Home) and type(home) is FlatHome
 
 
 @pytest.mark.parametrize("capturable", [False, True])

@@ -129,20 +129,9 @@ def init_states(n_params: int, n_workers: int) -> List[Tuple[np.ndarray, np.ndar
     ]
 
 
-def zero_step(param, grads: Sequence, states: Sequence, t: int, lr: float = 1e-2):
-    """One ZeRO-1 Adam step simulated for ``N = len(grads)`` workers.
-
-    ``param``: the full 1-D parameter vector (identical on every worker), length n.
-    ``grads``: the N workers' local gradients, each full length n.
-    ``states``: N pairs ``(m_shard, v_shard)`` from ``init_states`` or a previous step.
-    ``t``: the step number (>= 1).
-
-    Returns ``(new_param, new_states)``: reduce-scatter of the mean gradient, Adam on
-    each worker's shard with its own m/v, all-gather by concatenation. The result
-    equals ``adam_update`` on the full vector with the mean gradient. Inputs are not
-    modified.
-    """
-    t = _check_step(t)
+def _check_zero_inputs(param, grads: Sequence, states: Sequence) -> tuple:
+    """``zero_step``'s inputs checked, each error naming the fix: the parameter vector
+    and gradients as float64 arrays, and each worker's [a, b) shard range."""
     p = np.asarray(param, dtype=np.float64)
     if p.ndim != 1:
         raise ValueError(
@@ -175,7 +164,24 @@ def zero_step(param, grads: Sequence, states: Sequence, t: int, lr: float = 1e-2
                     f"expected ({b - a},) for parameters [{a}, {b}); build states with "
                     f"init_states({n}, {len(grads)})"
                 )
+    return p, grads, ranges
 
+
+def zero_step(param, grads: Sequence, states: Sequence, t: int, lr: float = 1e-2):
+    """One ZeRO-1 Adam step simulated for ``N = len(grads)`` workers.
+
+    ``param``: the full 1-D parameter vector (identical on every worker), length n.
+    ``grads``: the N workers' local gradients, each full length n.
+    ``states``: N pairs ``(m_shard, v_shard)`` from ``init_states`` or a previous step.
+    ``t``: the step number (>= 1).
+
+    Returns ``(new_param, new_states)``: reduce-scatter of the mean gradient, Adam on
+    each worker's shard with its own m/v, all-gather by concatenation. The result
+    equals ``adam_update`` on the full vector with the mean gradient. Inputs are not
+    modified.
+    """
+    t = _check_step(t)
+    p, grads, ranges = _check_zero_inputs(param, grads, states)
     new_shards, new_states = [], []
     for (a, b), (m, v) in zip(ranges, states):  # a loop over workers, not parameters
         # Reduce-scatter (op=AVG): worker i receives only its slice of the mean. The

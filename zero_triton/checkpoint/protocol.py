@@ -89,12 +89,7 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
     untouched = f"the previous checkpoint at {path} is untouched"
 
     def start():
-        blobs = {}
-        if model is not None:
-            blobs[MODEL_EXTRA_FILE] = encode(target.model_extra(model), "the model's state-dict entry",
-                                             plain_tensors_ok=True)
-        if extra is not None:
-            blobs[EXTRA_FILE] = encode(extra, "extra")
+        blobs = _blobs(target, model, extra)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         mine["lock"] = dirs.SaveLock(path, lock_timeout).__enter__()
         dirs.check_replaceable(path)
@@ -112,17 +107,7 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
                            share=lambda v: v, after=untouched)
 
         def finish():
-            files = {}
-            for part in records:
-                files.update(part)
-            manifest = {"format": mf.FORMAT, "version": mf.VERSION, "save_id": save_id,
-                        "time": time.time(), "optimizer": type(optimizer).__name__,
-                        "world_size": target.world_size, "params": target.param_entries(model),
-                        "flats": target.flat_entries(), "param_groups": target.hyperparameters(),
-                        "model_extra": MODEL_EXTRA_FILE in files, "extra": EXTRA_FILE in files,
-                        "files": files}
-            manifest["step"] = max((f["step"] for f in manifest["flats"]), default=0.0)
-            mf.validate(manifest, "the manifest being written")  # a bug here, not a bad disk
+            manifest = _manifest(type(optimizer).__name__, target, model, save_id, records)
             dirs.commit(tmp, path, save_id, mf.seal(manifest))
             mine["committed"] = True
 
@@ -133,6 +118,35 @@ def save(path, optimizer, model=None, *, extra=None, lock_timeout: float = LOCK_
             dirs.remove_tmp(mine["tmp"], mine["save_id"])
         if "lock" in mine:
             mine["lock"].__exit__(None, None, None)
+
+
+def _blobs(target: Target, model, extra) -> dict:
+    """The lead's files beside the shards: ``model``'s other state-dict entries and
+    ``extra``, encoded (refused, with the key named, before a byte is written)."""
+    blobs = {}
+    if model is not None:
+        blobs[MODEL_EXTRA_FILE] = encode(target.model_extra(model), "the model's state-dict entry",
+                                         plain_tensors_ok=True)
+    if extra is not None:
+        blobs[EXTRA_FILE] = encode(extra, "extra")
+    return blobs
+
+
+def _manifest(optimizer: str, target: Target, model, save_id: str, records: list) -> dict:
+    """The manifest of save ``save_id`` of an ``optimizer`` (its class name), over every
+    rank's files (``records``), checked before it is committed."""
+    files = {}
+    for part in records:
+        files.update(part)
+    manifest = {"format": mf.FORMAT, "version": mf.VERSION, "save_id": save_id,
+                "time": time.time(), "optimizer": optimizer,
+                "world_size": target.world_size, "params": target.param_entries(model),
+                "flats": target.flat_entries(), "param_groups": target.hyperparameters(),
+                "model_extra": MODEL_EXTRA_FILE in files, "extra": EXTRA_FILE in files,
+                "files": files}
+    manifest["step"] = max((f["step"] for f in manifest["flats"]), default=0.0)
+    mf.validate(manifest, "the manifest being written")  # a bug here, not a bad disk
+    return manifest
 
 
 def _write_files(tmp, save_id, target: Target, blobs: dict) -> dict:

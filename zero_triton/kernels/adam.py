@@ -426,6 +426,32 @@ def _list_block(numels) -> int:
     return 2048
 
 
+def _list_table(launches: list, amsgrad: bool, has_lp: bool, device, block: int) -> tuple:
+    """Each launch's operands checked, and the table ``_adam_list_kernel`` reads: a row of
+    addresses per launch, then a (launch, first element) pair per tile of ``block``."""
+    rows, tiles = [], []
+    for i, o in enumerate(launches):
+        numel = o.param.numel()
+        exp_avg, exp_avg_sq, vmax = o.moments
+        _check(f"params[{i}]", o.param, numel, (torch.float32,), device)
+        _check(f"grads[{i}]", o.grad, numel, _GRAD_DTYPES, device)
+        _check(f"exp_avgs[{i}]", exp_avg, numel, (torch.float32,), device)
+        _check(f"exp_avg_sqs[{i}]", exp_avg_sq, numel, (torch.float32,), device)
+        _check(f"steps[{i}]", o.step, 1, (torch.float32,), device)
+        if not amsgrad:
+            vmax = None
+        elif vmax is None:
+            raise ValueError(f"amsgrad=True needs `max_exp_avg_sq` (launch {i})")
+        else:
+            _check(f"max_exp_avg_sqs[{i}]", vmax, numel, (torch.float32,), device)
+        if has_lp:
+            _check(f"params_lp[{i}]", o.param_lp, numel, (torch.float16, torch.bfloat16), device)
+        rows.extend(_row(o.param, o.grad, exp_avg, exp_avg_sq, vmax, o.param_lp, o.step))
+        for start in range(0, numel, block):
+            tiles.extend((i, start))
+    return rows, tiles
+
+
 def adam_step_list(launches: list, args: StepArgs):
     """``adam_step`` over a list of ``Operands`` (the local shards of DTensor parameters,
     wherever they live), in one launch: each a float32 ``param`` (a master or an fp32
@@ -456,27 +482,8 @@ def adam_step_list(launches: list, args: StepArgs):
     lp_dtypes = {o.param_lp.dtype for o in launches} if has_lp else set()
     if len(lp_dtypes) > 1:
         raise ValueError(f"`params_lp` mixes {sorted(map(str, lp_dtypes))}; call once per dtype")
-    rows, tiles = [], []
     block = _list_block([o.param.numel() for o in launches])
-    for i, o in enumerate(launches):
-        numel = o.param.numel()
-        exp_avg, exp_avg_sq, vmax = o.moments
-        _check(f"params[{i}]", o.param, numel, (torch.float32,), device)
-        _check(f"grads[{i}]", o.grad, numel, _GRAD_DTYPES, device)
-        _check(f"exp_avgs[{i}]", exp_avg, numel, (torch.float32,), device)
-        _check(f"exp_avg_sqs[{i}]", exp_avg_sq, numel, (torch.float32,), device)
-        _check(f"steps[{i}]", o.step, 1, (torch.float32,), device)
-        if not amsgrad:
-            vmax = None
-        elif vmax is None:
-            raise ValueError(f"amsgrad=True needs `max_exp_avg_sq` (launch {i})")
-        else:
-            _check(f"max_exp_avg_sqs[{i}]", vmax, numel, (torch.float32,), device)
-        if has_lp:
-            _check(f"params_lp[{i}]", o.param_lp, numel, (torch.float16, torch.bfloat16), device)
-        rows.extend(_row(o.param, o.grad, exp_avg, exp_avg_sq, vmax, o.param_lp, o.step))
-        for start in range(0, numel, block):
-            tiles.extend((i, start))
+    rows, tiles = _list_table(launches, amsgrad, has_lp, device, block)
     _check_scalars_and_device(device, lr=lr, grad_scale=args.grad_scale, found_inf=args.found_inf,
                               clip_coef=args.clip_coef)
     if not tiles:

@@ -209,27 +209,7 @@ def _compile_jit() -> ModuleType:
                 raise Unavailable(cache.earlier_failure(record, build_dir))
             if held:
                 cache.remove_dead_builds(build_dir)
-            work = Path(tempfile.mkdtemp(dir=build_dir, prefix=f"{cache.TMP_PREFIX}"
-                                         f"{socket.gethostname()}-{os.getpid()}-"))
-            try:
-                cxx = cache.compiler_command()[0]
-                if shutil.which(cxx) is None:  # said in one line, by the caller
-                    where = "$CXX" if os.environ.get("CXX") else "PATH"
-                    raise BuildFailed(f"no C++ compiler: {cxx!r} (from {where}) not found; "
-                                       "install one (g++) or set CXX")
-                if damage is not None:
-                    say(f"the cached CPU extension {so} is damaged ({damage}); not loading "
-                         f"it, compiling it again ({BUILD_TIME})")
-                else:
-                    say(f"compiling the CPU extension (once, {BUILD_TIME}; cached in {build_dir})")
-                _build(sources, build_dir, work, time.monotonic() + timeout)
-            except BuildFailed as exc:
-                recorded = cache.record_failure(build_dir, str(exc))
-                tail = (f"recorded, later starts do not retry: {cache.retry_hint(build_dir)}"
-                        if recorded else "the failure could not be recorded")
-                raise Unavailable(f"building the CPU extension failed: {exc} ({tail})") from None
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+            _build_recorded(sources, build_dir, damage, timeout)
             with contextlib.suppress(FileNotFoundError):
                 (build_dir / cache.FAILED).unlink()
     except OSError as exc:  # the cache cannot be written: no build, nothing to record
@@ -238,6 +218,33 @@ def _compile_jit() -> ModuleType:
                            f"({exc.strerror or exc}); set {DIR_ENV} to a writable "
                            "folder") from None
     return cache.import_so(so)
+
+
+def _build_recorded(sources, build_dir: Path, damage, timeout: float) -> None:
+    """Build into ``build_dir`` (holding its lock) in a work folder of this process's;
+    a failure is recorded there, so later starts do not retry, and said as Unavailable."""
+    so = build_dir / cache.SO
+    work = Path(tempfile.mkdtemp(dir=build_dir, prefix=f"{cache.TMP_PREFIX}"
+                                 f"{socket.gethostname()}-{os.getpid()}-"))
+    try:
+        cxx = cache.compiler_command()[0]
+        if shutil.which(cxx) is None:  # said in one line, by the caller
+            where = "$CXX" if os.environ.get("CXX") else "PATH"
+            raise BuildFailed(f"no C++ compiler: {cxx!r} (from {where}) not found; "
+                              "install one (g++) or set CXX")
+        if damage is not None:
+            say(f"the cached CPU extension {so} is damaged ({damage}); not loading "
+                f"it, compiling it again ({BUILD_TIME})")
+        else:
+            say(f"compiling the CPU extension (once, {BUILD_TIME}; cached in {build_dir})")
+        _build(sources, build_dir, work, time.monotonic() + timeout)
+    except BuildFailed as exc:
+        recorded = cache.record_failure(build_dir, str(exc))
+        tail = (f"recorded, later starts do not retry: {cache.retry_hint(build_dir)}"
+                if recorded else "the failure could not be recorded")
+        raise Unavailable(f"building the CPU extension failed: {exc} ({tail})") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -116,3 +116,70 @@ class Place(Protocol):
 
     def write(self, a: int, b: int, values: Any) -> Any:
         """State elements [a, b) of the views set to ``values``; that range returned."""
+
+
+@runtime_checkable
+class Home(Protocol):
+    """Where a shard's parameters and gradients live, and how a step reaches them: a flat
+    buffer of ours with its gradients and buckets (``zero_triton.optim.flat_home.FlatHome``)
+    or DTensor parameters' local shards where their engine keeps them
+    (``zero_triton.optim.engine_home.EngineHome``: no buckets, no flat buffer, the engine
+    averages and gathers). A ``Shard`` holds one and steps ``segments`` of it: segment
+    ``k`` is elements [lo, hi) of the home, at ``s0`` in the state."""
+
+    params: list          # the parameters, in layout order
+    comm: Any             # the communicator (``comm.protocol.Comm``)
+    spec: Any             # what the optimizer was built with (``optim.spec.Spec``)
+    key: int              # its number in the optimizer (the same on every rank)
+    dtype: Any
+    device: Any
+    layout: Any           # ``state.flat.FlatLayout``: where every rank's shard lies
+    segments: list        # (lo, hi, s0) of each segment this rank steps
+    param_parts: list     # the parameters' elements of each segment
+    param_views: list     # where each parameter lives now
+    grad_buffer: Any      # how its gradients are held (``comm.protocol.GradHolder``)
+    rows: bool            # each segment a local shard stepped through its rows (``optim.rows``)
+    seed: int             # stochastic rounding's seed
+    engine_owned: bool    # the engine owns the parameters' storage and gradients
+    separate_shard: bool  # the averaged gradients live apart from the local ones
+    flat_param: Any       # the flat parameter buffer (None: the engine's)
+    buckets: Any          # the buckets of ``comm.buckets`` (none: the engine's)
+
+    def grad(self, k: int) -> Any:
+        """Segment ``k``'s averaged gradients at this step."""
+
+    def canonical(self, k: int) -> int:
+        """Where segment ``k``'s stochastic rounding is keyed."""
+
+    def finished(self, k: int) -> None:
+        """Segment ``k`` was stepped."""
+
+    def gather(self, k: int) -> None:
+        """Start gathering every rank's updated segment ``k`` (the engine: its own)."""
+
+    def views(self, views: dict) -> dict:
+        """Per-parameter views of state ``views``, as the parameters are presented."""
+
+    def local_views(self, views: dict) -> dict:
+        """Per-parameter views of state ``views``, as this process holds them."""
+
+    def local_value(self, value: Any, i: int) -> Any:
+        """Parameter ``i``'s part of a given state value, as this process holds it."""
+
+    def first_moved(self, hint: bool = False) -> tuple:
+        """(index of the first parameter that moved out of the home or -1, swapped)."""
+
+    def rehomed(self) -> "Home":
+        """A new home of the same parameters where they are now."""
+
+    def carry_over(self, old: "Home", written: Any) -> None:
+        """Take what ``old`` held that the new home keeps (gradients, masters to re-seed)."""
+
+    def watch_averages(self, watcher: Any) -> None:
+        """Tell ``watcher(k, landed)`` when segment ``k``'s averages start and land."""
+
+    def remove_hooks(self) -> None:
+        """Take backward's hooks off the parameters."""
+
+    def nbytes(self) -> dict:
+        """Bytes it holds, by kind (params, grads, padding)."""

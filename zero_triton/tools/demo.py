@@ -58,9 +58,28 @@ def _say(*lines) -> None:
         silence_stdout()
 
 
+def _max_difference(opt, model, replica, world_size: int, device) -> torch.Tensor:
+    """The largest difference over every rank from unsharded Adam (``replica``'s): fp32
+    parameters directly; fp16/bf16 through the fp32 master this rank owns (the
+    parameters are its rounding)."""
+    from zero_triton import flatten_params
+
+    diff = torch.zeros((), device=device)
+    twin = {id(p): q for p, q in zip(model.parameters(), replica.parameters())}
+    for _, flat in internals(opt).flat_shards():
+        # The reference laid out like this flat buffer, so the shards line up.
+        ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
+                                     world_size=world_size, bucket_numel=flat.bucket_numel)
+        master = flat.state.master.checkpointed()  # float32, in state order
+        for lo, hi, s0 in flat.segments:
+            diff = torch.maximum(diff, (master[s0:s0 + hi - lo] - ref_flat[lo:hi]).abs().max())
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff
+
+
 def train(args, rank: int, world_size: int, device) -> dict:
     """Run the demo on this rank; returns the figures rank 0 prints."""
-    from zero_triton import ZeroAdam, flatten_params
+    from zero_triton import ZeroAdam
     from zero_triton.memory.model import format_table, memory_table
 
     dtype = DTYPES[args.dtype]
@@ -93,18 +112,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
         lines.append(f"step {step:3d}  loss {mean_loss.item() / world_size:.6f}")
         if rank == 0:
             _say(lines[-1])
-    # Largest difference vs unsharded Adam: fp32 params directly; fp16/bf16 through the
-    # fp32 master this rank owns (the parameters are its rounding).
-    diff = torch.zeros((), device=device)
-    twin = {id(p): q for p, q in zip(model.parameters(), replica.parameters())}
-    for _, flat in internals(opt).flat_shards():
-        # The reference laid out like this flat buffer, so the shards line up.
-        ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
-                                     world_size=world_size, bucket_numel=flat.bucket_numel)
-        master = flat.state.master.checkpointed()  # float32, in state order
-        for lo, hi, s0 in flat.segments:
-            diff = torch.maximum(diff, (master[s0:s0 + hi - lo] - ref_flat[lo:hi]).abs().max())
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    diff = _max_difference(opt, model, replica, world_size, device)
     report = opt.memory_report()
     if rank == 0:
         master = "fp32" if dtype != torch.float32 else "none"

@@ -216,30 +216,9 @@ def run_case(case, device, args, cpu_limit, say):
         + (f", {sets} buffer sets rotated (working set vs {cache >> 20} MiB cache)" if sets > 1 else ""))
     plan = _fit_memory(case, _provider_plan(case, device, args, say), device, sets, say)
 
-    gen = torch.Generator(device=device)
     providers = {pid: Provider(pid) for pid in plan}
     errors = {}
-    p0s_guard = g0s_guard = None
-    for k in range(sets):
-        gen.manual_seed(1234 + k)
-        flat_p0 = torch.randn(n, generator=gen, device=device).to(case.dtype)
-        flat_g0 = torch.randn(n, generator=gen, device=device).to(case.dtype)
-        p0s, g0s = _split(flat_p0, case.shapes), _split(flat_g0, case.shapes)
-        if k == 0:  # the reference checks a slice of tensor 0
-            p0s_guard = [p0s[0].reshape(-1)[:REF_SLICE].clone()]
-            g0s_guard = [g0s[0].reshape(-1)[:REF_SLICE].clone()]
-        for pid, pr in providers.items():
-            if pid in errors:
-                continue
-            try:
-                step, state = _make(pr, (p0s, g0s), (flat_p0, flat_g0), case, device, cpu_limit)
-                pr.fns.append(step)
-                if state is not None:
-                    pr.states.append(state)
-            except Exception as exc:
-                errors[pid] = f"setup failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        del flat_p0, flat_g0, p0s, g0s
-
+    p0s_guard, g0s_guard = _set_up(providers, case, device, sets, cpu_limit, errors)
     live = [pr for pid, pr in providers.items() if pid not in errors]
     guard = {}
     try:
@@ -267,6 +246,35 @@ def run_case(case, device, args, cpu_limit, say):
     rows = [_row(case, pr, run) for pr in providers.values()]
     del providers, live, timed
     return rows
+
+
+def _set_up(providers: dict, case, device, sets: int, cpu_limit, errors: dict) -> tuple:
+    """Each provider's ``sets`` buffer sets, from the same seeded parameters and
+    gradients (a provider that fails is put in ``errors``); returns the slice of tensor
+    0's parameters and gradients the reference checks."""
+    n = case.numel
+    gen = torch.Generator(device=device)
+    p0s_guard = g0s_guard = None
+    for k in range(sets):
+        gen.manual_seed(1234 + k)
+        flat_p0 = torch.randn(n, generator=gen, device=device).to(case.dtype)
+        flat_g0 = torch.randn(n, generator=gen, device=device).to(case.dtype)
+        p0s, g0s = _split(flat_p0, case.shapes), _split(flat_g0, case.shapes)
+        if k == 0:  # the reference checks a slice of tensor 0
+            p0s_guard = [p0s[0].reshape(-1)[:REF_SLICE].clone()]
+            g0s_guard = [g0s[0].reshape(-1)[:REF_SLICE].clone()]
+        for pid, pr in providers.items():
+            if pid in errors:
+                continue
+            try:
+                step, state = _make(pr, (p0s, g0s), (flat_p0, flat_g0), case, device, cpu_limit)
+                pr.fns.append(step)
+                if state is not None:
+                    pr.states.append(state)
+            except Exception as exc:
+                errors[pid] = f"setup failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        del flat_p0, flat_g0, p0s, g0s
+    return p0s_guard, g0s_guard
 
 
 def _make(pr, tensors, flats, case, device, cpu_limit):

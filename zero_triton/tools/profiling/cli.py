@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=_seconds, default=300.0,
                      help="seconds a rank may wait in a collective, and the run may take "
                           "beyond starting up (default 300)")
+    _model_and_output_arguments(ap)
+    return ap
+
+
+def _model_and_output_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model's, the collectives-only run's and the output's options."""
     model = ap.add_argument_group("model (a GPT: zero_triton.tools.gpt)")
     model.add_argument("--layers", type=_positive_int, default=None, help="transformer blocks (2)")
     model.add_argument("--width", type=_positive_int, default=None, help="embedding width (128)")
@@ -102,7 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--gzip", action="store_true", help="write the traces as .json.gz")
     out.add_argument("--json", action="store_true",
                      help="print the whole report as one JSON document on stdout")
-    return ap
 
 
 def parse_args(argv) -> argparse.Namespace:
