@@ -297,7 +297,7 @@ def build(key, args, device):
                                     weight_decay=WEIGHT_DECAY, **kwargs)
         if overlap:
             zero_triton.overlap(model, opt)
-        return model, opt, f"{label}, backend {opt._flats[0][0].backend}"
+        return model, opt, f"{label}, backend {opt.backend}"
     labels = dict(PEERS + DEEPSPEED + [COMPUTE])
     if key.startswith("fsdp2"):
         _fsdp2(model, reshard=key != "fsdp2_keep",

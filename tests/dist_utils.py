@@ -158,7 +158,7 @@ def delay_gathers(opt, seconds: float) -> None:
     """This rank starts each all-gather of ``opt`` ``seconds`` late: the other ranks'
     gathers land that long after their ``step()`` returned."""
     import time
-    for flats in opt._flats:
+    for flats in opt._shards.groups:
         for f in flats:
             def late(k, launch=f.gather_bucket):
                 time.sleep(seconds)
@@ -177,7 +177,7 @@ def delay_offload(opt, rng, most_s: float = 0.004) -> None:
             time.sleep(rng.random() * most_s)
             return fn(*args)
         return call
-    for flats in opt._flats:
+    for flats in opt._shards.groups:
         for f in flats:
             for side in f.sides:  # a part offloaded: the device's side too
                 for name in ("fetch", "grad", "done"):

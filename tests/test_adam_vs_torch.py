@@ -41,7 +41,7 @@ def test_matches_torch_adam(backend, dtype, rtol, atol, wd, amsgrad, maximize):
         opt.step()
         topt.step()
         compare_to_torch(opt, topt, ours, theirs, rtol, atol, f"{backend} step {step}")
-    for i, (p, flat) in enumerate(zip(ours, [opt._flats[0][0]] * 2 + [opt._flats[1][0]] * 2)):
+    for i, (p, flat) in enumerate(zip(ours, [opt._shards.groups[0][0]] * 2 + [opt._shards.groups[1][0]] * 2)):
         assert inside(p.grad, flat.flat_grad), f"param {i}: .grad stopped being a view of the flat buffer"
 
 
@@ -181,7 +181,7 @@ def test_named_parameters_and_frozen_params(dtype, rtol, atol):
     assert_bitwise(frozen, frozen_before, "frozen parameter changed")
     assert frozen.grad is None, "a frozen parameter got a gradient"
     assert frozen not in opt.state, "a frozen parameter got optimizer state"
-    assert not any(inside(frozen, f.flat_param) for fl in opt._flats for f in fl), \
+    assert not any(inside(frozen, f.flat_param) for fl in opt._shards.groups for f in fl), \
         "a frozen parameter was moved into a flat buffer"
 
 

@@ -93,7 +93,7 @@ def test_triton_without_gpu_or_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         opt.add_param_group({"params": ps})
     _assert_unchanged(opt, ps, fp)
-    assert len(opt._flats) == 1 and all(p.grad is None for p in ps)
+    assert len(opt._shards.groups) == 1 and all(p.grad is None for p in ps)
 
 
 def test_launcher_refuses_cpu_tensors_without_interpreter(monkeypatch):

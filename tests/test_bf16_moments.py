@@ -81,7 +81,7 @@ def test_bf16_moments_train_like_fp32_and_keep_4_bytes():
             opt.step()
         model.final = loss.item()
     assert abs(a.final - b.final) <= 0.05 * b.final + 0.01, (a.final, b.final)
-    flat = ours._flats[0][0]
+    flat = ours._shards.groups[0][0]
     assert ours.memory_report()["moments"] == 4 * flat.layout.padded_numel
     sd = ours.state_dict()["state"][0]
     assert sd["exp_avg"].dtype == torch.float32  # torch's format

@@ -319,7 +319,7 @@ def _rank_rows(rank, world, dtype, kw, scaler):
         model = model.to(dtype)
         opt = zero_triton.FusedAdamW(model.parameters(), lr=torch.tensor(1e-2), capturable=capturable, **kw)
         assert any(type(side.launch).__name__ == "RowsLaunch"
-                   for group in opt._flats for shard in group for side in shard.sides)
+                   for group in opt._shards.groups for shard in group for side in shard.sides)
         grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6, growth_interval=2) if scaler else None
         recordings = []
         for t in range(STEPS):

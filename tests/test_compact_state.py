@@ -61,8 +61,8 @@ def test_saved_compact_and_loaded_back_bit_for_bit(moments, master_weights, dtyp
     m2.load_state_dict(m.state_dict())
     opt2 = zt.FusedAdamW(m2.parameters(), lr=1e-2, moments=moments, master_weights=master_weights)
     opt2.load_state_dict(small)
-    stores = [f.state.moments.storage() for _, f in opt._all_flats()]
-    stores2 = [f.state.moments.storage() for _, f in opt2._all_flats()]
+    stores = [f.state.moments.storage() for _, f in opt._shards.listed(opt.param_groups)]
+    stores2 = [f.state.moments.storage() for _, f in opt2._shards.listed(opt2.param_groups)]
     assert all(torch.equal(a, b) for s, s2 in zip(stores, stores2) for a, b in zip(s, s2))
     _train(m, opt, 2, first=3)
     _train(m2, opt2, 2, first=3)
@@ -101,8 +101,8 @@ def test_formats_switch_both_ways_and_torch_adamw_takes_the_expansion():
     fp32.load_state_dict(small)
     back = zt.FusedAdamW(_model().parameters(), lr=1e-2, moments="int8")
     back.load_state_dict(fp32.state_dict(compact=True))  # fp32's compact is torch's format
-    assert all(torch.equal(a, b) for a, b in zip(opt._flats[0][0].state.moments.storage(),
-                                                 back._flats[0][0].state.moments.storage()))
+    assert all(torch.equal(a, b) for a, b in zip(opt._shards.groups[0][0].state.moments.storage(),
+                                                 back._shards.groups[0][0].state.moments.storage()))
     ref = torch.optim.AdamW(_model().parameters(), lr=1e-2)
     ref.load_state_dict(compact.expand(small))
     assert torch.equal(ref.state_dict()["state"][2]["exp_avg"], opt.state_dict()["state"][2]["exp_avg"])
@@ -113,7 +113,7 @@ def test_a_malformed_compact_state_dict_is_refused_before_anything_changes():
     opt = zt.FusedAdamW(m.parameters(), lr=1e-2, moments="int8")
     _train(m, opt, 2)
     small = opt.state_dict(compact=True)
-    before = [t.clone() for t in opt._flats[0][0].state.moments.storage()]
+    before = [t.clone() for t in opt._shards.groups[0][0].state.moments.storage()]
     bad_scales = {**small, "state": {**small["state"], 2: {**small["state"][2],
                                                            "moment_scales": torch.zeros(3, 2)}}}
     bad_codes = {**small, "state": {**small["state"], 2: {
@@ -123,7 +123,7 @@ def test_a_malformed_compact_state_dict_is_refused_before_anything_changes():
                        ({**small, "compact": {"moments": "int8", "version": 2}}, "version 1")):
         with pytest.raises(ValueError, match=match):
             opt.load_state_dict(bad)
-        assert all(torch.equal(a, b) for a, b in zip(before, opt._flats[0][0].state.moments.storage()))
+        assert all(torch.equal(a, b) for a, b in zip(before, opt._shards.groups[0][0].state.moments.storage()))
     with pytest.raises(TypeError, match="compact must be True or False"):
         opt.state_dict(compact="yes")
 

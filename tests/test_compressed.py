@@ -212,7 +212,7 @@ def _job_bytes(rank, world, dtype, kw):
     opt.step()
     held = opt.memory_report()["comm"]
     if kw.get("reduce_dtype") == "int8":  # error feedback: bf16 of every local gradient
-        assert held == 2 * sum(f.layout.padded_numel for _, f in internals(opt).flat_shards()), held
+        assert held == 2 * sum(f.layout.padded_numel for _, f in internals(opt).shards()), held
     else:
         assert held == 0
     return sum(v for k, v in comm.wire.items() if "reduce_scatter" in k or "all_gather" in k)

@@ -55,7 +55,7 @@ def _save(rank, world_size, path):
     _train(model, opt, 3, seed=rank)
     saved = get_optimizer_state_dict(model, opt)
     # What each rank hands DCP: its shard, as views of its own state (no copy).
-    ours = {t.untyped_storage().data_ptr() for _, flat in internals(opt).flat_shards()
+    ours = {t.untyped_storage().data_ptr() for _, flat in internals(opt).shards()
             for t in flat.state.buffers().values()}
     handed, views, kinds = 0, True, set()
     for entry in saved["state"].values():

@@ -43,7 +43,7 @@ STEP = textwrap.dedent("""
     opt = FusedAdam([p], lr=0.1)
     p.grad = torch.ones(8)
     opt.step()
-    print("backend", opt._flats[0][0].backend, round(float(p.detach()[0]), 4))
+    print("backend", opt._shards.groups[0][0].backend, round(float(p.detach()[0]), 4))
 """)
 
 

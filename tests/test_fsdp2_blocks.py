@@ -71,7 +71,7 @@ def _rank_bytes(rank, world):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = zero_triton.FusedAdamW(model.parameters(), moments="int8")
-    shards = [(f.spec.moments, [tuple(p.shape) for p in f.params]) for fl in opt._flats for f in fl]
+    shards = [(f.spec.moments, [tuple(p.shape) for p in f.params]) for fl in opt._shards.groups for f in fl]
     return shards, opt.memory_report()["moments"]
 
 

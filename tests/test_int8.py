@@ -177,7 +177,7 @@ def test_int8_trains_like_fp32_adamw(backend):
     assert la[-1] < 0.5 * la[0]
     assert abs(la[-1] - lb[-1]) <= 0.05 * lb[-1] + 0.01, (la[-1], lb[-1])
     report = int8.memory_report()
-    n = int8._flats[0][0].layout.padded_numel  # every parameter padded to a block
+    n = int8._shards.groups[0][0].layout.padded_numel  # every parameter padded to a block
     assert report["moments"] == n * (2 + 8 / BLOCK)  # 2 B + a scale pair per block
 
 
@@ -204,7 +204,7 @@ def test_state_dict_is_torch_format_and_round_trips_bitwise():
     sd = opt.state_dict()
     assert sd["state"][0]["exp_avg"].dtype == torch.float32
     assert sd["state"][0]["exp_avg"].shape == a[0].weight.shape
-    flat = opt._flats[0][0]
+    flat = opt._shards.groups[0][0]
     before = [t.clone() for t in flat.state.moments.storage()]
     # Into torch.optim.AdamW (dequantized), and back from it (quantized): the same codes.
     b = copy.deepcopy(a)
@@ -213,7 +213,7 @@ def test_state_dict_is_torch_format_and_round_trips_bitwise():
     c = copy.deepcopy(a)
     again = zt.FusedAdamW(c.parameters(), lr=1e-2, moments="int8")
     again.load_state_dict(torch_opt.state_dict())
-    after = again._flats[0][0].state.moments.storage()
+    after = again._shards.groups[0][0].state.moments.storage()
     for x, y in zip(before, after):
         assert torch.equal(x, y)
     # Both continue the same way.
@@ -281,7 +281,7 @@ def test_amsgrad_switched_on_later_is_refused():
 def test_layout_puts_every_parameter_on_a_block_boundary():
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(5,), (300, 7), (3,), (1000,)]]
     opt = zt.FusedAdamW(params, moments="int8")
-    layout = opt._flats[0][0].layout
+    layout = opt._shards.groups[0][0].layout
     assert all(o % BLOCK == 0 for o in layout.offsets)
 
 

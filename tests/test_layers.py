@@ -163,7 +163,7 @@ OWN_OR_DECLARED = {"optim/fused.py", "optim/zero.py", "optim/interface.py", "opt
 
 def test_no_reaches_into_the_optimizers_privates():
     privates = optimizer_privates()
-    assert {"_flats", "_comm", "_reducer"} <= privates  # the reading still sees them
+    assert {"_shards", "_comm", "_reducer"} <= privates  # the reading still sees them
     reaches = []
     for name, path in modules().items():
         if path.relative_to(PACKAGE).as_posix() in OWN_OR_DECLARED:
@@ -573,7 +573,7 @@ def test_a_seat_shows_its_declared_members_only():
     opt = zero_triton.FusedAdamW([p])
     seat = seat_of(opt)
     assert seat.param_groups is opt.param_groups and seat.state is opt.state
-    assert seat.comm.world_size == 1 and [f for _, f in seat.all_flats()]
+    assert seat.comm.world_size == 1 and [f for _, f in seat.shards()]
     for undeclared in ("_comm", "defaults", "add_param_group"):  # nothing passed through by name
         with pytest.raises(AttributeError):
             getattr(seat, undeclared)
@@ -610,7 +610,7 @@ def test_the_parts_implement_the_protocols_they_are_chosen_by():
     for offload in (None, "cpu"):
         p = torch.nn.Parameter(torch.zeros(64))
         opt = zero_triton.FusedAdamW([p], offload=offload)
-        (side,) = opt._flats[0][0].sides
+        (side,) = opt._shards.groups[0][0].sides
         assert isinstance(side.place, Place), type(side.place)
         assert side.place.offloaded == (offload is not None)
         assert side.state.master.mirror is side.place  # the master keeps the views through it
@@ -638,7 +638,7 @@ def test_both_homes_implement_the_declared_home():
     assert all(hasattr(EngineHome, d) or f"self.{d} =" in init or f"self.{d}," in init
                for d in data), sorted(d for d in data if not hasattr(EngineHome, d))
     opt = zero_triton.FusedAdamW([torch.nn.Parameter(torch.zeros(64))])
-    home = opt._flats[0][0].home
+    home = opt._shards.groups[0][0].home
     assert isinstance(home, Home) and type(home) is FlatHome
 
 
@@ -678,7 +678,7 @@ def test_offload_is_chosen_once_into_a_placement():
         opt = zero_triton.FusedAdamW(ps, offload=offload, offload_fraction=fraction)
         placement = opt._spec.placement
         assert placement is BESIDE if sides == [False] else isinstance(placement, Offloaded)
-        assert [s.place.offloaded for s in opt._flats[0][0].sides] == sides, (offload, fraction)
+        assert [s.place.offloaded for s in opt._shards.groups[0][0].sides] == sides, (offload, fraction)
         assert copy.deepcopy(opt)._spec.placement.keywords == placement.keywords
 
 
@@ -749,3 +749,22 @@ def test_the_buckets_fields_are_written_in_their_own_modules_only():
     found = [f"{rel}:{line} {what}.{field}" for rel, tree in _sources()
              for line, what, field in _field_writes(tree) if FIELD_HOMES[what] != rel]
     assert not found, "call the bucket's (or its staging's) method instead: " + ", ".join(found)
+
+
+def test_one_way_to_list_the_shards():
+    """The shards are listed in ``optim/shards.py`` (``Shards.listed``; ``followed``,
+    after following what the user moved); the parts read them through ``Seat.shards``,
+    the layers above through ``Internals.shards``. The seven ways of before are gone,
+    and nothing calls them (a checkpoint's ``Target.flats`` are flat buffers: it refuses
+    the engine's shards)."""
+    from zero_triton.optim.fused import FusedAdam
+    from zero_triton.optim.interface import Internals
+    from zero_triton.optim.seat import Seat
+
+    old = {"_all_flats", "_current_flats", "_flat_shards", "_flats", "flats", "all_flats",
+           "current_flats", "flat_shards"}
+    for cls in (FusedAdam, Seat, Internals):
+        assert not old & set(dir(cls)), (cls.__name__, sorted(old & set(dir(cls))))
+    calls = [f"{rel}:{node.lineno} {node.attr}" for rel, tree in _sources() for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in old - {"flats"}]
+    assert not calls, calls

@@ -124,10 +124,10 @@ def _rank_matrix(rank, world, seed):
         host_model, host = _train(rank, world, dtype, kw, extra, "cpu", seed)
         part_model, part = _train(rank, world, dtype, kw, extra, FRACTIONS[c % 3], seed)
         state_on_host = all(t.device.type == "cpu" and t.data_ptr() != f.flat_param.data_ptr()
-                            for fl in host._flats for f in fl for t in [f.state.master.parameters()])
+                            for fl in host._shards.groups for f in fl for t in [f.state.master.parameters()])
         # A part offloaded: each shard in two sides, split where the fraction says (on
         # the moments' alignment), the second over mirrors of its own.
-        f = part._flats[0][0]
+        f = part._shards.groups[0][0]
         n, cut = f.layout.shard_numel, _expected_cut(f.layout, FRACTIONS[c % 3])
         sides = [(type(side.place).__name__, side.state.moments.numel) for side in f.sides]
         split_right = sides == [("DevicePlace", cut), ("HostPlace", n - cut)] and \
@@ -181,7 +181,7 @@ def _rank_parameters_reach_the_gather_only_through_the_copy_back(rank, world):
     model = _model(torch.float32)
     opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-1, offload="cpu", bucket_cap_mb=0.002)
     before = [p.detach().clone() for p in model.parameters()]
-    for fl in opt._flats:
+    for fl in opt._shards.groups:
         for f in fl:
             f.place.done = lambda ks: None  # the updated mirrors never go back
     model(torch.randn(4, 24)).pow(2).sum().backward()
@@ -255,7 +255,7 @@ def test_fused_adam_offloaded_is_the_same_bits_and_its_state_lives_apart():
         for m1, o1 in others:
             assert _same(m0.parameters(), m1.parameters()), (dtype, kw)
             assert _same_state(o0.state_dict(), o1.state_dict()), (dtype, kw)
-        flat = runs[1][1]._flats[0][0]
+        flat = runs[1][1]._shards.groups[0][0]
         assert flat.state.master.parameters().data_ptr() != flat.flat_param.data_ptr()
         # The user writes a parameter: the host mirror follows (the next step starts there).
         with torch.no_grad():
@@ -285,7 +285,7 @@ def test_a_copy_keeps_the_offload():
     model(torch.randn(2, 24)).sum().backward()
     opt.step()
     twin = copy.deepcopy(opt)
-    assert twin._flats[0][0].place.offloaded
+    assert twin._shards.groups[0][0].place.offloaded
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -312,7 +312,7 @@ def test_a_fraction_splits_each_shard_on_the_moments_alignment():
         model = _model(torch.float32)
         opt = zero_triton.FusedAdamW(model.parameters(), moments=moments, offload="cpu",
                                      offload_fraction=f)
-        flat = opt._flats[0][0]
+        flat = opt._shards.groups[0][0]
         n, cut = flat.layout.shard_numel, _expected_cut(flat.layout, f)
         assert cut % flat.layout.align == 0 and cut in (*flat.layout.offsets, n)
         places = [(type(s.place).__name__, s.state.moments.numel) for s in flat.sides]
@@ -345,7 +345,7 @@ def test_a_split_state_reads_and_writes_as_one():
     opt = zero_triton.FusedAdamW(model.parameters(), lr=1e-2, moments="int8", offload="cpu",
                                  offload_fraction=0.5)
     _steps(model, opt, range(2), torch.bfloat16)
-    flat = opt._flats[0][0]
+    flat = opt._shards.groups[0][0]
     state, cut = flat.state, flat.sides[1].cut
     bufs = state.buffers()
     assert all(b.numel() == flat.layout.shard_numel for b in bufs.values())
@@ -442,7 +442,7 @@ def test_cuda_offload_keeps_the_state_pinned_on_the_host_and_off_the_device():
     (m0, _, kept), (m1, o1, grown) = results[None], results["cpu"]
     for a, b in zip(m0.parameters(), m1.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    flat = o1._flats[0][0]
+    flat = o1._shards.groups[0][0]
     assert flat.state.moments.storage()[0].device.type == "cpu"
     assert flat.place.mirror.is_pinned() and flat.place.staging[torch.float32].is_pinned()
     assert o1.memory_report()["host"] > 0 and grown < kept  # the moments are not on the device
@@ -451,7 +451,7 @@ def test_cuda_offload_keeps_the_state_pinned_on_the_host_and_off_the_device():
     m2, o2, half = results[0.5]
     for a, b in zip(m0.parameters(), m2.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    first, second = o2._flats[0][0].sides
+    first, second = o2._shards.groups[0][0].sides
     assert first.state.moments.storage()[0].is_cuda and not second.state.moments.storage()[0].is_cuda
     assert second.place.mirror.is_pinned() and grown < half < kept
 
@@ -489,9 +489,9 @@ def _rank_killed_mid_step(rank, world, path):
     model = _model(torch.float32)
     opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, offload="cpu", bucket_cap_mb=0.002)
     if rank == 1:
-        def die(ks, done=opt._flats[0][0].place.done):
+        def die(ks, done=opt._shards.groups[0][0].place.done):
             os._exit(3)  # killed between its host step and the copy back
-        opt._flats[0][0].place.done = die
+        opt._shards.groups[0][0].place.done = die
     start = time.monotonic()
     try:
         for _ in range(3):
@@ -529,7 +529,7 @@ def _rank_cycles(rank, world, cycles):
         opt.step()
         opt.state_dict()
         torch.distributed.barrier()  # every rank's state_dict served before any drops its optimizer
-        mirrors.append(weakref.ref(opt._flats[0][0].place.mirror))
+        mirrors.append(weakref.ref(opt._shards.groups[0][0].place.mirror))
         hooks = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
         del opt
         gc.collect()
@@ -572,9 +572,9 @@ def test_a_model_cast_after_construction_is_followed_offloaded_as_on_the_device(
     (m0, o0), *others = runs
     for m1, o1 in others:
         assert _same(m0.parameters(), m1.parameters())
-        assert o1._flats[0][0].place.offloaded and o1._flats[0][0].dtype == torch.bfloat16
+        assert o1._shards.groups[0][0].place.offloaded and o1._shards.groups[0][0].dtype == torch.bfloat16
         assert _same_state(o0.state_dict(), o1.state_dict())
-    assert len(others[1][1]._flats[0][0].sides) == 2
+    assert len(others[1][1]._shards.groups[0][0].sides) == 2
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -620,7 +620,7 @@ def _early_train(rank, kw, what, offload):
     model = torch.nn.Sequential(*layers)
     opt = zero_triton.ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.004, **_placed(offload), **kw)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if what == "unscale" else None
-    places = [side.place for fl in opt._flats for f in fl for side in f.sides if side.place.offloaded]
+    places = [side.place for fl in opt._shards.groups for f in fl for side in f.sides if side.place.offloaded]
     early = 0
     for t in range(3):
         before = sum(p.copies for p in places)

@@ -209,7 +209,7 @@ def _wire_on_rank(rank, world_size, dtype_name):
     opt = ZeroAdam(params, lr=1e-3, backend="torch", reduce_dtype=reduce_dtype)
     buffers = wire.buffers_of(opt)
     real = []
-    for flats in opt._flats:
+    for flats in opt._shards.groups:
         for f in flats:
             g = f.flat_grad  # sent in its own dtype, also with a wider reduce_dtype
             real.append((g.numel() * g.element_size(), f.flat_param.numel() * f.flat_param.element_size()))

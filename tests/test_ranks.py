@@ -55,7 +55,7 @@ def _with_copying_store(p):
     opt = FusedAdamW([p], lr=0.1, backend="torch")
     p.grad = torch.full_like(p, 0.5)
     opt.step()
-    state = opt._flats[0][0].state
+    state = opt._shards.groups[0][0].state
     old = state.moments
     state.moments = _CopyingMoments(old.numel, old.dtype, old.device)
     state.moments.carry_over(old)

@@ -147,7 +147,7 @@ def test_the_same_master_as_master_weights_true_for_two_bytes(moments):
     assert torch.equal(pa[~ties], pb[~ties])  # the parameters: the master's rounding
     report_a, report_b = a.memory_report(), b.memory_report()
     assert report_b["master"] * 2 == report_a["master"]
-    assert report_b["master"] == sum(p.numel() for p in two) * 2 + 2 * b._flats[0][0].layout.padding
+    assert report_b["master"] == sum(p.numel() for p in two) * 2 + 2 * b._shards.groups[0][0].layout.padding
 
 
 def test_a_parameter_written_with_its_own_value_keeps_its_exact_master():

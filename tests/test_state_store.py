@@ -101,7 +101,7 @@ def test_the_optimizer_steps_through_the_store():
     opt = FusedAdamW([p], lr=0.1, backend="torch")
     p.grad = torch.full((8,), 0.5)
     opt.step()
-    store = opt._flats[0][0].state.moments
+    store = opt._shards.groups[0][0].state.moments
     exported = store.export()
     assert torch.allclose(exported[moments.FIRST][:8], torch.full((8,), 0.05))  # then padding
     assert opt.state[p][moments.FIRST].data_ptr() == exported[moments.FIRST].data_ptr()

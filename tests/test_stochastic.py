@@ -78,7 +78,7 @@ def test_trains_like_an_fp32_master_with_int8_moments_at_2_bytes():
     assert abs(a.final - b.final) <= 0.1 * b.final + 0.01, (a.final, b.final)
     report = ours.memory_report()
     assert report["master"] == 0
-    assert report["moments"] == ours._flats[0][0].layout.padded_numel * (2 + 8 / 256)
+    assert report["moments"] == ours._shards.groups[0][0].layout.padded_numel * (2 + 8 / 256)
     assert "master_param" not in ours.state_dict()["state"][0]  # no master to save
 
 

@@ -301,7 +301,7 @@ def _rank_averages_held(rank, world_size, stage, numel):
             q.grad = sum(g[i] for g in grads) / world_size
         ref.step()
         ref.zero_grad()
-    layout = opt._flats[0][0].layout
+    layout = opt._shards.groups[0][0].layout
     diff = max(float((p - q).detach().abs().max()) for p, q in zip(params, twins))
     return diff, held, layout.padded_numel * 4, layout.shard_numel * 4
 

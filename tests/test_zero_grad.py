@@ -23,7 +23,7 @@ def test_zero_grad_sets_none_and_backward_lands_in_the_flat_buffer(backend, dtyp
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 11), nn.ReLU(), nn.Linear(11, 1))
     opt = FusedAdam(model.parameters(), backend=backend)
-    flat = opt._flats[0][0]
+    flat = opt._shards.groups[0][0]
     x = torch.randn(4, 6)
     model(x).sum().backward()
     opt.zero_grad()
@@ -47,7 +47,7 @@ def test_zero_grad_sets_none_and_backward_lands_in_the_flat_buffer(backend, dtyp
 
 def _choose_grad_check(opt, check):
     """'native': the C loop of zero_triton._C finds replaced grads; 'python': the loop."""
-    for flats in opt._flats:
+    for flats in opt._shards.groups:
         for flat in flats:
             if check == "python":
                 flat.grad_buffer.check_flat = None
@@ -68,7 +68,7 @@ def test_module_zero_grad_set_to_none_then_backward(backend, dtype, rtol, atol, 
     opt = FusedAdam(model.parameters(), lr=1e-2, backend=backend)
     _choose_grad_check(opt, check)
     topt = torch.optim.Adam(tmodel.parameters(), lr=1e-2, foreach=False)
-    flat = opt._flats[0][0]
+    flat = opt._shards.groups[0][0]
     gen = torch.Generator().manual_seed(11)
     for step in range(1, 7):
         x = torch.randn(5, 6, generator=gen)
@@ -104,7 +104,7 @@ def test_one_replaced_grad_among_views_is_copied_in(check):
     opt = FusedAdam(params, backend="cpu" if backends.why_not("cpu", torch.device("cpu")) is None
                     else "torch")
     _choose_grad_check(opt, check)
-    flat = opt._flats[0][0]
+    flat = opt._shards.groups[0][0]
     params[2].grad = torch.full((5,), 7.0)
     params[3].grad = None
     flat.sync_grads()

@@ -94,7 +94,7 @@ def _record_averages(opt) -> dict:
     """{bucket index: a copy of this rank's averaged shard of it}, taken as each step's
     kernel lets it go (the step keeps no averages between steps)."""
     seen = {}
-    for b in opt._flats[0][0].buckets:
+    for b in opt._shards.groups[0][0].buckets:
         def release(b=b, release=b.release):
             seen[b.key[1]] = b.averaged().clone()
             release()
@@ -103,7 +103,7 @@ def _record_averages(opt) -> dict:
 
 
 def _snapshot(opt, averages=None):
-    flat = opt._flats[0][0]
+    flat = opt._shards.groups[0][0]
     out = {"params": [p.detach().clone() for p in flat.params],
            "flat_param": flat.flat_param.clone(),
            "master": flat.state.master.checkpointed().detach().clone(),
@@ -115,7 +115,7 @@ def _snapshot(opt, averages=None):
 
 
 def _describe_flat(opt):
-    flat = opt._flats[0][0]
+    flat = opt._shards.groups[0][0]
     return {"padded_numel": flat.layout.padded_numel, "shard_numel": flat.layout.shard_numel,
             "segments": flat.segments,
             "sizes": {k: t.numel() for k, t in {"master": flat.state.master.checkpointed(), **flat.state.moments.export()}.items()
@@ -425,7 +425,7 @@ class References:
 
     def fused_state(self, key: str) -> torch.Tensor:
         """FusedAdam's flat master/m/v padded to the ZeRO layout's length."""
-        state = self.fused._flats[0][0].state
+        state = self.fused._shards.groups[0][0].state
         t = state.master.checkpointed() if key == "master" else state.moments.export()[key]
         return _padded(t, self.layout.padded_numel)
 

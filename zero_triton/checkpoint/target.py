@@ -59,7 +59,7 @@ class Target:
         optimizer.wait_params()  # all-gathers left in flight by overlap
         # Every rank is here (ZeroAdam), and the optimizer follows what the user changed:
         # parameters moved or written, opt.state edited.
-        shards = view.flat_shards(reader=entry)
+        shards = view.shards(reader=entry)
         self.flats = [flat for _, flat in shards]
         self.flat_groups = [gi for gi, _ in shards]
         for flat in self.flats:

@@ -20,7 +20,7 @@ from zero_triton.state.flat import FlatLayout, real_dtype
 ENGINE_SEEDS = 1 << 24
 
 
-def build_flats(trainable: list, comm, spec, *, amsgrad: bool, key: int, reducer, group: int = 0) -> list:
+def build_shards(trainable: list, comm, spec, *, amsgrad: bool, key: int, reducer, group: int = 0) -> list:
     """The shards of param group number ``group``, numbered from ``key``: a flat one per
     dtype of the plain tensors of ``trainable`` (complex parameters in their real dtype's),
     then the DTensors' (``engine_shards``), each built to ``spec``

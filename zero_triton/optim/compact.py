@@ -102,7 +102,7 @@ def compact(opt, state_dict: dict) -> dict:
     store = moment_formats.FORMATS[fmt]
     _, ids = packed_groups(opt)
     state = dict(state_dict["state"])
-    for _, flat in opt.all_flats():
+    for _, flat in opt.shards():
         for i, p in enumerate(flat.params):
             entry = state.get(ids[id(p)])
             if not isinstance(entry, dict) or FIRST not in entry:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from zero_triton.comm.grads import zero_in_place
 from zero_triton.comm.protocol import Comm
 from zero_triton.optim.flat_home import one_kind
+from zero_triton.optim.launch import ListLaunch, RowsLaunch
 from zero_triton.optim.rows import row_map
 from zero_triton.state.flat import FlatLayout
 
@@ -211,6 +212,7 @@ class EngineHome:
     # The parameters' storage and gradients are their engine's (DTensor): clipping
     # reduces their norm over each parameter's mesh, checkpoints go through DCP.
     engine_owned = True
+    gathers = False  # the engine gathers its parameters itself
     # No buckets, no flat buffer of ours: the engine averages and gathers.
     flat_param, flat_grad, reducer, bucket_numel = None, None, None, None
     separate_shard = False  # the engine's gradients are stepped where they are
@@ -255,6 +257,13 @@ class EngineHome:
 
     def remove_hooks(self) -> None:
         pass
+
+    def launch(self, backend: str, format: str, plain: bool, buffers):
+        """How a side's launches reach the kernel (``optim.launch``): every local shard in
+        one list launch, or through its rows (``rows``, in ``buffers``)."""
+        if self.rows:
+            return RowsLaunch(backend, self.maps, buffers)
+        return ListLaunch(backend, format, plain)
 
     def watch_averages(self, watcher) -> None:
         """The engine averages these gradients in its own hooks and hands them over at

@@ -13,6 +13,7 @@ import torch
 
 from zero_triton.comm import buckets
 from zero_triton.comm.protocol import Comm
+from zero_triton.optim.launch import DeviceLaunch
 from zero_triton.state.flat import as_param, flatten_params, real_dtype
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -65,8 +66,10 @@ class FlatHome:
     parameter whose ``.grad`` is None is not stepped; ``zero_triton.comm.grads`` says
     how it is told)."""
 
-    # The parameters live in our flat buffer (EngineHome: their engine's, DTensor).
+    # The parameters live in our flat buffer (EngineHome: their engine's, DTensor), and
+    # we gather them after the step, bucket by bucket.
     engine_owned = False
+    gathers = True
 
     def __init__(self, params, comm: Comm, spec, *, key=0, reducer=None, bucket_numel=None):
         """The flat buffer of ``params``, numbered ``key``, its buckets launched by
@@ -113,6 +116,11 @@ class FlatHome:
 
     def remove_hooks(self) -> None:
         _remove_all(self.hooks)
+
+    def launch(self, backend: str, format: str, plain: bool, buffers):
+        """How a side's launches reach the kernel (``optim.launch``): one per run, bucket
+        by bucket as the averages land."""
+        return DeviceLaunch(backend, format, plain)
 
     def watch_averages(self, watcher) -> None:
         """``watcher(k, landed)`` (a bound method, held weakly: the buckets outlive no

@@ -137,20 +137,6 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         self._edits.add_group(params)  # as given: followed if replaced
         self._shards.add(self.param_groups, flats)
 
-    @property
-    def _flats(self) -> list:
-        """The shards of each param group (``Shards.groups``)."""
-        return self._shards.groups
-
-    def _all_flats(self) -> list:
-        """(param group, shard) of every shard, as they are (``Shards.listed``)."""
-        return self._shards.listed(self.param_groups)
-
-    def _current_flats(self, hint: bool = False) -> list:
-        """``_all_flats`` after following parameters moved (``model.to(device or dtype)``)
-        or replaced in ``param_groups`` since the last call (``StepPipeline.current``)."""
-        return self._pipeline.current(hint)
-
     def _enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         """Start a call that reads the state (``step``, the state dicts, clipping,
         checkpoints): follow what the user changed since the last one, agreed by every
@@ -161,7 +147,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
     @property
     def backend(self) -> str | None:
         """The backend that steps the first flat buffer (None before there is one)."""
-        return next((flat.backend for _, flat in self._all_flats()), None)
+        return next((flat.backend for _, flat in self._shards.listed(self.param_groups)), None)
 
     def _shards_loaded(self, flats) -> None:
         """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``flats``
@@ -198,7 +184,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         that the parameter is stepped with a zero gradient even if the next backward
         does not reach it."""
         self._reducer.reset()  # reductions still reading the gradients finish first
-        for _, flat in self._current_flats(hint=True):
+        for _, flat in self._pipeline.current(hint=True):
             flat.zero_grads(set_to_none)
         self._pipeline.zeroed()
 
@@ -210,7 +196,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         Every other gradient is a ``.grad`` GradScaler sees itself."""
         if self._spec.grads.sharded:
             self._pipeline.reduce(entry="GradScaler")
-            grads.unscale_averaged_([f for _, f in self._all_flats()], inv_scale, found_inf,
+            grads.unscale_averaged_([f for _, f in self._shards.listed(self.param_groups)], inv_scale, found_inf,
                                     per_device, allow_fp16)
 
     def _agree_found_inf_(self, per_device: dict) -> None:
@@ -270,7 +256,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
             with torch.enable_grad():
                 loss = closure()
         self._reducer.wait_gathers()  # the last step's, when the forward did not need them all
-        flats = self._current_flats(hint=True)
+        flats = self._pipeline.current(hint=True)
         if any(flat.device.type == "meta" for _, flat in flats):
             flats = without_meta(flats)
         self._edits.check_frozen()
@@ -300,11 +286,11 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         ``offload="cpu"``, ``host`` and ``device`` split them by where they live."""
         total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0,
                  "buckets": self._reducer.bytes, "comm": self._comm.held_bytes(), "host": 0}
-        for _, flat in self._all_flats():
+        for _, flat in self._shards.listed(self.param_groups):
             for k, v in flat.nbytes().items():
                 total[k] += v
         total["optimizer_state"] = total["master"] + total["moments"]
-        return split_host(total, [flat for _, flat in self._all_flats()])
+        return split_host(total, [flat for _, flat in self._shards.listed(self.param_groups)])
 
     # -- state dict (torch.optim.Adam format: zero_triton.optim.state_dict) ------------------
     @disable_dynamo

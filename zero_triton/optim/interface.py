@@ -30,8 +30,8 @@ class Internals:
         the collectives the step uses."""
         return self._opt._comm
 
-    def flat_shards(self, reader: Optional[str] = None) -> list:
-        """(group index, Shard) of every flat buffer, in order. With ``reader`` (the
+    def shards(self, reader: Optional[str] = None) -> list:
+        """(param group index, shard) of every shard, in order (``optim.shards``). With ``reader`` (the
         name of a call that reads the state, e.g. "checkpoint.save"), first follow what the
         user changed since the last such call (parameters moved or written, ``opt.state``
         edited), agreed by every rank under ZeRO: a collective there."""

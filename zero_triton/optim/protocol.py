@@ -141,6 +141,7 @@ class Home(Protocol):
     rows: bool            # each segment a local shard stepped through its rows (``optim.rows``)
     seed: int             # stochastic rounding's seed
     engine_owned: bool    # the engine owns the parameters' storage and gradients
+    gathers: bool         # we gather the updated parameters (bucket by bucket) after the step
     separate_shard: bool  # the averaged gradients live apart from the local ones
     flat_param: Any       # the flat parameter buffer (None: the engine's)
     buckets: Any          # the buckets of ``comm.buckets`` (none: the engine's)
@@ -174,6 +175,11 @@ class Home(Protocol):
 
     def carry_over(self, old: "Home", written: Any) -> None:
         """Take what ``old`` held that the new home keeps (gradients, masters to re-seed)."""
+
+    def launch(self, backend: str, format: str, plain: bool, buffers: Any) -> Any:
+        """The launch part (``optim.launch``) that steps a side of a shard of this home
+        with ``backend`` for ``format`` moments (``plain``: the master's format keeps no
+        extra bits), its scratch from ``buffers``."""
 
     def watch_averages(self, watcher: Any) -> None:
         """Tell ``watcher(k, landed)`` when segment ``k``'s averages start and land."""

@@ -38,12 +38,12 @@ class OneRank:
     clip_args = None
 
     def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
-        pairs = flats if flats is not None else seat.current_flats()
+        pairs = flats if flats is not None else seat.shards(follow=True)
         edits, shards = seat.edits, [flat for _, flat in pairs]
         edits.check_groups(seat.param_groups)
         if edits.edited(seat.state):
             edits.follow_state(seat.state, shards)
-            seat.state = edits.restored(seat.state, [f for _, f in seat.all_flats()])
+            seat.state = edits.restored(seat.state, [f for _, f in seat.shards()])
         reseed_written(shards)
         return stale
 
@@ -159,7 +159,7 @@ class AgreedRanks:
         """What this rank found (``_edits_found``, ``_step_found``), one agreement on
         what every rank found, then every rank follows it alike (``_follow``)."""
         self._notify_join(seat, entry)
-        flats = flats if flats is not None else seat.current_flats()
+        flats = flats if flats is not None else seat.shards(follow=True)
         flags, refuse, error = self._edits_found(seat, flats)
         if stale:
             flags |= agreement.STALE
@@ -228,7 +228,7 @@ class AgreedRanks:
                 flat.reseed(range(len(flat.params)))
         if seat.edits.edited(seat.state):
             # opt.state anew, keeping whatever is not ours
-            seat.state = seat.edits.restored(seat.state, [f for _, f in seat.all_flats()])
+            seat.state = seat.edits.restored(seat.state, [f for _, f in seat.shards()])
         reseeded = reseed_written([flat for _, flat in flats])
         if agreed & agreement.RESET:
             self.loaded()  # every rank reset its shards: counted as a load
@@ -374,7 +374,7 @@ class CapturedRanks(AgreedRanks):
         """A captured call's entry: what this rank can follow alone (its param groups
         checked, written parameters re-seeded); an ``opt.state`` edit, which every rank
         must agree on, is refused with the fix."""
-        flats = flats if flats is not None else seat.current_flats()
+        flats = flats if flats is not None else seat.shards(follow=True)
         edits = seat.edits
         edits.check_groups(seat.param_groups)
         if edits.edited(seat.state):

@@ -86,11 +86,6 @@ class Seat:
         return self._ref()._reducer
 
     @property
-    def flats(self) -> list:
-        """The shards of each param group, per group."""
-        return self._ref()._flats
-
-    @property
     def gather_chunk(self) -> int:
         """Elements per chunk of a state dict gathered or served over the ranks."""
         return self._ref()._GATHER_CHUNK
@@ -120,13 +115,11 @@ class Seat:
         if opt is not None:
             opt._overlap_removed(prefetch)
 
-    def current_flats(self) -> list:
-        """(group index, Shard) of every shard, after following parameters moved since."""
-        return self._ref()._current_flats()
-
-    def all_flats(self) -> list:
-        """(group index, Shard) of every shard, as they are."""
-        return self._ref()._all_flats()
+    def shards(self, follow: bool = False) -> list:
+        """(param group, shard) of every shard, in order (``optim.shards``): as they are,
+        or (``follow``) after following parameters moved or replaced since the last call."""
+        opt = self._ref()
+        return opt._pipeline.current() if follow else opt._shards.listed(opt.param_groups)
 
     def enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         """Start a call that reads the state (``Ranks.enter`` through the optimizer)."""

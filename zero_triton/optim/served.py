@@ -41,9 +41,9 @@ class ServedState:
         seat = self._optimizer()
         return None if seat is None or seat.optimizer is None else seat
 
-    def _flats(self) -> list:
+    def _shards(self) -> list:
         seat = self._seat()
-        return [] if seat is None else [flat for _, flat in seat.all_flats()]
+        return [] if seat is None else [flat for _, flat in seat.shards()]
 
     def _chunk(self) -> int:
         seat = self._seat()
@@ -54,7 +54,7 @@ class ServedState:
         and, per GPU, an event on the current stream after it (``CapturedServedState``:
         none)."""
         self.version += 1
-        for device in {flat.device for flat in self._flats() if flat.device.type == "cuda"}:
+        for device in {flat.device for flat in self._shards() if flat.device.type == "cuda"}:
             event = self.events.get(device)
             if event is None:
                 event = self.events[device] = torch.cuda.Event()
@@ -92,7 +92,7 @@ class ServedState:
         with self.settled:
             self.settled.wait_for(lambda: self.agreement.steps >= steps and self.loads >= loads,
                                   timeout)
-        flats = self._flats()
+        flats = self._shards()
         header = [serve.OK, self.agreement.steps, self.loads, 0]
         if self.agreement.steps != steps:
             header[0] = serve.STEPS

@@ -22,7 +22,6 @@ from zero_triton.kernels.args import Operands, StepArgs
 from zero_triton.native import backends
 from zero_triton.optim.engine_home import EngineHome
 from zero_triton.optim.flat_home import FLAT_DTYPES, LOW_PRECISION, SUPPORTED, FlatHome, one_kind
-from zero_triton.optim.launch import DeviceLaunch, ListLaunch, RowsLaunch
 from zero_triton.optim.offload import BESIDE, host_backend
 from zero_triton.state import master as master_formats
 from zero_triton.state import watch
@@ -330,11 +329,8 @@ class Side:
             self.backend = host_backend(spec.backend)
         else:
             self.backend = backends.resolve(spec.backend, shard.device)
-        if home.rows:
-            self.launch = RowsLaunch(self.backend, home.maps, spec.capture.buffers())
-        else:
-            launch = ListLaunch if home.engine_owned else DeviceLaunch
-            self.launch = launch(self.backend, self.state.moments.format, self.state.master.plain)
+        self.launch = home.launch(self.backend, self.state.moments.format, self.state.master.plain,
+                                  spec.capture.buffers())
         self.lr = torch.zeros(1, dtype=self.state.dtype, device=self.state.device)
         self.scratch = torch.empty(n, dtype=self.state.dtype, device=self.state.device) \
             if self.backend == "torch" else None
@@ -364,7 +360,7 @@ class Side:
         themselves: one list for all)."""
         place, home, keyed = self.place, self.shard.home, self.shard.keyed
         whole = self._pieces(args.amsgrad)
-        for batch in ([[j] for j in js] if place.offloaded and not home.engine_owned else [js]):
+        for batch in ([[j] for j in js] if place.offloaded and home.gathers else [js]):
             launches = []
             for j in batch:
                 piece = place.pieces[j]

@@ -9,7 +9,7 @@ are built again, the state carried over, and the reducer takes the new buckets.
 """
 from __future__ import annotations
 
-from zero_triton.optim.build import build_flats
+from zero_triton.optim.build import build_shards
 from zero_triton.optim.checks import check_group_params
 from zero_triton.optim.shard import Shard
 
@@ -31,7 +31,7 @@ class Shards:
         key = sum(map(len, self.groups)) if key is None else key
         group = len(self.groups) if group is None else group
         sharded = self.comm.everyone.world_size > 1 or self.spec.grads.sharded
-        return build_flats([p for p in params if p.requires_grad], self.comm, self.spec,
+        return build_shards([p for p in params if p.requires_grad], self.comm, self.spec,
                            amsgrad=amsgrad, key=key, reducer=self.reducer if sharded else None,
                            group=group)
 

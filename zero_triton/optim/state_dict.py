@@ -151,7 +151,7 @@ def local_state_dict(opt) -> dict:
             "zero_triton.checkpoint.save for a sharded checkpoint")
     groups, ids = packed_groups(opt)
     state = {}
-    flats = [flat for _, flat in opt.current_flats()]
+    flats = [flat for _, flat in opt.shards(follow=True)]
     others, per_param = extras(opt.state, [p for flat in flats for p in flat.params])
     for flat in flats:
         views, steps = flat.state_views(), flat.state.param_steps()
@@ -191,7 +191,7 @@ def pickled(saved: dict) -> tuple[list, dict, dict]:
 def live_tensors(opt) -> list:
     """The tensors a state dict's entries may alias: state buffers and parameters."""
     out = []
-    for _, flat in opt.all_flats():
+    for _, flat in opt.shards():
         out.extend(flat.state.moments.storage())
         out.extend(flat.state.master.storage())
         out.append(flat.flat_param)
@@ -242,36 +242,37 @@ def plan_load(opt, state_dict) -> list:
                              f"state dict's {len(saved['params'])}")
         ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
     saved_state, plan = state_dict["state"], []
-    for gi, flats in enumerate(opt.flats):
-        for flat in flats:
-            entries = [saved_state.get(ids[id(p)]) for p in flat.params]
-            if all(e is None for e in entries):
-                plan.append((flat, None, None))
+    index = {id(group): gi for gi, group in enumerate(opt.param_groups)}
+    for group, flat in opt.shards():
+        gi = index[id(group)]
+        entries = [saved_state.get(ids[id(p)]) for p in flat.params]
+        if all(e is None for e in entries):
+            plan.append((flat, None, None))
+            continue
+        # A parameter torch.optim.Adam never stepped (no gradient yet) has no state.
+        steps = [0.0 if e is None else float(e["step"]) for e in entries]
+        if not all(math.isfinite(t) and t >= 0 for t in steps):
+            raise ValueError(f"param group {gi} has a step that is not a finite count >= 0 "
+                             f"({sorted(set(steps))}); the state dict is corrupt")
+        for i, (p, e) in enumerate(zip(flat.params, entries)):
+            if e is None:
                 continue
-            # A parameter torch.optim.Adam never stepped (no gradient yet) has no state.
-            steps = [0.0 if e is None else float(e["step"]) for e in entries]
-            if not all(math.isfinite(t) and t >= 0 for t in steps):
-                raise ValueError(f"param group {gi} has a step that is not a finite count >= 0 "
-                                 f"({sorted(set(steps))}); the state dict is corrupt")
-            for i, (p, e) in enumerate(zip(flat.params, entries)):
-                if e is None:
-                    continue
-                for key in (*MOMENT_KEYS, MASTER):
-                    if key in e and tuple(e[key].shape) != real_shape(p) and not (
-                            p.is_complex() and tuple(e[key].shape) == tuple(p.shape)):
-                        raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
-                                         f"has shape {tuple(e[key].shape)}, the parameter "
-                                         f"{tuple(p.shape)}")
-            for i, a, b, _ in flat.by_param.runs():  # a DCP load's pieces hold this rank's runs
-                for key, value in (entries[i] or {}).items():
-                    if isinstance(value, Pieces) and not value.covers(a, b):
-                        raise ValueError(
-                            f"state '{key}' of parameter {i} in param group {gi}: the "
-                            f"loaded shards lack elements of [{a}, {b}), which this rank "
-                            "owns. Load the checkpoint into the state dict this "
-                            "optimizer's get_optimizer_state_dict returns (dcp.load), "
-                            "then call set_optimizer_state_dict")
-            plan.append((flat, entries, steps))
+            for key in (*MOMENT_KEYS, MASTER):
+                if key in e and tuple(e[key].shape) != real_shape(p) and not (
+                        p.is_complex() and tuple(e[key].shape) == tuple(p.shape)):
+                    raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
+                                     f"has shape {tuple(e[key].shape)}, the parameter "
+                                     f"{tuple(p.shape)}")
+        for i, a, b, _ in flat.by_param.runs():  # a DCP load's pieces hold this rank's runs
+            for key, value in (entries[i] or {}).items():
+                if isinstance(value, Pieces) and not value.covers(a, b):
+                    raise ValueError(
+                        f"state '{key}' of parameter {i} in param group {gi}: the "
+                        f"loaded shards lack elements of [{a}, {b}), which this rank "
+                        "owns. Load the checkpoint into the state dict this "
+                        "optimizer's get_optimizer_state_dict returns (dcp.load), "
+                        "then call set_optimizer_state_dict")
+        plan.append((flat, entries, steps))
     return plan
 
 
@@ -286,7 +287,7 @@ def apply_load(opt, state_dict, plan) -> None:
     for flat, entries, step in plan:
         load_shard(flat, entries, step)
         flat.versions.accept()  # the master is what was loaded (or the parameters now)
-    opt.state = opt.edits.table([f for _, f in opt.all_flats()], others, per_param)
+    opt.state = opt.edits.table([f for _, f in opt.shards()], others, per_param)
 
 
 @torch.no_grad()
@@ -339,7 +340,7 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
         comm.gather(part, out, to_rank, "consolidated_state_dict gather")
         return out
 
-    return _assembled(opt, [flat for _, flat in opt.current_flats()], chunk_elems, pieces, me,
+    return _assembled(opt, [flat for _, flat in opt.shards(follow=True)], chunk_elems, pieces, me,
                       on_host=False)
 
 
@@ -369,7 +370,7 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
     thread is, assembled into torch.optim.Adam's format. The master of a parameter this
     rank sees written since the last step is taken from the parameter, as that step's
     entry (on every rank alike) would seed it. ``counts``: this rank's steps and loads."""
-    flats = [flat for _, flat in opt.current_flats()]
+    flats = [flat for _, flat in opt.shards(follow=True)]
     comm = opt.comm
     steps, loads = counts
     # The ranks holding this copy's shards (every rank but replicas'), by shard.

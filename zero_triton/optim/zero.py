@@ -193,7 +193,7 @@ class ZeroAdam(FusedAdam, Joinable):
     @property
     def join_device(self) -> torch.device:
         """Where Join's own all-reduces run: the parameters' device."""
-        return next((f.device for flats in self._flats for f in flats), torch.device("cpu"))
+        return next((f.device for _, f in self._shards.listed(self.param_groups)), torch.device("cpu"))
 
     @property
     def join_process_group(self):
@@ -244,7 +244,7 @@ class ZeroAdam(FusedAdam, Joinable):
         # torch's clip_grad_norm_ comes here (``zero_triton.integrations.clip_grad``) when
         # the local gradients are not the averaged ones (several ranks), or there are none
         # (stage 2).
-        owners.register(self, [p for f in self._flats[-1] for p in f.params],
+        owners.register(self, [p for f in self._shards.groups[-1] for p in f.params],
                         routes_clipping=self._comm.everyone.world_size > 1 or self._spec.grads.sharded)
 
     @contextlib.contextmanager
@@ -319,7 +319,7 @@ class ZeroAdam(FusedAdam, Joinable):
 
         def build():
             self._enter("sharded_state_dict")
-            return sharded_state.sharded_state_dict(self._seat, self._current_flats())
+            return sharded_state.sharded_state_dict(self._seat, self._pipeline.current())
         return adam_state.with_state_dict_hooks(self, build)
 
     def consolidated_state_dict(self, to_rank: int | None = 0, *, compact: bool = False):

@@ -66,7 +66,7 @@ def _max_difference(opt, model, replica, world_size: int, device) -> torch.Tenso
 
     diff = torch.zeros((), device=device)
     twin = {id(p): q for p, q in zip(model.parameters(), replica.parameters())}
-    for _, flat in internals(opt).flat_shards():
+    for _, flat in internals(opt).shards():
         # The reference laid out like this flat buffer, so the shards line up.
         ref_flat, _ = flatten_params([twin[id(p)].detach() for p in flat.params],
                                      world_size=world_size, bucket_numel=flat.bucket_numel)
@@ -119,7 +119,7 @@ def train(args, rank: int, world_size: int, device) -> dict:
         table = memory_table(n_params, world_size, master_dtype=master)
         formula = {s["stage"]: s for s in table["stages"]}
         held = "exp_avg + exp_avg_sq" if dtype == torch.float32 else "fp32 master + exp_avg + exp_avg_sq"
-        shard = sum(flat.layout.shard_numel for _, flat in internals(opt).flat_shards())
+        shard = sum(flat.layout.shard_numel for _, flat in internals(opt).shards())
         _say("", format_table(table), "",
              f"optimizer state per rank ({held}), {n_params:,} params, {world_size} ranks:",
              f"  DDP formula      {formula['ddp']['optimizer_bytes']:>12,} bytes  (every rank holds all)",

@@ -266,7 +266,7 @@ def _memory_iteration(name, model, net, opt, batch, world, device):
 
 def _zero_figures(opt, splits, world, device, args) -> dict:
     """ZeroAdam only: the Adam step against a copy, and the wire table on its buffers."""
-    shard = sum(f.layout.shard_numel for _, f in internals(opt).flat_shards())
+    shard = sum(f.layout.shard_numel for _, f in internals(opt).shards())
     dist.barrier()  # every rank copies at once, as every rank steps at once
     copy_s = bandwidth.copy_seconds(device, bandwidth.BYTES_PER_PARAM * shard // 2)
     adam = bandwidth.adam_figures(splits, shard, device, opt.backend, copy_s)

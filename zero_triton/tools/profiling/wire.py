@@ -45,7 +45,7 @@ def buffers_of(optimizer) -> list:
     flat buffer of a ZeroAdam: the gradients its reduce-scatters send (in their own
     dtype, also with a wider ``reduce_dtype``) and the parameters its all-gathers fill."""
     out = []
-    for _, flat in internals(optimizer).flat_shards():
+    for _, flat in internals(optimizer).shards():
         param = flat.flat_param
         grad = param  # the gradients: the parameters' dtype and layout (ZeRO-2: in buckets)
         out.append({"numel": flat.layout.padded_numel,
