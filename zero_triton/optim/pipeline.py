@@ -84,11 +84,11 @@ class StepPipeline:
         after its reduce."""
         # The call's arguments go in its agreement row: a rank shadowing under Join makes
         # the same call (zero_triton.optim.join).
-        self.ranks.clip_args = None if in_step else (max_norm, norm_type)
+        self.ranks.clipping(None if in_step else (max_norm, norm_type))
         try:
             total = self.global_norm(norm_type, averaged=in_step)
         finally:
-            self.ranks.clip_args = None
+            self.ranks.clipping(None)
         return None if total is None else self.clipping.clip(total, max_norm, grad_scale)
 
     def global_norm(self, norm_type: float, averaged: bool = False):

@@ -25,7 +25,6 @@ from typing import Any, Optional, Protocol, runtime_checkable
 @runtime_checkable
 class Ranks(Protocol):
     shadowing: bool    # under torch's Join: this rank, out of inputs, runs the others' iteration
-    clip_args: Optional[tuple]  # (max_norm, norm_type) of the clip_grad_norm_ call in progress
 
     def enter(self, seat: Any, entry: str, flats: Optional[list] = None, stale: bool = False,
               detail: str = "") -> bool:
@@ -33,6 +32,11 @@ class Ranks(Protocol):
         for all): follow the user's edits, agreed by every rank. Returns whether the
         gradients must be averaged again (``stale``: changed after their average began,
         on any rank)."""
+
+    def clipping(self, args: Optional[tuple]) -> None:
+        """``clip_grad_norm_``'s ``args`` (max_norm, norm_type) while the call is in
+        progress, None once it is done (or inside ``step``): what its agreement shows a
+        rank shadowing under torch's Join."""
 
     def backward_entry(self, seat: Any) -> Any:
         """What backward's launches call (with a detail naming the bucket) before the

@@ -35,7 +35,9 @@ class OneRank:
     """One rank: a call follows the user's edits; there is nothing to agree on."""
 
     shadowing = False
-    clip_args = None
+
+    def clipping(self, args) -> None:
+        pass
 
     def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
         pairs = flats if flats is not None else seat.shards(follow=True)
@@ -132,6 +134,9 @@ class AgreedRanks:
         # Stage 2 refuses a DDP wrapper at step (a .grad written after backward handed
         # it over): no fingerprint needed there.
         self.averaged_before = AlreadyAveraged(everyone, needed=not spec.grads.sharded)
+
+    def clipping(self, args) -> None:
+        self.clip_args = args
 
     def backward_entry(self, seat):
         """What backward's launches call before the first bucket of a round (handed to
