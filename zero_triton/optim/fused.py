@@ -132,31 +132,31 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
-        flats = self._shards.build(params, group["amsgrad"])
+        shards = self._shards.build(params, group["amsgrad"])
         super().add_param_group(param_group)
         self._edits.add_group(params)  # as given: followed if replaced
-        self._shards.add(self.param_groups, flats)
+        self._shards.add(self.param_groups, shards)
 
-    def _enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+    def _enter(self, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:
         """Start a call that reads the state (``step``, the state dicts, clipping,
         checkpoints): follow what the user changed since the last one, agreed by every
         rank (``Ranks.enter``). Returns whether the gradients must be averaged again."""
-        return self._ranks.enter(self._seat, entry, flats, stale, detail)
+        return self._ranks.enter(self._seat, entry, pairs, stale, detail)
 
     # -- what users read; the layers above read the rest through optim.interface ----------
     @property
     def backend(self) -> str | None:
-        """The backend that steps the first flat buffer (None before there is one)."""
-        return next((flat.backend for _, flat in self._shards.listed(self.param_groups)), None)
+        """The backend that steps the first shard (None before there is one)."""
+        return next((shard.backend for _, shard in self._shards.listed(self.param_groups)), None)
 
-    def _shards_loaded(self, flats) -> None:
-        """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``flats``
+    def _shards_loaded(self, shards) -> None:
+        """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``shards``
         and the parameters from them: the parameters' writes are ours, and ``opt.state``
         views the new state (one rank)."""
-        for flat in flats:
-            flat.published()
-            flat.versions.accept()
-        self._edits.expose(*flats)
+        for shard in shards:
+            shard.published()
+            shard.versions.accept()
+        self._edits.expose(*shards)
         self._ranks.loaded()
 
     def _overlap_removed(self, prefetch) -> None:
@@ -184,8 +184,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         that the parameter is stepped with a zero gradient even if the next backward
         does not reach it."""
         self._reducer.reset()  # reductions still reading the gradients finish first
-        for _, flat in self._pipeline.current(hint=True):
-            flat.zero_grads(set_to_none)
+        for _, shard in self._pipeline.current(hint=True):
+            shard.zero_grads(set_to_none)
         self._pipeline.zeroed()
 
     @torch.no_grad()
@@ -256,11 +256,11 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
             with torch.enable_grad():
                 loss = closure()
         self._reducer.wait_gathers()  # the last step's, when the forward did not need them all
-        flats = self._pipeline.current(hint=True)
-        if any(flat.device.type == "meta" for _, flat in flats):
-            flats = without_meta(flats)
+        pairs = self._pipeline.current(hint=True)
+        if any(shard.device.type == "meta" for _, shard in pairs):
+            pairs = without_meta(pairs)
         self._edits.check_frozen()
-        norm = self._pipeline.step(flats, getattr(self, "grad_scale", None),
+        norm = self._pipeline.step(pairs, getattr(self, "grad_scale", None),
                                    getattr(self, "found_inf", None), self._spec.max_grad_norm,
                                    overlapped=self._overlap is not None)
         if norm is not None:
@@ -286,11 +286,11 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         ``offload="cpu"``, ``host`` and ``device`` split them by where they live."""
         total = {"params": 0, "grads": 0, "master": 0, "moments": 0, "padding": 0, "scratch": 0,
                  "buckets": self._reducer.bytes, "comm": self._comm.held_bytes(), "host": 0}
-        for _, flat in self._shards.listed(self.param_groups):
-            for k, v in flat.nbytes().items():
+        for _, shard in self._shards.listed(self.param_groups):
+            for k, v in shard.nbytes().items():
                 total[k] += v
         total["optimizer_state"] = total["master"] + total["moments"]
-        return split_host(total, [flat for _, flat in self._shards.listed(self.param_groups)])
+        return split_host(total, [shard for _, shard in self._shards.listed(self.param_groups)])
 
     # -- state dict (torch.optim.Adam format: zero_triton.optim.state_dict) ------------------
     @disable_dynamo

@@ -39,10 +39,10 @@ class Internals:
             self._opt._enter(reader)
         return [(gi, s) for gi, shards in enumerate(self._opt._shards.groups) for s in shards]
 
-    def shards_loaded(self, flats) -> None:
-        """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``flats``
+    def shards_loaded(self, shards) -> None:
+        """A loader (``zero_triton.checkpoint``) wrote the master and moments of ``shards``
         and the parameters from them."""
-        self._opt._shards_loaded(flats)
+        self._opt._shards_loaded(shards)
 
     # -- GradScaler's calls (zero_triton.integrations.grad_scaler) ----------------------
     def grads_rescaled(self) -> None:

@@ -26,9 +26,9 @@ from typing import Any, Optional, Protocol, runtime_checkable
 class Ranks(Protocol):
     shadowing: bool    # under torch's Join: this rank, out of inputs, runs the others' iteration
 
-    def enter(self, seat: Any, entry: str, flats: Optional[list] = None, stale: bool = False,
+    def enter(self, seat: Any, entry: str, pairs: Optional[list] = None, stale: bool = False,
               detail: str = "") -> bool:
-        """Start call ``entry`` (``flats``: the (group, Shard) pairs it reads, None
+        """Start call ``entry`` (``pairs``: the (param group, shard) pairs it reads, None
         for all): follow the user's edits, agreed by every rank. Returns whether the
         gradients must be averaged again (``stale``: changed after their average began,
         on any rank)."""
@@ -52,13 +52,13 @@ class Ranks(Protocol):
     def refuse_under_join(self, enabled: bool) -> None:
         """Join's hook was asked for (``enabled``: Join is on): refuse what it cannot do."""
 
-    def before_reduce(self, flats: list) -> None:
-        """The local gradients are all in ``flats``' buffers, about to be averaged."""
+    def before_reduce(self, shards: list) -> None:
+        """The local gradients are all in ``shards``' buffers, about to be averaged."""
 
     def after_reduce(self, seat: Any) -> None:
         """This step's gradients were averaged (or it was asked again)."""
 
-    def agree(self, seat: Any, flats: list, found_inf: Any) -> Any:
+    def agree(self, seat: Any, shards: list, found_inf: Any) -> Any:
         """The step's found_inf (GradScaler's, or None) and which parameters step, agreed
         by every rank before the kernels; returns the found_inf the kernels read."""
 

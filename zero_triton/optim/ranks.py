@@ -39,8 +39,8 @@ class OneRank:
     def clipping(self, args) -> None:
         pass
 
-    def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
-        pairs = flats if flats is not None else seat.shards(follow=True)
+    def enter(self, seat, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:
+        pairs = pairs if pairs is not None else seat.shards(follow=True)
         edits, shards = seat.edits, [flat for _, flat in pairs]
         edits.check_groups(seat.param_groups)
         if edits.edited(seat.state):
@@ -61,13 +61,13 @@ class OneRank:
     def refuse_under_join(self, enabled: bool) -> None:
         pass
 
-    def before_reduce(self, flats) -> None:
+    def before_reduce(self, shards) -> None:
         pass
 
     def after_reduce(self, seat) -> None:
         pass
 
-    def agree(self, seat, flats, found_inf):
+    def agree(self, seat, shards, found_inf):
         return found_inf
 
     def agree_found_inf(self, seat, per_device: dict) -> None:
@@ -160,25 +160,25 @@ class AgreedRanks:
         """Join's hook was asked for: refuse what Join cannot average (``AlreadyAveraged``)."""
         self.averaged_before.refuse_under_join(enabled)
 
-    def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+    def enter(self, seat, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:
         """What this rank found (``_edits_found``, ``_step_found``), one agreement on
         what every rank found, then every rank follows it alike (``_follow``)."""
         self._notify_join(seat, entry)
-        flats = flats if flats is not None else seat.shards(follow=True)
-        flags, refuse, error = self._edits_found(seat, flats)
+        pairs = pairs if pairs is not None else seat.shards(follow=True)
+        flags, refuse, error = self._edits_found(seat, pairs)
         if stale:
             flags |= agreement.STALE
         if self.shadowing:
             flags |= agreement.JOINED
         agreed = self.agreement.check(entry, agreement.Row(
             backwards=seat.reducer.backwards, flags=flags, refuse=refuse, detail=detail,
-            written=tuple((f.key << 32) + i for _, f in flats for i in f.versions.written()),
-            **self._step_found(seat, entry, flats)))
+            written=tuple((f.key << 32) + i for _, f in pairs for i in f.versions.written()),
+            **self._step_found(seat, entry, pairs)))
         if entry == "step":
             self.told = agreed
         if error is not None:
             raise error
-        self._follow(seat, entry, agreed, flats)
+        self._follow(seat, entry, agreed, pairs)
         return bool(agreed & agreement.STALE)
 
     def _notify_join(self, seat, entry: str) -> None:
@@ -189,7 +189,7 @@ class AgreedRanks:
             Join.notify_join_context(seat.optimizer)
 
     @staticmethod
-    def _edits_found(seat, flats) -> tuple:
+    def _edits_found(seat, pairs) -> tuple:
         """The user's edits this rank finds: (flags, refuse code, the error to raise once
         every rank knows): param groups edited by hand (refused), ``opt.state`` reset
         (RESET) or edited in a way the shards cannot take (refused)."""
@@ -199,14 +199,14 @@ class AgreedRanks:
             edits.check_groups(seat.param_groups)
         except RuntimeError as exc:
             refuse, error = 1, exc
-        edit = sharded_state_edit(seat.state, edits.tracked, flats) if edits.edited(seat.state) else None
+        edit = sharded_state_edit(seat.state, edits.tracked, pairs) if edits.edited(seat.state) else None
         if isinstance(edit, RuntimeError):
             refuse, error = refuse or 3, error or edit
         elif edit == "reset":
             flags |= agreement.RESET
         return flags, refuse, error
 
-    def _step_found(self, seat, entry: str, flats) -> dict:
+    def _step_found(self, seat, entry: str, pairs) -> dict:
         """The call's own questions, where the host can answer them: the step's buckets'
         launch signature, which gradients are missing and the hyperparameters' digest;
         clip_grad_norm_'s arguments for a rank shadowing under Join."""
@@ -214,27 +214,27 @@ class AgreedRanks:
         if entry == "step":
             reducer = seat.reducer
             found.update(signature=reducer.last_signature if seat.grads_reduced else reducer.signature,
-                         missing=agreement.missing_digest([f.stepped for _, f in flats]),
+                         missing=agreement.missing_digest([f.stepped for _, f in pairs]),
                          hyper=join.digest(seat.param_groups))
         if entry == "clip_grad_norm_" and self.clip_args and seat.join_enabled:
             found["args"] = tuple(float(a) for a in self.clip_args)
         return found
 
-    def _follow(self, seat, entry: str, agreed: int, flats) -> None:
+    def _follow(self, seat, entry: str, agreed: int, pairs) -> None:
         """What every rank does with what all found: hyperparameters shared (Join, or
         refused when they differ), an agreed reset of the state, ``opt.state`` made anew
         after edits, the masters of written parameters re-seeded, the server's counts."""
         if entry == "step" and agreed & (agreement.JOINED | agreement.HYPER_DIFFER):
             self._share_hyperparameters(seat)
         if agreed & agreement.RESET:
-            for _, flat in flats:
+            for _, flat in pairs:
                 flat.state.reset()
                 flat.state.set_param_steps([0.0] * len(flat.params))
                 flat.reseed(range(len(flat.params)))
         if seat.edits.edited(seat.state):
             # opt.state anew, keeping whatever is not ours
             seat.state = seat.edits.restored(seat.state, [f for _, f in seat.shards()])
-        reseeded = reseed_written([flat for _, flat in flats])
+        reseeded = reseed_written([flat for _, flat in pairs])
         if agreed & agreement.RESET:
             self.loaded()  # every rank reset its shards: counted as a load
         elif reseeded:
@@ -259,15 +259,15 @@ class AgreedRanks:
         if self.shadowing and active:
             join.adopt(seat.param_groups, active[0][1])
 
-    def before_reduce(self, flats) -> None:
-        self.averaged_before.before_reduce(flats)
+    def before_reduce(self, shards) -> None:
+        self.averaged_before.before_reduce(shards)
 
     def after_reduce(self, seat) -> None:
         if self.averaged_before.mine is not None:  # once: exchanged after the reduce-scatter
             self.averaged_before.after_reduce(  # (which fails first)
                 [p for g in seat.param_groups for p in g["params"]], seat.join_enabled)
 
-    def agree(self, seat, flats, found_inf):
+    def agree(self, seat, shards, found_inf):
         """found_inf, which parameters step, and whether every rank launched the same
         buckets, agreed over the ranks; raises if an earlier (GPU) or this step's
         agreement found that they did not. The step's entry agreement (``enter``)
@@ -276,7 +276,7 @@ class AgreedRanks:
         (``zero_triton.comm.step_flags``) is needed only for a found_inf (GradScaler: a
         device value) or when the ranks lack different gradients (a parameter steps if
         any rank has its gradient)."""
-        if not flats:
+        if not shards:
             return found_inf
         self._check_launches(seat)
         told, self.told = self.told, None
@@ -284,10 +284,10 @@ class AgreedRanks:
             if told & agreement.DIFFER:
                 self._launches_differ(seat)
             return None
-        found_inf, partial = self.step_flags.exchange(flats, found_inf, seat.reducer.last_signature)
-        if flats[0].device.type == "cpu":  # read at once: raise before anything is agreed
+        found_inf, partial = self.step_flags.exchange(shards, found_inf, seat.reducer.last_signature)
+        if shards[0].device.type == "cpu":  # read at once: raise before anything is agreed
             self._check_launches(seat)
-        return self.step_flags.finish(flats, found_inf, partial)
+        return self.step_flags.finish(shards, found_inf, partial)
 
     def _check_launches(self, seat) -> None:
         if self.step_flags.launches_differed():
@@ -369,17 +369,17 @@ class CapturedRanks(AgreedRanks):
 
     served_as = CapturedServedState
 
-    def enter(self, seat, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+    def enter(self, seat, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:
         if entry in CAPTURED:
-            return self._enter_captured(seat, flats, stale)
+            return self._enter_captured(seat, pairs, stale)
         self._check_device_agreement()
-        return super().enter(seat, entry, flats, stale, detail)
+        return super().enter(seat, entry, pairs, stale, detail)
 
-    def _enter_captured(self, seat, flats, stale: bool) -> bool:
+    def _enter_captured(self, seat, pairs, stale: bool) -> bool:
         """A captured call's entry: what this rank can follow alone (its param groups
         checked, written parameters re-seeded); an ``opt.state`` edit, which every rank
         must agree on, is refused with the fix."""
-        flats = flats if flats is not None else seat.shards(follow=True)
+        pairs = pairs if pairs is not None else seat.shards(follow=True)
         edits = seat.edits
         edits.check_groups(seat.param_groups)
         if edits.edited(seat.state):
@@ -388,7 +388,7 @@ class CapturedRanks(AgreedRanks):
                 "on, and a step that a CUDA graph can capture agrees on the device only. Load "
                 "state with opt.load_state_dict (collective, agreed on the host), or build the "
                 "optimizer without capturable=True")
-        if reseed_written([flat for _, flat in flats]):
+        if reseed_written([flat for _, flat in pairs]):
             self.served.written()
         return stale
 
@@ -403,13 +403,13 @@ class CapturedRanks(AgreedRanks):
                 "some ranks only); every rank has skipped its steps since, changing nothing. "
                 "Step (and replay) on every rank alike, and change the lr on every rank")
 
-    def agree(self, seat, flats, found_inf):
+    def agree(self, seat, shards, found_inf):
         """Agreed on the device: the step counts, lrs and gradients present are compared
         there, and a step the ranks disagree on changes nothing (read at the next host
         agreement)."""
-        if not flats:
+        if not shards:
             return found_inf
-        return self.step_flags.exchange_on_device(flats, found_inf,
+        return self.step_flags.exchange_on_device(shards, found_inf,
                                                   [g["lr"] for g in seat.param_groups])
 
     def agree_found_inf(self, seat, per_device: dict) -> None:

@@ -121,9 +121,9 @@ class Seat:
         opt = self._ref()
         return opt._pipeline.current() if follow else opt._shards.listed(opt.param_groups)
 
-    def enter(self, entry: str, flats=None, stale: bool = False, detail: str = "") -> bool:
+    def enter(self, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:
         """Start a call that reads the state (``Ranks.enter`` through the optimizer)."""
-        return self._ref()._enter(entry, flats, stale, detail)
+        return self._ref()._enter(entry, pairs, stale, detail)
 
     def drop_averages(self) -> None:
         """A step was refused after its averages: average again at the next step, and
