@@ -177,8 +177,10 @@ class Home(Protocol):
     def rehomed(self) -> "Home":
         """A new home of the same parameters where they are now."""
 
-    def carry_over(self, old: "Home", written: Any) -> None:
-        """Take what ``old`` held that the new home keeps (gradients, masters to re-seed)."""
+    def carry_over(self, old: "Home", written: Any) -> list:
+        """Take what ``old`` held that the new home keeps (its gradients); returns the
+        parameters whose masters start again from their values (``written``, and any
+        whose values the user replaced; none where the engine's writes are followed)."""
 
     def launch(self, backend: str, format: str, plain: bool, buffers: Any) -> Any:
         """The launch part (``optim.launch``) that steps a side of a shard of this home

@@ -111,11 +111,9 @@ class Shard:
 
     # -- what the home holds ---------------------------------------------------------------
     params = property(lambda self: self.home.params)
-    comm = property(lambda self: self.home.comm)
     layout = property(lambda self: self.home.layout)
     segments = property(lambda self: self.home.segments)
     param_parts = property(lambda self: self.home.param_parts)
-    param_views = property(lambda self: self.home.param_views)
     grad_buffer = property(lambda self: self.home.grad_buffer)
     flat_param = property(lambda self: self.home.flat_param)
     flat_grad = property(lambda self: self.home.flat_grad)
@@ -123,7 +121,6 @@ class Shard:
     separate_shard = property(lambda self: self.home.separate_shard)
     engine_owned = property(lambda self: self.home.engine_owned)
     bucket_numel = property(lambda self: self.home.bucket_numel)
-    reducer = property(lambda self: self.home.reducer)
 
     def remove_hooks(self):
         self.home.remove_hooks()
@@ -198,7 +195,7 @@ class Shard:
         checkpoint's load, whose model file holds the other ranks' shards as the gathers
         left them): hold there what our own gather would write (``Comm.gathered``)."""
         for part in self.param_parts:
-            ours = self.comm.gathered(part)
+            ours = self.home.comm.gathered(part)
             if ours is not part:
                 part.copy_(ours)
 
@@ -209,12 +206,12 @@ class Shard:
         master = self.state.master.export()
         if master is None:
             return part
-        return written_values(part, master[s0:s0 + part.numel()].to(part.device), self.comm)
+        return written_values(part, master[s0:s0 + part.numel()].to(part.device), self.home.comm)
 
     def sync_grads(self):
         """Decide which parameters have a gradient at this step (``self.stepped``: None
         when all do): torch's rule, ``.grad`` not None (``zero_triton.comm.grads``)."""
-        self.stepped = self.grad_buffer.sync(self.param_views)
+        self.stepped = self.grad_buffer.sync(self.home.param_views)
 
     def zero_grads(self, set_to_none: bool = True):
         """``zero_grad``, as torch.optim.Optimizer's."""
