@@ -34,6 +34,7 @@ class Eager:
 
     keywords = {"capturable": False}  # in torch's param groups, and a copy's options
     staging = Staging
+    agreed = AgreedRanks  # the ranks part over a group of several
 
     def buffers(self) -> Buffers:
         """A new part's buffers."""
@@ -47,7 +48,7 @@ class Eager:
 
     def ranks(self, seat, comm, spec):
         """The ``Ranks`` part of a ZeroAdam over ``comm`` (``optim.ranks``)."""
-        return AgreedRanks(seat, comm, spec) if comm.everyone.world_size > 1 else OneRank()
+        return self.agreed(seat, comm, spec) if comm.everyone.world_size > 1 else OneRank()
 
     def check_backend(self, backend: str, dtype: torch.dtype, device) -> None:
         """Refuse, before anything is built, a shard of ``dtype`` on ``device`` that the
@@ -62,6 +63,7 @@ class Captured(Eager):
 
     keywords = {"capturable": True}
     staging = OwnStaging
+    agreed = CapturedRanks
 
     def buffers(self) -> Buffers:
         return Kept()
@@ -69,9 +71,6 @@ class Captured(Eager):
     @staticmethod
     def early(bucket_cap_mb) -> bool:
         return False
-
-    def ranks(self, seat, comm, spec):
-        return CapturedRanks(seat, comm, spec) if comm.everyone.world_size > 1 else OneRank()
 
     def check_backend(self, backend: str, dtype: torch.dtype, device) -> None:
         """A kernel that reads lr, step and the flags on the device: torch's ops (float64

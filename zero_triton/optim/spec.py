@@ -20,7 +20,7 @@ from zero_triton.comm import buckets, grads
 from zero_triton.comm.compressed import CODECS  # what can be sent compressed
 from zero_triton.native import backends
 from zero_triton.optim import offload as offloads
-from zero_triton.optim.capture import CAPTURED, EAGER, Eager
+from zero_triton.optim.capture import CAPTURED, EAGER, Captured, Eager
 from zero_triton.optim.checks import check_flag
 from zero_triton.state import moments as moment_formats
 
@@ -162,7 +162,7 @@ class Spec:
             raise ValueError("offload='cpu' cannot be used with differentiable=True: autograd "
                              "through the step needs torch's own state beside the parameters; "
                              "leave offload out")
-        if offload is not None and self.capture is CAPTURED:
+        if offload is not None and isinstance(self.capture, Captured):
             raise ValueError("offload='cpu' cannot be used with capturable=True: the offloaded "
                              "state is stepped by the host, which a CUDA graph cannot capture "
                              "(it records device work only); leave one of them out")
