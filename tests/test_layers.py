@@ -502,6 +502,18 @@ def test_the_modes_are_read_only_where_they_are_chosen(word):
     assert readers <= MODES_CHOSEN[word] and len(readers) <= 2, sorted(readers)
 
 
+def test_no_module_asks_which_kind_of_home_a_shard_has():
+    """What differs between a flat buffer's shards and DTensor parameters' (the global
+    norm's reduction, the compact entries, the checkpoint files' refusal) is a method of
+    each home (``optim.protocol.Home``), not a branch on a flag naming the kind."""
+    planted = ast.parse("def f(shard):\n    return 1 if shard.engine_owned else 0")
+    assert mode_readers("engine_owned", [("optim/x.py", planted)]) == {"optim/x.py"}
+    assert not mode_readers("engine_owned", _sources())
+    readers = {rel for rel, tree in _sources() if rel != "optim/engine_home.py" and any(
+        isinstance(n, ast.Name) and n.id == "EngineHome" for n in ast.walk(tree))}
+    assert readers <= {"optim/shard.py", "optim/protocol.py"}, sorted(readers)
+
+
 def test_the_step_functions_are_called_from_one_module():
     """``backends.step_function`` / ``list_step_function`` are obtained (and the kernels'
     entry points imported) only by the launch part (and torch.library's operator); the

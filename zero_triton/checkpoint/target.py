@@ -63,14 +63,7 @@ class Target:
         self.flats = [flat for _, flat in shards]
         self.flat_groups = [gi for gi, _ in shards]
         for flat in self.flats:
-            if flat.engine_owned:
-                raise TypeError(
-                    f"zero_triton.checkpoint ({entry}) saves the flat buffers FusedAdam and "
-                    "ZeroAdam own; this optimizer steps DTensor parameters (FSDP2, tensor "
-                    "parallel), whose shards their engine owns. Save it with "
-                    "torch.distributed.checkpoint: dcp.save({'optim': get_optimizer_state_dict("
-                    "model, optimizer)}, checkpoint_id=...) (torch.distributed.checkpoint."
-                    "state_dict), as for torch.optim.AdamW")
+            flat.home.checkpointable(entry)
             if flat.dtype == torch.float64 or any(p.is_complex() for p in flat.params):
                 raise TypeError(
                     f"zero_triton.checkpoint ({entry}) stores float32, float16 and bfloat16 "

@@ -9,52 +9,25 @@ import torch
 from zero_triton.state.buffers import PLAIN, Buffers
 
 
-def global_norm(flats: list, comm, norm_type: float, buffers: Buffers) -> torch.Tensor:
-    """The ``norm_type`` norm of the gradient whose pieces are every rank's shards of
-    ``flats`` (no host sync), a 0-dim float32 tensor: the shards' terms are reduced over
-    ``comm`` (one all-reduce), or, for DTensor parameters' shards, over their meshes
-    (``zero_triton.optim.engine_home``), as torch's clip_grad_norm_ reduces DTensors.
-    Computed in ``buffers``' ``kept`` tensors: nothing is allocated once they are kept
-    (``state.buffers.Kept``, capturable=True)."""
-    engine = [f.engine_owned for f in flats]
-    if any(engine) and not all(engine):
+def global_norm(shards: list, comm, norm_type: float, buffers: Buffers) -> torch.Tensor:
+    """The ``norm_type`` norm of the gradient whose pieces are every rank's ``shards``
+    (no host sync), a 0-dim float32 tensor: their homes add up |g|^norm_type (the largest
+    |g| for inf) over every rank (``Home.norm_total``: a flat buffer's shards reduced
+    over ``comm``, DTensor parameters' over their meshes, as torch's clip_grad_norm_
+    reduces DTensors). Computed in ``buffers``' ``kept`` tensors: nothing is allocated
+    once they are kept (``state.buffers.Kept``, capturable=True)."""
+    homes = [s.home for s in shards]
+    kinds = {type(h) for h in homes}
+    if len(kinds) > 1:
         raise RuntimeError(
             "clip_grad_norm_ over DTensor parameters (FSDP2, tensor parallel) and plain ones "
             "together: the plain ones' ranks are not the meshes' (torch's clip_grad_norm_ "
             "refuses the mix too). Make every parameter a DTensor (replicate the plain ones "
             "over the mesh: distribute_tensor(p, mesh, [Replicate()])), or clip them apart")
-    device = flats[0].device
-    inf = norm_type == math.inf
-    # Over ranks, in float64: the sum of per-shard parts then rounds to the same float32
-    # for any bucket size (whose shards split the sum differently).
-    acc = torch.float32 if inf else torch.float64 if comm.world_size > 1 or all(engine) else torch.float32
-    reduce = torch.amax if inf else torch.sum
-    total = buffers.kept("total", 1, acc, device)
-    if all(engine):  # each flat buffer's term reduced over its meshes, then added here
-        terms = buffers.kept("engine terms", len(flats), acc, device)
-        for f, term in zip(flats, terms):
-            term.copy_(f.grad_norm_term(norm_type, acc, buffers))
-        reduce(terms, dim=0, keepdim=True, out=total)
-    else:
-        # Per flat buffer, its buckets' terms summed (the largest for inf), then over the
-        # flat buffers: the two sums torch.stack(...).sum() made, into kept tensors; then
-        # over the ranks.
-        counts = [len(f.buckets) for f in flats]
-        terms = buffers.kept("terms", sum(counts), acc, device)
-        totals = buffers.kept("totals", len(flats), acc, device)
-        at = 0
-        for i, (f, n) in enumerate(zip(flats, counts)):
-            f.grad_norm_terms(norm_type, terms[at:at + n])
-            if n:
-                reduce(terms[at:at + n], dim=0, out=totals[i])
-            else:
-                totals[i].zero_()
-            at += n
-        reduce(totals, dim=0, keepdim=True, out=total)
-        comm.all_reduce(total, "max" if inf else "sum")
-    if inf:
+    total = kinds.pop().norm_total(homes, comm, norm_type, buffers)
+    if norm_type == math.inf:
         return total.view(())
-    norm = buffers.kept("norm", 1, torch.float32, device)
+    norm = buffers.kept("norm", 1, torch.float32, total.device)
     norm.copy_(total.pow_(1.0 / norm_type))
     return norm.view(())
 

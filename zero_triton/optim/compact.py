@@ -31,7 +31,7 @@ DCP reshards both with the parameter: a parameter's blocks are runs of 256 of it
 (``zero_triton.optim.engine_home.blocks_fit``: the same parameters at every layout);
 where a tensor-parallel cut splits blocks between ranks, the ranks agree on their scales
 and each holds those of every block of its rows (replicated over the cut:
-``_scales_placements``). Parameters whose rows are not whole blocks hold fp32 moments, in
+``engine_home.scales_placements``). Parameters whose rows are not whole blocks hold fp32 moments, in
 torch's format, at every layout. DCP keeps no top-level
 marker: a compact entry is known by its keys, and ``expand`` and ``load_state_dict``
 take it wherever it is found (``dcp_to_torch_save``'s file included: expanded, it is
@@ -57,7 +57,6 @@ import torch
 
 from zero_triton.kernels import quant
 from zero_triton.optim.engine_home import is_dtensor
-from zero_triton.optim.launch import settle
 from zero_triton.optim.rows import local_indices, row_map
 from zero_triton.optim.state_dict import packed_groups
 from zero_triton.state import moments as moment_formats
@@ -99,79 +98,18 @@ def compact(opt, state_dict: dict) -> dict:
     marker = {"moments": fmt, "version": VERSION}
     if fmt == "fp32":
         return {**state_dict, KEY: marker}
-    store = moment_formats.FORMATS[fmt]
     _, ids = packed_groups(opt)
     state = dict(state_dict["state"])
-    for _, flat in opt.shards():
-        for i, p in enumerate(flat.params):
+    for _, shard in opt.shards():
+        for i, p in enumerate(shard.params):
             entry = state.get(ids[id(p)])
             if not isinstance(entry, dict) or FIRST not in entry:
                 continue
-            if flat.engine_owned:
-                local = _engine_entry(flat, i, p)
-                if local is not None:
-                    kept = {k: v for k, v in entry.items() if k not in (FIRST, SECOND)}
-                    state[ids[id(p)]] = {**kept, **local}
-                continue
-            view = flat.by_param  # the parameter's elements in its blocks' (memory) order
-            first, second = (view.elements(i, entry[k].detach().cpu()) for k in (FIRST, SECOND))
-            kept = {k: v for k, v in entry.items() if k not in (FIRST, SECOND)}
-            codes = store.compact(first, second, view.layout.shapes[i], view.stride(i))
-            state[ids[id(p)]] = {**kept, **codes}
+            codes = shard.home.compact_entry(shard.state.moments, i, entry)
+            if codes is not None:
+                kept = {k: v for k, v in entry.items() if k not in (FIRST, SECOND)}
+                state[ids[id(p)]] = {**kept, **codes}
     return {**state_dict, "state": state, KEY: marker}
-
-
-def _scales_placements(p, shared: bool) -> list:
-    """The placements of DTensor ``p``'s int8 scales, a DTensor of global shape (rows,
-    row length / 256, 2): its rows split as ``p``'s (``Shard(0)``, ``_StridedShard(0)``);
-    a cut of its rows splits the blocks as ``Shard(1)`` where each rank holds whole blocks,
-    and replicates them where ranks share blocks (``shared``: each then holds the agreed
-    scales of every block of its rows, ``zero_triton.state.int8_rows``)."""
-    from torch.distributed.tensor import Replicate, Shard
-    out = []
-    for pl in p.placements:
-        if pl.is_replicate() or pl.is_partial() or pl.dim % len(p.shape) == 0:
-            out.append(pl)
-        else:
-            out.append(Replicate() if shared else Shard(1))
-    return out
-
-
-def _engine_entry(flat, i: int, p) -> dict | None:
-    """DTensor parameter ``i`` of engine shard ``flat``: its moments as the store keeps
-    them, as DTensors: the codes with its mesh and placements, the scales of shape (rows,
-    row length / 256, 2) (``_scales_placements``); None for fp32 moments (torch's
-    format). The same keys and global shapes at every layout: DCP moves them between
-    layouts."""
-    from torch.distributed.tensor import DTensor
-    store, fmt = flat.state.moments, flat.state.moments.format
-    if fmt == "fp32":
-        return None
-    lo, hi, s0 = flat.segments[i]
-    local = flat.home.locals[i]
-    mesh, placements = p.device_mesh, p.placements
-
-    def shared(t, shape=None, stride=None, placements=placements):
-        return DTensor.from_local(t, mesh, placements, run_check=False,
-                                  shape=shape or p.shape, stride=stride or p.stride())
-    if fmt == "bf16":
-        return {FIRST: shared(store.exp_avg[s0:s0 + hi - lo].view(local.shape).clone()),
-                SECOND: shared(store.exp_avg_sq[s0:s0 + hi - lo].view(local.shape).clone())}
-    shape = tuple(p.shape)
-    global_scales = (shape[0], math.prod(shape[1:]) // BLOCK, 2)
-    n = hi - lo
-    if flat.home.rows:
-        if s0 in store.pending:  # loaded in torch's format, not stepped since: agree now
-            settle(store, s0, flat.home.maps[i])
-        scales = store.table(s0)
-    else:
-        per_row = math.prod(local.shape[1:]) // BLOCK
-        scales = store.scales[s0 // BLOCK:(s0 + n) // BLOCK].reshape(local.shape[0], per_row, 2)
-    first, second, scales_key = Int8Moments.COMPACT
-    return {first: shared(store.exp_avg[s0:s0 + n].view(local.shape).clone()),
-            second: shared(store.exp_avg_sq[s0:s0 + n].view(local.shape).clone()),
-            scales_key: shared(scales.clone(), global_scales, (global_scales[1] * 2, 2, 1),
-                               _scales_placements(p, flat.home.rows))}
 
 
 def _expand_int8(entry: dict, where: str) -> dict:
@@ -193,7 +131,7 @@ def _expand_int8(entry: dict, where: str) -> dict:
 def _local_moments(entry: dict, where: str) -> dict:
     """A DTensor compact int8 entry's local codes as float32 moments: each element decoded
     by the scale of its block of its row, whichever of the scales' columns this rank
-    holds (``_scales_placements``: a block split as the codes, or every block of the rows)."""
+    holds (``engine_home.scales_placements``: a block split as the codes, or every block of the rows)."""
     first, second, scales = (entry.get(k) for k in Int8Moments.COMPACT)
     ok = (is_dtensor(second) and is_dtensor(scales) and first.dtype == quant.FIRST.dtype
           and second.dtype == quant.SECOND.dtype and second.shape == first.shape

@@ -32,9 +32,11 @@ import torch.distributed as dist
 from zero_triton.comm.grads import zero_in_place
 from zero_triton.comm.protocol import Comm
 from zero_triton.optim.flat_home import one_kind
-from zero_triton.optim.launch import ListLaunch, RowsLaunch
+from zero_triton.optim.launch import ListLaunch, RowsLaunch, settle
 from zero_triton.optim.rows import row_map
 from zero_triton.state.flat import FlatLayout
+from zero_triton.state.int8 import BLOCK, Int8Moments
+from zero_triton.state.moments import FIRST, SECOND
 
 _DTENSOR = []  # torch's DTensor class once looked up (None where torch has none)
 
@@ -135,6 +137,22 @@ def _check_local(p, t, i: int) -> None:
             "p.data.contiguous()), or optimize it with torch.optim.AdamW(fused=True)")
 
 
+def scales_placements(p, shared: bool) -> list:
+    """The placements of DTensor ``p``'s int8 scales, a DTensor of global shape (rows,
+    row length / 256, 2): its rows split as ``p``'s (``Shard(0)``, ``_StridedShard(0)``);
+    a cut of its rows splits the blocks as ``Shard(1)`` where each rank holds whole blocks,
+    and replicates them where ranks share blocks (``shared``: each then holds the agreed
+    scales of every block of its rows, ``zero_triton.state.int8_rows``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    out = []
+    for pl in p.placements:
+        if pl.is_replicate() or pl.is_partial() or pl.dim % len(p.shape) == 0:
+            out.append(pl)
+        else:
+            out.append(Replicate() if shared else Shard(1))
+    return out
+
+
 class EngineGrads:
     """The gradients of DTensor parameters, where the engine puts them: read at the step
     (``sync``), never moved. ``grads[i]``: parameter ``i``'s local gradient, flat, at
@@ -211,7 +229,6 @@ class EngineHome:
 
     # The parameters' storage and gradients are their engine's (DTensor): clipping
     # reduces their norm over each parameter's mesh, checkpoints go through DCP.
-    engine_owned = True
     gathers = False  # the engine gathers its parameters itself
     # No buckets, no flat buffer of ours: the engine averages and gathers.
     flat_param, flat_grad, reducer, bucket_numel = None, None, None, None
@@ -316,6 +333,21 @@ class EngineHome:
             return out.zero_()
         return (torch.amax if inf else torch.sum)(totals, dim=0, out=out)
 
+    @classmethod
+    def norm_total(cls, homes: list, comm: Comm, norm_type: float, buffers) -> torch.Tensor:
+        """The sum of |g|^norm_type (the largest |g| for inf) of ``homes``' gradients over
+        every rank of their meshes, a 1-element tensor: each home's term reduced over its
+        meshes (``grad_norm_term``, float64 but for inf), then added up here."""
+        inf = norm_type == math.inf
+        acc = torch.float32 if inf else torch.float64
+        device = homes[0].device
+        total = buffers.kept("total", 1, acc, device)
+        terms = buffers.kept("engine terms", len(homes), acc, device)
+        for h, term in zip(homes, terms):
+            term.copy_(h.grad_norm_term(norm_type, acc, buffers))
+        (torch.amax if inf else torch.sum)(terms, dim=0, keepdim=True, out=total)
+        return total
+
     # -- the state, as DTensors ---------------------------------------------------------
     def views(self, views: dict) -> dict:
         """Per-parameter DTensors over each state view, with the parameter's mesh,
@@ -347,6 +379,51 @@ class EngineHome:
         return value
 
     # -- the engine's parameters --------------------------------------------------------
+    def compact_entry(self, moments, i: int, entry: dict) -> dict | None:
+        """DTensor parameter ``i``'s moments as ``moments`` (the shard's store) keeps them,
+        as DTensors, for the compact state dict (``optim.compact``): the codes with its mesh
+        and placements, the scales of shape (rows, row length / 256, 2)
+        (``scales_placements``); None for fp32 moments (torch's ``entry`` as it is). The
+        same keys and global shapes at every layout: DCP moves them between layouts."""
+        from torch.distributed.tensor import DTensor
+        fmt = moments.format
+        if fmt == "fp32":
+            return None
+        p, local = self.params[i], self.locals[i]
+        lo, hi, s0 = self.segments[i]
+        mesh, placements = p.device_mesh, p.placements
+
+        def shared(t, shape=None, stride=None, placements=placements):
+            return DTensor.from_local(t, mesh, placements, run_check=False,
+                                      shape=shape or p.shape, stride=stride or p.stride())
+        n = hi - lo
+        if fmt == "bf16":
+            return {FIRST: shared(moments.exp_avg[s0:s0 + n].view(local.shape).clone()),
+                    SECOND: shared(moments.exp_avg_sq[s0:s0 + n].view(local.shape).clone())}
+        shape = tuple(p.shape)
+        global_scales = (shape[0], math.prod(shape[1:]) // BLOCK, 2)
+        if self.rows:
+            if s0 in moments.pending:  # loaded in torch's format, not stepped since: agree now
+                settle(moments, s0, self.maps[i])
+            scales = moments.table(s0)
+        else:
+            per_row = math.prod(local.shape[1:]) // BLOCK
+            scales = moments.scales[s0 // BLOCK:(s0 + n) // BLOCK].reshape(local.shape[0], per_row, 2)
+        first, second, scales_key = Int8Moments.COMPACT
+        return {first: shared(moments.exp_avg[s0:s0 + n].view(local.shape).clone()),
+                second: shared(moments.exp_avg_sq[s0:s0 + n].view(local.shape).clone()),
+                scales_key: shared(scales.clone(), global_scales, (global_scales[1] * 2, 2, 1),
+                                   scales_placements(p, self.rows))}
+
+    def checkpointable(self, entry: str) -> None:
+        raise TypeError(
+            f"zero_triton.checkpoint ({entry}) saves the flat buffers FusedAdam and "
+            "ZeroAdam own; this optimizer steps DTensor parameters (FSDP2, tensor "
+            "parallel), whose shards their engine owns. Save it with "
+            "torch.distributed.checkpoint: dcp.save({'optim': get_optimizer_state_dict("
+            "model, optimizer)}, checkpoint_id=...) (torch.distributed.checkpoint."
+            "state_dict), as for torch.optim.AdamW")
+
     def first_moved(self, hint: bool = False) -> tuple:
         """(index of the first parameter whose local shard changed dtype or device
         (``model.to``) or -1, the parameters whose shard the engine replaced with another

@@ -15,6 +15,9 @@ from zero_triton.comm import buckets
 from zero_triton.comm.protocol import Comm
 from zero_triton.optim.launch import DeviceLaunch
 from zero_triton.state.flat import as_param, flatten_params, real_dtype
+from zero_triton.state import moments as moment_formats
+from zero_triton.state.moments import FIRST, SECOND
+from zero_triton.state.param_view import ParamView
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # The dtypes of flat buffers; complex parameters live in their real dtype's buffer as
@@ -68,7 +71,6 @@ class FlatHome:
 
     # The parameters live in our flat buffer (EngineHome: their engine's, DTensor), and
     # we gather them after the step, bucket by bucket.
-    engine_owned = False
     gathers = True
 
     def __init__(self, params, comm: Comm, spec, *, key=0, reducer=None, bucket_numel=None):
@@ -158,10 +160,36 @@ class FlatHome:
     def grad_norm_terms(self, norm_type: float, out: torch.Tensor) -> None:
         """This rank's part of the gradient norm, bucket by bucket, into ``out`` (one
         element per bucket, in the sum's dtype): the sum of |g|^norm_type over each
-        bucket's averaged shard (its largest |g| for the inf norm), for clipping to add
-        up and reduce over the optimizer's ranks."""
+        bucket's averaged shard (its largest |g| for the inf norm)."""
         for b, term in zip(self.buckets, out):
             norm_term(b.averaged(), norm_type, term)
+
+    @classmethod
+    def norm_total(cls, homes: list, comm: Comm, norm_type: float, buffers) -> torch.Tensor:
+        """The sum of |g|^norm_type (the largest |g| for inf) over every rank's averaged
+        shards of ``homes``, a 1-element tensor: per home its buckets' terms, then over
+        the homes (the two sums torch.stack(...).sum() made, into ``buffers``' kept
+        tensors), then over ``comm``'s ranks, in float64 there: the sum of per-shard
+        parts then rounds to the same float32 for any bucket size."""
+        inf = norm_type == math.inf
+        acc = torch.float32 if inf or comm.world_size == 1 else torch.float64
+        reduce = torch.amax if inf else torch.sum
+        device = homes[0].device
+        total = buffers.kept("total", 1, acc, device)
+        counts = [len(h.buckets) for h in homes]
+        terms = buffers.kept("terms", sum(counts), acc, device)
+        totals = buffers.kept("totals", len(homes), acc, device)
+        at = 0
+        for i, (h, n) in enumerate(zip(homes, counts)):
+            h.grad_norm_terms(norm_type, terms[at:at + n])
+            if n:
+                reduce(terms[at:at + n], dim=0, out=totals[i])
+            else:
+                totals[i].zero_()
+            at += n
+        reduce(totals, dim=0, keepdim=True, out=total)
+        comm.all_reduce(total, "max" if inf else "sum")
+        return total
 
     # -- the state, per parameter ----------------------------------------------------------
     def views(self, views: dict) -> dict:
@@ -177,6 +205,20 @@ class FlatHome:
         return value
 
     # -- the parameters moved behind our back ------------------------------------------
+    def compact_entry(self, moments, i: int, entry: dict) -> dict | None:
+        """Parameter ``i``'s moments, given in torch's ``entry``, as ``moments`` (the
+        shard's store, either side of an offload's cut) keeps them, for the compact state
+        dict (``optim.compact``): its elements in the flat buffer's (its blocks') order,
+        encoded by the store's format."""
+        view = ParamView(self.layout, self.segments)
+        first, second = (view.elements(i, entry[k].detach().cpu()) for k in (FIRST, SECOND))
+        encode = moment_formats.FORMATS[moments.format].compact
+        return encode(first, second, self.layout.shapes[i], view.stride(i))
+
+    def checkpointable(self, entry: str) -> None:
+        """zero_triton.checkpoint saves our flat buffers (raises, naming the fix, for a
+        home it cannot save)."""
+
     def first_moved(self, hint: bool = False) -> tuple:
         """(index of the first parameter whose storage is no longer its place in the flat
         buffer (``model.to(...)`` after construction) or -1, the parameters followed where

@@ -144,7 +144,6 @@ class Home(Protocol):
     grad_buffer: Any      # how its gradients are held (``comm.protocol.GradHolder``)
     rows: bool            # each segment a local shard stepped through its rows (``optim.rows``)
     seed: int             # stochastic rounding's seed
-    engine_owned: bool    # the engine owns the parameters' storage and gradients
     gathers: bool         # we gather the updated parameters (bucket by bucket) after the step
     separate_shard: bool  # the averaged gradients live apart from the local ones
     flat_param: Any       # the flat parameter buffer (None: the engine's)
@@ -186,6 +185,20 @@ class Home(Protocol):
         """The launch part (``optim.launch``) that steps a side of a shard of this home
         with ``backend`` for ``format`` moments (``plain``: the master's format keeps no
         extra bits), its scratch from ``buffers``."""
+
+    @classmethod
+    def norm_total(cls, homes: list, comm: Any, norm_type: float, buffers: Any) -> Any:
+        """The sum of |g|^norm_type (the largest |g| for inf) of the averaged gradients of
+        ``homes`` (all of this kind) over every rank, a 1-element tensor in ``buffers``'
+        kept tensors: what clipping's global norm is the root of."""
+
+    def compact_entry(self, moments: Any, i: int, entry: dict) -> Any:
+        """Parameter ``i``'s moments as ``moments`` (the shard's store) keeps them, for the
+        compact state dict; None to keep torch's ``entry`` as it is."""
+
+    def checkpointable(self, entry: str) -> None:
+        """Raise, naming the fix, where ``zero_triton.checkpoint`` (called as ``entry``)
+        cannot save this home's shards."""
 
     def watch_averages(self, watcher: Any) -> None:
         """Tell ``watcher(k, landed)`` when segment ``k``'s averages start and land."""

@@ -119,7 +119,6 @@ class Shard:
     flat_grad = property(lambda self: self.home.flat_grad)
     buckets = property(lambda self: self.home.buckets)
     separate_shard = property(lambda self: self.home.separate_shard)
-    engine_owned = property(lambda self: self.home.engine_owned)
     bucket_numel = property(lambda self: self.home.bucket_numel)
 
     def remove_hooks(self):
@@ -267,16 +266,6 @@ class Shard:
             side.step(js, args, runs)
         for k in ks:
             self.home.finished(k)
-
-    def grad_norm_term(self, norm_type: float, dtype, buffers) -> torch.Tensor:
-        """This rank's part of the gradient norm, in ``dtype``, reduced over each DTensor
-        parameter's mesh (``EngineHome``), in ``buffers``."""
-        return self.home.grad_norm_term(norm_type, dtype, buffers)
-
-    def grad_norm_terms(self, norm_type: float, out: torch.Tensor) -> None:
-        """This rank's part of the gradient norm, bucket by bucket, into ``out``
-        (``FlatHome``)."""
-        self.home.grad_norm_terms(norm_type, out)
 
     def averaged_grads(self) -> list:
         """This rank's averaged shard of each bucket, in order (zeros where none was
