@@ -37,14 +37,14 @@ class StepFlags:
         self.pending = None    # the launch check not yet read: a CPU tensor or (pinned, event)
         self.device_flags = None  # capturable: (flags, its parts, the step count, diverged)
 
-    def exchange(self, flats, found_inf, signature: int):
-        """The all-reduce of ``found_inf`` (or None), of which parameters of ``flats``
+    def exchange(self, shards, found_inf, signature: int):
+        """The all-reduce of ``found_inf`` (or None), of which parameters of ``shards``
         have a gradient and of the launch ``signature``. Returns (found_inf, partial):
         on a GPU a skip flag stands in for a None found_inf; ``partial``: some
         parameter lacks a gradient here. ``launches_differed()`` then reads the launch
         check, ``finish`` the rest."""
-        n = sum(len(f.params) for f in flats)
-        device = flats[0].device
+        n = sum(len(f.params) for f in shards)
+        device = shards[0].device
         flags = self.flags
         if flags is None or flags.numel() != n + 3 or flags.device != device:
             flags = self.flags = torch.zeros(n + 3, dtype=torch.float32, device=device)
@@ -60,9 +60,9 @@ class StepFlags:
         signature = float(signature)
         sig[0:1].fill_(signature)  # fills, not a copy from the host: no sync on a GPU
         sig[1:2].fill_(-signature)
-        partial = any(f.stepped is not None for f in flats)
+        partial = any(f.stepped is not None for f in shards)
         if partial:
-            bits = [b for f in flats for b in (f.stepped if f.stepped is not None else [True] * len(f.params))]
+            bits = [b for f in shards for b in (f.stepped if f.stepped is not None else [True] * len(f.params))]
             tail.copy_(torch.tensor(bits, dtype=torch.float32))
         else:
             tail.fill_(1.0)
@@ -80,14 +80,14 @@ class StepFlags:
             self.pending = (pinned, event)
         return found_inf, partial
 
-    def finish(self, flats, found_inf, partial: bool):
-        """The agreed answers: ``stepped`` of each of ``flats`` (a parameter steps if any
+    def finish(self, shards, found_inf, partial: bool):
+        """The agreed answers: ``stepped`` of each of ``shards`` (a parameter steps if any
         rank has its gradient) and ``found_inf`` (returned; None if it was None)."""
         head, _, tail, _ = self.parts
         if partial:  # only a rank that lacks some gradient needs the answer on the host
             agreed = (tail > 0).tolist()
             at = 0
-            for f in flats:
+            for f in shards:
                 mine = agreed[at:at + len(f.params)]
                 at += len(f.params)
                 f.stepped = None if all(mine) else mine
@@ -96,17 +96,17 @@ class StepFlags:
         found_inf.copy_(head.reshape(found_inf.shape).to(found_inf.device))
         return found_inf
 
-    def exchange_on_device(self, flats, found_inf, lrs: list):
+    def exchange_on_device(self, shards, found_inf, lrs: list):
         """capturable=True: the step's agreement, all on the device (nothing allocated,
         nothing read on the host). One MAX all-reduce of [found_inf, (this rank's step
         count, each group's lr, has-gradient flags per parameter), their negations];
         where max(x) != -max(-x) the ranks differ: ``diverged`` becomes 1 and stays so.
         Returns the flag the kernels skip by (GradScaler's ``found_inf``, written with
-        the agreed inf, or the optimizer's own) and writes each of ``flats``' ``stepped``
+        the agreed inf, or the optimizer's own) and writes each of ``shards``' ``stepped``
         (its own: a rank lacking other gradients than the rest is a divergence)."""
-        n = sum(len(f.params) for f in flats)
+        n = sum(len(f.params) for f in shards)
         k = 1 + len(lrs) + n  # the values compared over the ranks
-        device = flats[0].device
+        device = shards[0].device
         made = self.device_flags
         if made is None or made[0].numel() != 1 + 2 * k or made[0].device != device:
             flags = torch.zeros(1 + 2 * k, dtype=torch.float32, device=device)
@@ -128,7 +128,7 @@ class StepFlags:
         bits = pos[1 + len(lrs):]
         bits.fill_(1.0)
         at = 0
-        for f in flats:
+        for f in shards:
             if f.stepped is not None:
                 for i, stepped in enumerate(f.stepped):
                     if not stepped:

@@ -32,24 +32,24 @@ def build_shards(trainable: list, comm, spec, *, amsgrad: bool, key: int, reduce
         backends.resolve(spec.backend, trainable[0].device)  # raises with the fix
     plain = [p for p in trainable if not is_dtensor(p)]
     engine = [p for p in trainable if is_dtensor(p)]
-    flats = []
+    shards = []
     try:
         for dtype in FLAT_DTYPES:
             members = [p for p in plain if real_dtype(p.dtype) == dtype]
             if members:
-                flats.append(Shard.flat(members, comm, spec, amsgrad=amsgrad,
-                                        key=key + len(flats), reducer=reducer))
+                shards.append(Shard.flat(members, comm, spec, amsgrad=amsgrad,
+                                        key=key + len(shards), reducer=reducer))
         for n, dtype in enumerate(dict.fromkeys(p.dtype for p in engine)):
             members = [p for p in engine if p.dtype == dtype]
             for part, part_spec, maps, rows in engine_shards(members, spec):
-                flats.append(Shard.engine(part, comm, part_spec, amsgrad=amsgrad,
-                                          key=key + len(flats), maps=maps, rows=rows,
+                shards.append(Shard.engine(part, comm, part_spec, amsgrad=amsgrad,
+                                          key=key + len(shards), maps=maps, rows=rows,
                                           seed=ENGINE_SEEDS + 16 * group + n))
     except BaseException:
-        for flat in flats:
-            flat.remove_hooks()
+        for shard in shards:
+            shard.remove_hooks()
         raise
-    return flats
+    return shards
 
 
 def engine_shards(members: list, spec) -> list:

@@ -304,15 +304,15 @@ def check_device_mesh(device_mesh, process_group) -> None:
             "process_group)")
 
 
-def without_meta(flats) -> list:
+def without_meta(shards) -> list:
     """The flats to step when some are on the meta device: those have no data, so a
     gradient on one is refused (torch's error); without one they are not stepped."""
-    for _, flat in flats:
-        if flat.device.type == "meta" and any(p.grad is not None for p in flat.params):
+    for _, shard in shards:
+        if shard.device.type == "meta" and any(p.grad is not None for p in shard.params):
             raise RuntimeError(
                 "`fused=True` requires all the params to be floating point Tensors of "
                 "supported devices (torch.optim.Adam's message): these parameters are on "
                 "the meta device and have no data. Materialise the model (model.to_empty("
                 "device=...) and initialise it), then build the optimizer over its "
                 "parameters (to_empty makes new Parameter objects). Nothing was changed")
-    return [(g, f) for g, f in flats if f.device.type != "meta"]
+    return [(g, f) for g, f in shards if f.device.type != "meta"]

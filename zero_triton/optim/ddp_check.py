@@ -20,15 +20,15 @@ _FINGERPRINT_CHUNK = 1 << 18  # elements: 2 MiB of float64 at a time
 
 
 @torch.no_grad()
-def fingerprint(flats):
+def fingerprint(shards):
     """(sum, sum of squares) of this rank's local gradients, before any reduction, in
     float64 a chunk at a time (a float64 copy of the whole buffer, and its square, were
     four times the gradients' size at the first step's peak); None without flat buffers."""
-    if not flats:
+    if not shards:
         return None
-    device = flats[0].device
+    device = shards[0].device
     mine = torch.zeros(2, dtype=torch.float64, device=device)
-    for f in flats:
+    for f in shards:
         for chunk in f.flat_grad.split(_FINGERPRINT_CHUNK):
             g = chunk.double()  # the gradients themselves when they are float64: read only
             mine[0] += g.sum().to(device)
@@ -46,13 +46,13 @@ class AlreadyAveraged:
         self.mine = None           # taken, not yet compared
         self.ddp_averaged = False  # the first step found a DDP that averages before us
 
-    def before_reduce(self, flats) -> None:
+    def before_reduce(self, shards) -> None:
         """The local gradients are all in the flat buffers (every .grad copied in: HF
         Trainer's model.zero_grad() makes DDP hand over tensors of their own), before the
         reduce-scatter changes them: take their fingerprint, once."""
         if self.pending:
             self.pending = False
-            self.mine = fingerprint(flats)
+            self.mine = fingerprint(shards)
 
     def after_reduce(self, params, join_enabled: bool) -> None:
         """Compare every rank's fingerprint (a collective, once); warn if they are the

@@ -40,45 +40,45 @@ class UserEdits:
         self.group_params.append(params)
         self.frozen.extend((gi, p) for p in params if not p.requires_grad)
 
-    def regroup(self, gi: int, params: list, old_flats) -> None:
+    def regroup(self, gi: int, params: list, old_shards) -> None:
         """Param group ``gi`` was rebuilt over ``params``: the old shards' entries go."""
-        for flat in old_flats:
-            for p in flat.params:
+        for shard in old_shards:
+            for p in shard.params:
                 dict.pop(self.tracked, p, None)
         self.group_params[gi] = params
         self.frozen = [(g, p) for g, p in self.frozen if g != gi] + [
             (gi, p) for p in params if not p.requires_grad]
 
     # -- opt.state -----------------------------------------------------------------
-    def expose(self, *flats: Shard) -> None:
+    def expose(self, *shards: Shard) -> None:
         """One rank: optimizer.state[p] holds views of the flat state, as torch.optim.Adam's
         would. Several ranks: a rank holds a shard of each parameter's state, not a tensor
         of its shape, so ``opt.state`` has no entries of ours (``state_dict()`` gathers)."""
         if not self.views_state:
             return
-        for flat in flats:
+        for shard in shards:
             # A store whose export is a copy (int8 codes, a master joined from its
             # remainder) has no views to show: state_dict() holds its values.
-            views = flat.state_views(flat.state.live_buffers())
+            views = shard.state_views(shard.state.live_buffers())
             table = self.tracked
-            for i, p in enumerate(flat.params):
+            for i, p in enumerate(shard.params):
                 # A 0-dim view of the count the kernel reads, as torch.optim.Adam's step.
-                entry = {"step": flat.state.step_of(i).view(()),
+                entry = {"step": shard.state.step_of(i).view(()),
                          **{k: v[i] for k, v in views.items()}}
                 old = dict.get(table, p)
                 if old and len(old) > len(entry):  # keys a user or a wrapper added stay
                     entry.update({k: v for k, v in old.items() if k not in adam_state.OWN_KEYS})
                 table.set_entry(p, entry)
-            flat.exposed_steps = flat.state.steps
+            shard.exposed_steps = shard.state.steps
 
-    def table(self, flats, others: dict, per_param: dict) -> watch.TrackedState:
+    def table(self, shards, others: dict, per_param: dict) -> watch.TrackedState:
         """``opt.state`` anew, to assign: our entries (world size 1), each parameter's
         extra keys and the entries that are not parameters (``state_dict.extras``)."""
         table = self.tracked
         dict.clear(table)
-        self.expose(*flats)
-        for flat in flats:
-            for p in flat.params:
+        self.expose(*shards)
+        for shard in shards:
+            for p in shard.params:
                 extra = per_param.get(id(p))
                 if extra:
                     entry = dict.get(table, p)
@@ -91,33 +91,33 @@ class UserEdits:
         table.edited = table.removed = False
         return table
 
-    def restored(self, state, flats) -> watch.TrackedState:
+    def restored(self, state, shards) -> watch.TrackedState:
         """``opt.state`` anew after the user's edits were followed, keeping whatever in
         ``state`` is not ours."""
         user = state if isinstance(state, dict) else {}
-        return self.table(flats, *adam_state.extras(user, [p for f in flats for p in f.params]))
+        return self.table(shards, *adam_state.extras(user, [p for f in shards for p in f.params]))
 
     def edited(self, state) -> bool:
         """Whether ``opt.state`` (``state``) was replaced or edited since we last wrote it."""
         return state is not self.tracked or self.tracked.edited
 
-    def follow_state(self, state, flats) -> None:
+    def follow_state(self, state, shards) -> None:
         """``opt.state`` is what the next step reads, as in torch.optim.Adam: a tensor
         assigned to a parameter's entry is copied into the flat state, a ``step``
         assigned becomes that parameter's count, and a parameter without an entry (after
         ``state.clear()``, ``del state[p]`` or ``opt.state = defaultdict(dict)``) starts
         over: zero moments, step 0, master from the parameter. Everything is checked
         before anything changes; what is written goes back to each store (``commit``)."""
-        plans = [(flat, adam_state.plan_user_state(flat, state)) for flat in flats]
-        for flat, (bufs, copies, steps, reseed) in plans:
+        plans = [(shard, adam_state.plan_user_state(shard, state)) for shard in shards]
+        for shard, (bufs, copies, steps, reseed) in plans:
             with torch.no_grad():
                 for target, value in copies:
                     target.copy_(value)
             if copies:
-                flat.state.commit(bufs)
+                shard.state.commit(bufs)
             if steps is not None:
-                flat.state.set_param_steps(steps)
-            flat.reseed(reseed)
+                shard.state.set_param_steps(steps)
+            shard.reseed(reseed)
 
     # -- param groups ----------------------------------------------------------------
     def check_groups(self, param_groups) -> None:
@@ -155,7 +155,7 @@ class UserEdits:
             params = group["params"]
             if params is held or (len(params) == len(held) and all(map(operator.is_, params, held))):
                 continue
-            stepped = any(t > 0 for flat in flats_per_group[gi] for t in flat.state.param_steps())
+            stepped = any(t > 0 for shard in flats_per_group[gi] for t in shard.state.param_steps())
             if len(params) != len(held):
                 known = {id(q) for q in held}
                 replaced = not any(id(p) in known for p in params)
@@ -188,23 +188,23 @@ class UserEdits:
                     "optimizer, or add it with optimizer.add_param_group({'params': [p]})")
 
 
-def reseed_written(flats) -> bool:
+def reseed_written(shards) -> bool:
     """Seed the masters of the parameters written since we last looked; whether any was."""
     wrote = False
-    for flat in flats:
-        written = flat.versions.written()
+    for shard in shards:
+        written = shard.versions.written()
         wrote |= bool(written)
-        flat.reseed(written)
+        shard.reseed(written)
     return wrote
 
 
-def sharded_state_edit(table, tracked, flats):
+def sharded_state_edit(table, tracked, shards):
     """What a user did to a sharded optimizer's ``opt.state`` (where its entries are not
     views of the state, ZeroAdam at several ranks): "reset" (cleared, or replaced by a
     new table), the error to raise on every rank (our keys put in a parameter's entry,
     which are not read), or None. Anything else (a key that is not a parameter, a
     parameter's extra keys) is kept beside the sharded state, as torch keeps it."""
-    params = {id(p) for _, f in flats for p in f.params}
+    params = {id(p) for _, f in shards for p in f.params}
     assigned = not isinstance(table, dict) or any(
         isinstance(k, torch.Tensor) and id(k) in params and isinstance(v, dict)
         and not adam_state.OWN_KEYS.isdisjoint(v) for k, v in dict.items(table))

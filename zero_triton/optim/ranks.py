@@ -41,7 +41,7 @@ class OneRank:
 
     def enter(self, seat, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:
         pairs = pairs if pairs is not None else seat.shards(follow=True)
-        edits, shards = seat.edits, [flat for _, flat in pairs]
+        edits, shards = seat.edits, [shard for _, shard in pairs]
         edits.check_groups(seat.param_groups)
         if edits.edited(seat.state):
             edits.follow_state(seat.state, shards)
@@ -227,14 +227,14 @@ class AgreedRanks:
         if entry == "step" and agreed & (agreement.JOINED | agreement.HYPER_DIFFER):
             self._share_hyperparameters(seat)
         if agreed & agreement.RESET:
-            for _, flat in pairs:
-                flat.state.reset()
-                flat.state.set_param_steps([0.0] * len(flat.params))
-                flat.reseed(range(len(flat.params)))
+            for _, shard in pairs:
+                shard.state.reset()
+                shard.state.set_param_steps([0.0] * len(shard.params))
+                shard.reseed(range(len(shard.params)))
         if seat.edits.edited(seat.state):
             # opt.state anew, keeping whatever is not ours
             seat.state = seat.edits.restored(seat.state, [f for _, f in seat.shards()])
-        reseeded = reseed_written([flat for _, flat in pairs])
+        reseeded = reseed_written([shard for _, shard in pairs])
         if agreed & agreement.RESET:
             self.loaded()  # every rank reset its shards: counted as a load
         elif reseeded:
@@ -388,7 +388,7 @@ class CapturedRanks(AgreedRanks):
                 "on, and a step that a CUDA graph can capture agrees on the device only. Load "
                 "state with opt.load_state_dict (collective, agreed on the host), or build the "
                 "optimizer without capturable=True")
-        if reseed_written([flat for _, flat in pairs]):
+        if reseed_written([shard for _, shard in pairs]):
             self.served.written()
         return stale
 

@@ -43,7 +43,7 @@ class ServedState:
 
     def _shards(self) -> list:
         seat = self._seat()
-        return [] if seat is None else [flat for _, flat in seat.shards()]
+        return [] if seat is None else [shard for _, shard in seat.shards()]
 
     def _chunk(self) -> int:
         seat = self._seat()
@@ -54,7 +54,7 @@ class ServedState:
         and, per GPU, an event on the current stream after it (``CapturedServedState``:
         none)."""
         self.version += 1
-        for device in {flat.device for flat in self._shards() if flat.device.type == "cuda"}:
+        for device in {shard.device for shard in self._shards() if shard.device.type == "cuda"}:
             event = self.events.get(device)
             if event is None:
                 event = self.events[device] = torch.cuda.Event()
@@ -92,17 +92,17 @@ class ServedState:
         with self.settled:
             self.settled.wait_for(lambda: self.agreement.steps >= steps and self.loads >= loads,
                                   timeout)
-        flats = self._shards()
+        shards = self._shards()
         header = [serve.OK, self.agreement.steps, self.loads, 0]
         if self.agreement.steps != steps:
             header[0] = serve.STEPS
         elif self.loads != loads:
             header[0] = serve.LOADS
-        elif adam_state.layout_digest(flats) != digest:
+        elif adam_state.layout_digest(shards) != digest:
             header[0] = serve.LAYOUT
         if header[0] != serve.OK:
             return serve.Answer(header)
-        return self._answer(header, adam_state.shard_chunks(flats, self._chunk()))
+        return self._answer(header, adam_state.shard_chunks(shards, self._chunk()))
 
     def _answer(self, header: list, chunks) -> serve.Answer:
         """The shards' chunks, sent once the writes before them are done on the device:

@@ -76,17 +76,17 @@ def _sharded(local, everyone, shape, dtype, device, group):
             shards, meta, process_group=group, init_rrefs=False)
 
 
-def sharded_state_dict(opt, flats) -> dict:
+def sharded_state_dict(opt, shards) -> dict:
     """This rank's shard of ``opt``'s state in torch.optim.Adam's format: ``step`` a
     tensor per parameter (the same on every rank), each state tensor a ShardedTensor of
     the parameter's shape over every rank's boxes, its local shards views of the state.
-    ``flats``: the optimizer's (group, Shard) pairs."""
+    ``shards``: the optimizer's (group, Shard) pairs."""
     comm = opt.comm
     groups, ids = packed_groups(opt)
     state = {}
-    for _, flat in flats:
-        layout = flat.layout
-        for i, p in enumerate(flat.params):
+    for _, shard in shards:
+        layout = shard.layout
+        for i, p in enumerate(shard.params):
             if layout.strides[i] is not None or p.is_complex():
                 raise TypeError(
                     f"get_optimizer_state_dict of a ZeroAdam at {comm.world_size} ranks hands "
@@ -94,14 +94,14 @@ def sharded_state_dict(opt, flats) -> dict:
                     f"contiguous ones, or complex, ({tuple(p.shape)}, {p.dtype}) has no boxes "
                     "in its shape: save with zero_triton.checkpoint.save (sharded, any world "
                     "size), or take optimizer.state_dict() (the whole state on every rank)")
-        everyone = [flat.by_param.owned(r) for r in range(comm.world_size)]
+        everyone = [shard.by_param.owned(r) for r in range(comm.world_size)]
         mine = everyone[comm.rank]
         # A placement names a global rank (of the group's shard r; hybrid sharding: this
         # copy's, whose boxes DCP keeps once over the copies).
         ranks = _global_ranks(comm)
-        steps = flat.state.param_steps()
-        buffers = flat.state.buffers()
-        for i, p in enumerate(flat.params):
+        steps = shard.state.param_steps()
+        buffers = shard.state.buffers()
+        for i, p in enumerate(shard.params):
             shape = tuple(p.shape)
             entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
             if p.numel() == 0:

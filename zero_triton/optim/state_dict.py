@@ -151,11 +151,11 @@ def local_state_dict(opt) -> dict:
             "zero_triton.checkpoint.save for a sharded checkpoint")
     groups, ids = packed_groups(opt)
     state = {}
-    flats = [flat for _, flat in opt.shards(follow=True)]
-    others, per_param = extras(opt.state, [p for flat in flats for p in flat.params])
-    for flat in flats:
-        views, steps = flat.state_views(), flat.state.param_steps()
-        for i, p in enumerate(flat.params):
+    shards = [shard for _, shard in opt.shards(follow=True)]
+    others, per_param = extras(opt.state, [p for shard in shards for p in shard.params])
+    for shard in shards:
+        views, steps = shard.state_views(), shard.state.param_steps()
+        for i, p in enumerate(shard.params):
             # A step tensor of its own per parameter: torch.optim.Adam increments
             # each one, a shared one would count N times per step.
             state[ids[id(p)]] = {"step": torch.tensor(steps[i], dtype=torch.float32),
@@ -191,11 +191,11 @@ def pickled(saved: dict) -> tuple[list, dict, dict]:
 def live_tensors(opt) -> list:
     """The tensors a state dict's entries may alias: state buffers and parameters."""
     out = []
-    for _, flat in opt.shards():
-        out.extend(flat.state.moments.storage())
-        out.extend(flat.state.master.storage())
-        out.append(flat.flat_param)
-        out.extend(flat.param_parts)
+    for _, shard in opt.shards():
+        out.extend(shard.state.moments.storage())
+        out.extend(shard.state.master.storage())
+        out.append(shard.flat_param)
+        out.extend(shard.param_parts)
     return out
 
 
@@ -243,18 +243,18 @@ def plan_load(opt, state_dict) -> list:
         ids.update({id(p): idx for p, idx in zip(group["params"], saved["params"])})
     saved_state, plan = state_dict["state"], []
     index = {id(group): gi for gi, group in enumerate(opt.param_groups)}
-    for group, flat in opt.shards():
+    for group, shard in opt.shards():
         gi = index[id(group)]
-        entries = [saved_state.get(ids[id(p)]) for p in flat.params]
+        entries = [saved_state.get(ids[id(p)]) for p in shard.params]
         if all(e is None for e in entries):
-            plan.append((flat, None, None))
+            plan.append((shard, None, None))
             continue
         # A parameter torch.optim.Adam never stepped (no gradient yet) has no state.
         steps = [0.0 if e is None else float(e["step"]) for e in entries]
         if not all(math.isfinite(t) and t >= 0 for t in steps):
             raise ValueError(f"param group {gi} has a step that is not a finite count >= 0 "
                              f"({sorted(set(steps))}); the state dict is corrupt")
-        for i, (p, e) in enumerate(zip(flat.params, entries)):
+        for i, (p, e) in enumerate(zip(shard.params, entries)):
             if e is None:
                 continue
             for key in (*MOMENT_KEYS, MASTER):
@@ -263,7 +263,7 @@ def plan_load(opt, state_dict) -> list:
                     raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
                                      f"has shape {tuple(e[key].shape)}, the parameter "
                                      f"{tuple(p.shape)}")
-        for i, a, b, _ in flat.by_param.runs():  # a DCP load's pieces hold this rank's runs
+        for i, a, b, _ in shard.by_param.runs():  # a DCP load's pieces hold this rank's runs
             for key, value in (entries[i] or {}).items():
                 if isinstance(value, Pieces) and not value.covers(a, b):
                     raise ValueError(
@@ -272,7 +272,7 @@ def plan_load(opt, state_dict) -> list:
                         "owns. Load the checkpoint into the state dict this "
                         "optimizer's get_optimizer_state_dict returns (dcp.load), "
                         "then call set_optimizer_state_dict")
-        plan.append((flat, entries, steps))
+        plan.append((shard, entries, steps))
     return plan
 
 
@@ -284,38 +284,38 @@ def apply_load(opt, state_dict, plan) -> None:
             if k != "params":
                 group[k] = v
         group.setdefault("decoupled_weight_decay", False)
-    for flat, entries, step in plan:
-        load_shard(flat, entries, step)
-        flat.versions.accept()  # the master is what was loaded (or the parameters now)
+    for shard, entries, step in plan:
+        load_shard(shard, entries, step)
+        shard.versions.accept()  # the master is what was loaded (or the parameters now)
     opt.state = opt.edits.table([f for _, f in opt.shards()], others, per_param)
 
 
 @torch.no_grad()
-def load_shard(flat, entries, step) -> None:
+def load_shard(shard, entries, step) -> None:
     """Copy this rank's shard (every bucket's) of each full per-parameter state in."""
-    state = flat.state
-    state.set_param_steps(step if step is not None else [0.0] * len(flat.params))
+    state = shard.state
+    state.set_param_steps(step if step is not None else [0.0] * len(shard.params))
     # Zeros wherever the entries hold nothing; a running maximum from now on if one has it.
     has_max = entries is not None and any(e is not None and MAXIMUM in e for e in entries)
     state.reset(amsgrad=has_max or None)
     state.master.seed()
     if entries is None:
         return
-    targets, view = state.buffers(), flat.by_param
+    targets, view = state.buffers(), shard.by_param
     for i, a, b, at in view.runs():
         for key, buf in targets.items():
             if entries[i] is not None and key in entries[i]:
-                given = flat.local_value(entries[i][key], i)
+                given = shard.local_value(entries[i][key], i)
                 # A DCP load's pieces hold this rank's runs; a whole value is read in the
                 # parameter's memory order (channels_last keeps its own; complex: pairs).
                 given = given.range(a, b) if isinstance(given, Pieces) else view.elements(i, given)[a:b]
                 buf[at:at + b - a].copy_(given)
     state.commit(targets)
     # Every rank decides this from the same state dict: the all-gather is collective.
-    if flat.has_master and any(e is not None and MASTER in e for e in entries):
+    if shard.has_master and any(e is not None and MASTER in e for e in entries):
         state.master.publish()
-        for k, bucket in enumerate(flat.buckets):
-            flat.gather_bucket(k)
+        for k, bucket in enumerate(shard.buckets):
+            shard.gather_bucket(k)
             bucket.wait_gather()
 
 
@@ -340,26 +340,26 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
         comm.gather(part, out, to_rank, "consolidated_state_dict gather")
         return out
 
-    return _assembled(opt, [flat for _, flat in opt.shards(follow=True)], chunk_elems, pieces, me,
+    return _assembled(opt, [shard for _, shard in opt.shards(follow=True)], chunk_elems, pieces, me,
                       on_host=False)
 
 
-def shard_chunks(flats, chunk_elems: int = GATHER_CHUNK):
-    """This rank's shards of every state of ``flats``, as ``_assembled`` takes them: per
+def shard_chunks(shards, chunk_elems: int = GATHER_CHUNK):
+    """This rank's shards of every state of ``shards``, as ``_assembled`` takes them: per
     flat buffer, per state, ``chunk_elems`` elements at a time."""
-    for flat in flats:
-        shard = flat.layout.shard_numel
-        chunk = max(1, min(shard, chunk_elems))
-        for buf in flat.state.buffers().values():
-            for c in range(0, shard, chunk):
-                yield buf[c:c + min(chunk, shard - c)]
+    for shard in shards:
+        numel = shard.layout.shard_numel
+        chunk = max(1, min(numel, chunk_elems))
+        for buf in shard.state.buffers().values():
+            for c in range(0, numel, chunk):
+                yield buf[c:c + min(chunk, numel - c)]
 
 
-def layout_digest(flats) -> int:
+def layout_digest(shards) -> int:
     """A digest of what ``shard_chunks`` sends (sizes, states, dtypes): two ranks with
     the same digest send and expect the same sequence."""
     words = repr([(f.layout.numel, f.layout.shard_numel, len(f.params), str(f.state.dtype),
-                   sorted(f.state.buffers())) for f in flats]).encode()
+                   sorted(f.state.buffers())) for f in shards]).encode()
     return int.from_bytes(hashlib.blake2b(words, digest_size=7).digest(), "little")
 
 
@@ -370,15 +370,15 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
     thread is, assembled into torch.optim.Adam's format. The master of a parameter this
     rank sees written since the last step is taken from the parameter, as that step's
     entry (on every rank alike) would seed it. ``counts``: this rank's steps and loads."""
-    flats = [flat for _, flat in opt.shards(follow=True)]
+    shards = [shard for _, shard in opt.shards(follow=True)]
     comm = opt.comm
     steps, loads = counts
     # The ranks holding this copy's shards (every rank but replicas'), by shard.
     shard_of = {member: s for s, member in enumerate(comm.members)}
-    with server.ask(ordinal, [steps, layout_digest(flats), loads], comm.members) as reply:
+    with server.ask(ordinal, [steps, layout_digest(shards), loads], comm.members) as reply:
         # What each peer that said yes sends: read to the end (``drain``) if this raises.
-        reply.expect([(part.numel(), flat.state.dtype) for flat in flats
-                      for part in shard_chunks([flat], chunk_elems)])
+        reply.expect([(part.numel(), shard.state.dtype) for shard in shards
+                      for part in shard_chunks([shard], chunk_elems)])
         for peer, header in sorted(reply.headers.items()):
             if header[0] != serve.OK:
                 raise RuntimeError(_refusal(peer, header, comm.rank, counts, reply.reasons.get(peer)))
@@ -390,39 +390,39 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
             out[comm.rank] = part
             return out
 
-        state_dict = _assembled(opt, flats, chunk_elems, pieces, True, on_host=True)
+        state_dict = _assembled(opt, shards, chunk_elems, pieces, True, on_host=True)
     ids = packed_groups(opt)[1]
-    for flat in flats:
-        written = flat.versions.written() if flat.state.has_master else ()
+    for shard in shards:
+        written = shard.versions.written() if shard.state.has_master else ()
         if written:
-            masters = [state_dict["state"][ids[id(p)]][MASTER] for p in flat.params]
-            seen = _unwritten_params(flat, comm, masters)
+            masters = [state_dict["state"][ids[id(p)]][MASTER] for p in shard.params]
+            seen = _unwritten_params(shard, comm, masters)
         for i in written:
             m = masters[i]
             p = seen[i].to(m.device).reshape(m.shape)
-            m.copy_(flat.state.master.rebase(m, p))
+            m.copy_(shard.state.master.rebase(m, p))
     return state_dict
 
 
-def _unwritten_params(flat, comm, masters: list) -> list:
-    """``flat``'s parameters as the user sees them, with what our own (compressed)
+def _unwritten_params(shard, comm, masters: list) -> list:
+    """``shard``'s parameters as the user sees them, with what our own (compressed)
     gathers wrote from ``masters`` put back to the masters' rounding: every rank's
     shard of every bucket, by the rule ``Shard.unwritten`` applies to this rank's
     (``zero_triton.optim.shard.written_values``)."""
-    params = [p.detach() for p in flat.params]
-    probe = masters[0].new_zeros(0).to(flat.dtype)
+    params = [p.detach() for p in shard.params]
+    probe = masters[0].new_zeros(0).to(shard.dtype)
     if comm.gathered(probe) is probe:  # exact gathers: nothing of ours to tell apart
         return params
-    layout = flat.layout
+    layout = shard.layout
     fm = torch.zeros(layout.padded_numel, dtype=torch.float32)
-    fp = torch.zeros(layout.padded_numel, dtype=flat.dtype)
+    fp = torch.zeros(layout.padded_numel, dtype=shard.dtype)
     for view, m in zip(layout.views(fm), masters):
         view.copy_(m.reshape(view.shape))
     for view, p in zip(layout.views(fp), params):
         view.copy_(p.reshape(view.shape))
     seen = fp.clone()
     for r in range(layout.world_size):
-        for lo, hi, _ in flat.by_param.segments_of(r):
+        for lo, hi, _ in shard.by_param.segments_of(r):
             seen[lo:hi] = written_values(fp[lo:hi], fm[lo:hi], comm)
     return list(layout.views(seen))
 
@@ -449,8 +449,8 @@ def _refusal(peer: int, header: list, rank: int, counts: list, reason: str | Non
                    "Nothing was changed")
 
 
-def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
-    """torch.optim.Adam's format from every rank's shards of ``flats``: ``pieces(part,
+def _assembled(opt, shards, chunk_elems, pieces, me: bool, on_host: bool):
+    """torch.optim.Adam's format from every rank's shards of ``shards``: ``pieces(part,
     rows)`` returns, for this rank's ``part`` (a chunk of one state), every rank's chunk
     at the same place (a list or a tensor of rows, in rank order; None where this rank
     does not assemble: ``me`` False), received into ``rows`` (world_size x chunk, on
@@ -458,25 +458,25 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
     world = opt.comm.world_size
     groups, ids = packed_groups(opt)
     state = {}
-    for flat in flats:
-        bufs, view = flat.state.buffers(), flat.by_param
-        shard = flat.layout.shard_numel
-        chunk = max(1, min(shard, chunk_elems))
-        rows = torch.empty(world, chunk, dtype=flat.state.dtype,
-                           device="cpu" if on_host else flat.device) if me else None
+    for shard in shards:
+        bufs, view = shard.state.buffers(), shard.by_param
+        numel = shard.layout.shard_numel
+        chunk = max(1, min(numel, chunk_elems))
+        rows = torch.empty(world, chunk, dtype=shard.state.dtype,
+                           device="cpu" if on_host else shard.device) if me else None
         if me:
-            out, steps = [], flat.state.param_steps()
-            for i, p in enumerate(flat.params):
+            out, steps = [], shard.state.param_steps()
+            for i, p in enumerate(shard.params):
                 entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
                 entry.update({k: view.empty(i, b.dtype) for k, b in bufs.items()})
                 state[ids[id(p)]] = entry
                 out.append(entry)
         for key, buf in bufs.items():
-            for c in range(0, shard, chunk):
-                n = min(chunk, shard - c)
+            for c in range(0, numel, chunk):
+                n = min(chunk, numel - c)
                 part = buf[c:c + n]
-                if not on_host and part.device != flat.device:  # offloaded state: sent from the device
-                    part = part.to(flat.device)
+                if not on_host and part.device != shard.device:  # offloaded state: sent from the device
+                    part = part.to(shard.device)
                 got = pieces(part, rows)
                 if not me:
                     continue
@@ -484,21 +484,21 @@ def _assembled(opt, flats, chunk_elems, pieces, me: bool, on_host: bool):
                     for i, a, b, at in view.runs(r, c, c + n):
                         view.elements(i, out[i][key])[a:b].copy_(got[r][at - c:at - c + b - a])
         if me:
-            for p, entry in zip(flat.params, out):
+            for p, entry in zip(shard.params, out):
                 if p.is_complex():
                     entry.update({k: torch.view_as_complex(entry[k]) for k in bufs})
     return {"state": state, "param_groups": groups} if me else None
 
 
-def plan_user_state(flat, user):
+def plan_user_state(shard, user):
     """(the state buffers the copies write into, copies, new step counts or None,
     parameters to re-seed) for one flat buffer from the user's ``opt.state``; raises on
     entries it cannot take. The buffers go back to the store once written
     (``ShardState.commit``)."""
-    bufs = flat.state.buffers()
-    views, counts = flat.local_views(bufs), flat.state.param_steps()
+    bufs = shard.state.buffers()
+    views, counts = shard.local_views(bufs), shard.state.param_steps()
     copies, reseed, steps_changed = [], [], False
-    for i, p in enumerate(flat.params):
+    for i, p in enumerate(shard.params):
         entry = dict.get(user, p) if isinstance(user, dict) else None
         if not entry:  # no state: torch.optim.Adam starts this parameter over
             copies.extend((v[i], torch.zeros((), dtype=v[i].dtype)) for k, v in views.items()
@@ -513,7 +513,7 @@ def plan_user_state(flat, user):
                     reseed.append(i)
                 elif key == MAXIMUM:
                     copies.append((v[i], torch.zeros((), dtype=v[i].dtype)))
-                elif not flat.state.moments.live:
+                elif not shard.state.moments.live:
                     pass  # never shown in opt.state (int8's codes): kept as they are
                 else:
                     raise ValueError(
@@ -522,7 +522,7 @@ def plan_user_state(flat, user):
                         "whole entry (del optimizer.state[p]) to start it over")
                 continue
             if isinstance(given, torch.Tensor):
-                given = flat.local_value(given, i)
+                given = shard.local_value(given, i)
             if not isinstance(given, torch.Tensor) or given.numel() != v[i].numel():
                 raise ValueError(
                     f"optimizer.state[p]['{key}'] of parameter {i} {tuple(p.shape)} must be "
@@ -531,7 +531,7 @@ def plan_user_state(flat, user):
             if given.data_ptr() != v[i].data_ptr() or given.device != v[i].device:
                 copies.append((v[i], given.detach().reshape(v[i].shape)))
         s = entry.get("step")
-        mine = flat.state.step_of(i)
+        mine = shard.state.step_of(i)
         if isinstance(s, torch.Tensor) and s.data_ptr() == mine.data_ptr():
             continue
         value = float(s) if isinstance(s, (int, float, torch.Tensor)) and (
