@@ -110,7 +110,7 @@ void check_step_args(const at::Tensor& param, const at::Tensor& grad,
 #endif
   check_flat(grad, "grad", {at::kFloat, at::kHalf, at::kBFloat16}, param);
   if (param_lp) check_flat(*param_lp, "param_lp", {at::kHalf, at::kBFloat16}, param);
-  if (remainder) check_flat(*remainder, "remainder", {at::kShort}, param);
+  if (remainder) check_flat(*remainder, "remainder", {at::kShort, at::kChar}, param);
   check_scalar(step, "step", param);
   check_scalar(lr, "lr", param);
   if (grad_scale) check_scalar(*grad_scale, "grad_scale", param);
@@ -382,7 +382,8 @@ AdamArgs args_of(const AdamStep& s) {
   a.index = s.index;
   a.max_exp_avg_sq = s.amsgrad ? s.max_exp_avg_sq->data_ptr<float>() : nullptr;
   a.param_lp = own_param ? s.param.data_ptr() : s.param_lp ? s.param_lp->data_ptr() : nullptr;
-  a.param_remainder = s.param_remainder ? s.param_remainder->data_ptr<int16_t>() : nullptr;
+  a.param_remainder = s.param_remainder ? s.param_remainder->data_ptr() : nullptr;
+  a.remainder8 = s.param_remainder && s.param_remainder->scalar_type() == at::kChar;
   a.numel = s.param.numel();
   a.grad_dtype = dtype_code(s.grad.scalar_type());
   a.param_lp_dtype = own_param ? kBFloat16
@@ -433,8 +434,9 @@ stochastic=True (master_weights="stochastic"): `param` is the bfloat16 parameter
 (no master, param_lp None), rounded back stochastically by a hash of (seed, step, the
 parameter's stream, index + i) (zero_triton/kernels/rounding.py).
 remainder (master_weights="remainder"): int16 [n], the low 16 bits of the fp32 master
-whose high half is `param` (bfloat16, param_lp None); both updated
-(zero_triton/kernels/remainder.py).)doc");
+whose high half is `param` (bfloat16, param_lp None); both updated; int8 [n]
+(master_weights="remainder8"): bits 8-15 of a 24-bit master, the step's result rounded
+to 24 bits (zero_triton/kernels/remainder.py).)doc");
   m.def("adam8_step", &zero_triton::adam8_step, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg_codes"), py::arg("exp_avg_sq_codes"), py::arg("scales"),
         py::arg("param_lp"), py::arg("step"), py::arg("lr"), py::arg("beta1"),

@@ -58,17 +58,22 @@ struct AdamArgs {
   // keyed by `seed` and `index` as above.
   bool stochastic_param;
   // master_weights="remainder": `param` is nullptr, `param_lp` the bfloat16 parameter and
-  // this the low 16 bits of its fp32 master (remainder.h); nullptr otherwise.
-  int16_t* param_remainder;
+  // this the low 16 bits of its fp32 master, int16 (remainder.h); "remainder8"
+  // (`remainder8`): bits 8-15 of its 24-bit master, int8. nullptr otherwise.
+  void* param_remainder;
+  bool remainder8;
 };
 
 // How the parameter is stepped: an fp32 master (or fp32 parameter) and its optional
 // fp16/bf16 copy, or the bf16 parameter itself, rounded back stochastically or split
 // again with its remainder. Only bf16 instantiations of a kernel have the last two.
-enum ParamMode : int { kParamMaster = 0, kParamStochastic = 1, kParamRemainder = 2 };
+enum ParamMode : int {
+  kParamMaster = 0, kParamStochastic = 1, kParamRemainder = 2, kParamRemainder8 = 3
+};
 
 ZT_HOST_DEVICE inline int param_mode(const AdamArgs& a) {
-  return a.param_remainder ? kParamRemainder : a.stochastic_param ? kParamStochastic : kParamMaster;
+  return a.param_remainder ? (a.remainder8 ? kParamRemainder8 : kParamRemainder)
+                           : a.stochastic_param ? kParamStochastic : kParamMaster;
 }
 
 // The scalars of one step, computed once from the arguments. The bias corrections are

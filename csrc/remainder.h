@@ -1,6 +1,6 @@
 // master_weights="remainder": the fp32 master of a bf16 parameter as the parameter's 16
-// bits and an int16 beside them, exactly as zero_triton/kernels/remainder.py defines it
-// (that file says why). Torch-free, compiled by the host compiler (csrc/cpu) and nvcc
+// bits and an int16 beside them; "remainder8": an int8, a 24-bit master. Exactly as
+// zero_triton/kernels/remainder.py defines them (that file says why). Torch-free, compiled by the host compiler (csrc/cpu) and nvcc
 // (csrc/cuda).
 //
 // No include guard, on purpose: included inside each instruction-set namespace of the CPU
@@ -30,6 +30,26 @@ ZT_REMAINDER uint16_t remainder_split(float f, int16_t* r) {
   *r = int16_t(uint16_t(u & 0xFFFFu));
   const uint32_t up = (u + 0x8000u) >> 16;
   return uint16_t(f != f ? ((u >> 16) | 0x40u) : up);
+}
+
+// The 24-bit master of bf16 parameter bits `p` and its int8 remainder `r`: the int16
+// remainder whose high byte it is (the low byte is zero).
+ZT_REMAINDER float remainder8_join(uint16_t p, int8_t r) {
+  return remainder_join(p, int16_t(int32_t(r) * 256));
+}
+
+// f rounded to 24 bits (to nearest, ties to even; a NaN as it is), then split as above:
+// the int16 remainder's low byte is zero, and *r is its high byte.
+ZT_REMAINDER uint16_t remainder8_split(float f, int8_t* r) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof(u));
+  if (f == f) u = (u + 0x7Fu + ((u >> 8) & 1u)) & 0xFFFFFF00u;
+  float g;
+  __builtin_memcpy(&g, &u, sizeof(g));
+  int16_t r16;
+  const uint16_t hi = remainder_split(g, &r16);
+  *r = int8_t(uint8_t(uint16_t(r16) >> 8));
+  return hi;
 }
 
 #undef ZT_REMAINDER

@@ -45,6 +45,7 @@ FUSED_CASES = [
     ("fp32, torch's clip_grad_norm_ and a scheduler", torch.float32, {}, {"clip": 0.05, "schedule": True}),
     ("bf16 fp32 master, int8 moments", torch.bfloat16, dict(moments="int8"), {}),
     ("bf16 remainder, bf16 moments", torch.bfloat16, dict(master_weights="remainder", moments="bf16"), {}),
+    ("bf16 remainder8, int8 moments", torch.bfloat16, dict(master_weights="remainder8", moments="int8"), {}),
     ("bf16 stochastic, int8 moments", torch.bfloat16, dict(master_weights="stochastic", moments="int8"), {}),
     ("fp32, GradScaler", torch.float32, {}, {"scaler": True}),
 ]

@@ -243,7 +243,8 @@ def test_a_checkpoint_moves_between_offloaded_and_not_at_another_world_size(tmp_
 
 def test_fused_adam_offloaded_is_the_same_bits_and_its_state_lives_apart():
     for dtype, kw in [(torch.float32, {}), (torch.bfloat16, {"moments": "int8"}),
-                      (torch.bfloat16, {"master_weights": "remainder"})]:
+                      (torch.bfloat16, {"master_weights": "remainder"}),
+                      (torch.bfloat16, {"master_weights": "remainder8", "moments": "int8"})]:
         runs = []
         for offload in (None, "cpu", 0.5):
             model = _model(dtype)

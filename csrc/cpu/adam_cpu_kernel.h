@@ -101,9 +101,12 @@ inline float load_grad(const void* __restrict__ base, int64_t i) {
 // itself, widened or joined with its remainder.
 template <int LP_DT, int PM>
 inline float load_param(const float* __restrict__ p, const uint16_t* __restrict__ lp,
-                        const int16_t* __restrict__ rem, int64_t i) {
+                        const void* __restrict__ rem, int64_t i) {
   if constexpr (PM == kParamStochastic) return bf16_to_float(lp[i]);
-  else if constexpr (PM == kParamRemainder) return remainder_join(lp[i], rem[i]);
+  else if constexpr (PM == kParamRemainder)
+    return remainder_join(lp[i], static_cast<const int16_t*>(rem)[i]);
+  else if constexpr (PM == kParamRemainder8)
+    return remainder8_join(lp[i], static_cast<const int8_t*>(rem)[i]);
   else return p[i];
 }
 
@@ -111,12 +114,14 @@ inline float load_param(const float* __restrict__ p, const uint16_t* __restrict_
 // parameter alone, rounded stochastically or split with its remainder.
 template <int LP_DT, int PM>
 inline void store_param(float* __restrict__ p, uint16_t* __restrict__ lp,
-                        int16_t* __restrict__ rem, int64_t i, float pi, uint32_t key_p,
+                        void* __restrict__ rem, int64_t i, float pi, uint32_t key_p,
                         uint64_t index) {
   if constexpr (PM == kParamStochastic) {
     lp[i] = bf16_stochastic(pi, random_bits(key_p, index + uint64_t(i)));
   } else if constexpr (PM == kParamRemainder) {
-    lp[i] = remainder_split(pi, &rem[i]);
+    lp[i] = remainder_split(pi, &static_cast<int16_t*>(rem)[i]);
+  } else if constexpr (PM == kParamRemainder8) {
+    lp[i] = remainder8_split(pi, &static_cast<int8_t*>(rem)[i]);
   } else {
     p[i] = pi;
     if constexpr (LP_DT == kFloat16) lp[i] = float_to_half(pi);
@@ -132,6 +137,7 @@ inline void with_param_mode(const AdamArgs& a, F&& f) {
     switch (param_mode(a)) {
       case kParamStochastic: return f(std::integral_constant<int, kParamStochastic>{});
       case kParamRemainder: return f(std::integral_constant<int, kParamRemainder>{});
+      case kParamRemainder8: return f(std::integral_constant<int, kParamRemainder8>{});
       default: break;
     }
   }
@@ -154,7 +160,7 @@ template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE, int PM>
 __attribute__((noinline)) void adam_loop(const StepScalars& scalars, float* __restrict__ p,
                                          const void* __restrict__ g, float* __restrict__ m,
                                          float* __restrict__ v, float* __restrict__ vmax,
-                                         uint16_t* __restrict__ lp, int16_t* __restrict__ rem,
+                                         uint16_t* __restrict__ lp, void* __restrict__ rem,
                                          uint32_t key_p, uint64_t index, int64_t begin,
                                          int64_t end) {
   const StepScalars s = scalars;
@@ -197,7 +203,7 @@ __attribute__((noinline)) void adam8_loop(const StepScalars& scalars, float* __r
                                           const void* __restrict__ g,
                                           int8_t* __restrict__ mq, uint8_t* __restrict__ vq,
                                           float* __restrict__ scales, uint16_t* __restrict__ lp,
-                                          int16_t* __restrict__ rem, uint32_t key_p, uint64_t index, int64_t block_begin,
+                                          void* __restrict__ rem, uint32_t key_p, uint64_t index, int64_t block_begin,
                                           int64_t block_end, int64_t numel) {
   const StepScalars s = scalars;
   float mb[kQuantBlock], vb[kQuantBlock];
@@ -238,7 +244,7 @@ __attribute__((noinline)) void adam_bf16_loop(const StepScalars& scalars, float*
                                               const void* __restrict__ g,
                                               uint16_t* __restrict__ m, uint16_t* __restrict__ v,
                                               uint16_t* __restrict__ lp,
-                                              int16_t* __restrict__ rem, uint32_t key_m,
+                                              void* __restrict__ rem, uint32_t key_m,
                                               uint32_t key_v, uint32_t key_p, uint64_t index,
                                               int64_t begin, int64_t end) {
   const StepScalars s = scalars;

@@ -64,7 +64,10 @@ template <int PM>
 __device__ __forceinline__ float load_param(const AdamArgs& a, int64_t i) {
   const uint16_t* lp = static_cast<const uint16_t*>(a.param_lp);
   if constexpr (PM == kParamStochastic) return __uint_as_float(uint32_t(lp[i]) << 16);
-  else if constexpr (PM == kParamRemainder) return remainder_join(lp[i], a.param_remainder[i]);
+  else if constexpr (PM == kParamRemainder)
+    return remainder_join(lp[i], static_cast<const int16_t*>(a.param_remainder)[i]);
+  else if constexpr (PM == kParamRemainder8)
+    return remainder8_join(lp[i], static_cast<const int8_t*>(a.param_remainder)[i]);
   else return a.param[i];
 }
 
@@ -75,7 +78,9 @@ __device__ __forceinline__ void store_param(const AdamArgs& a, int64_t i, float 
   if constexpr (PM == kParamStochastic) {
     lp[i] = bf16_stochastic(p, random_bits(key_p, uint64_t(a.index) + uint64_t(i)));
   } else if constexpr (PM == kParamRemainder) {
-    lp[i] = remainder_split(p, &a.param_remainder[i]);
+    lp[i] = remainder_split(p, &static_cast<int16_t*>(a.param_remainder)[i]);
+  } else if constexpr (PM == kParamRemainder8) {
+    lp[i] = remainder8_split(p, &static_cast<int8_t*>(a.param_remainder)[i]);
   } else {
     a.param[i] = p;
     if constexpr (LP_DT != kNone) lp[i] = from_float<LP_DT>(p);
@@ -171,6 +176,7 @@ cudaError_t with_param_mode(const AdamArgs& a, F&& f) {
     switch (param_mode(a)) {
       case kParamStochastic: return f(std::integral_constant<int, kParamStochastic>{});
       case kParamRemainder: return f(std::integral_constant<int, kParamRemainder>{});
+      case kParamRemainder8: return f(std::integral_constant<int, kParamRemainder8>{});
       default: break;
     }
   }

@@ -146,8 +146,10 @@ def _store_bf16_stochastic(ptrs, x, key, index, mask):
 # master (and its optional fp16/bf16 copy at the ``param_lp`` pointers), or the bf16
 # parameter itself, rounded back stochastically (master_weights="stochastic") or with its
 # int16 remainder at the ``param_lp`` pointers (master_weights="remainder",
-# zero_triton.kernels.remainder).
-MODE_MASTER, MODE_STOCHASTIC, MODE_REMAINDER = 0, 1, 2
+# zero_triton.kernels.remainder), or its int8 one (master_weights="remainder8": the
+# master rounded to 24 bits, then split).
+MODE_MASTER, MODE_STOCHASTIC, MODE_REMAINDER, MODE_REMAINDER8 = 0, 1, 2, 3
+REMAINDER_MODES = {torch.int16: MODE_REMAINDER, torch.int8: MODE_REMAINDER8}
 
 
 @triton.jit
@@ -155,9 +157,11 @@ def _load_param(ptrs, lp_ptrs, mask, PARAM_MODE: tl.constexpr):
     """The parameter (or master) in float32."""
     if PARAM_MODE == 1:
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if PARAM_MODE == 2:  # remainder.join
+    if PARAM_MODE >= 2:  # remainder.join (int8: its high byte)
         hi = tl.load(ptrs, mask=mask, other=0.0).to(tl.uint16, bitcast=True).to(tl.uint32)
         r = tl.load(lp_ptrs, mask=mask, other=0).to(tl.int32)
+        if PARAM_MODE == 3:
+            r = r * 256
         hi = (hi - (r < 0).to(tl.uint32)) & 0xFFFF
         bits = (hi << 16) | (r.to(tl.uint32, bitcast=True) & 0xFFFF)
         return bits.to(tl.float32, bitcast=True)
@@ -176,6 +180,12 @@ def _store_param(ptrs, lp_ptrs, p, mask, key, index, PARAM_MODE: tl.constexpr,
         hi = tl.where(p != p, (u >> 16) | 0x40, (u + 0x8000) >> 16)
         tl.store(ptrs, hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
         tl.store(lp_ptrs, (u & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    elif PARAM_MODE == 3:  # remainder.split(remainder.round24(p), torch.int8)
+        u = p.to(tl.uint32, bitcast=True)
+        u = tl.where(p != p, u, (u + 0x7F + ((u >> 8) & 1)) & 0xFFFFFF00)
+        hi = tl.where(p != p, (u >> 16) | 0x40, (u + 0x8000) >> 16)
+        tl.store(ptrs, hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(lp_ptrs, ((u >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True), mask=mask)
     else:
         tl.store(ptrs, p, mask=mask)
         if HAS_PARAM_LP:
@@ -335,7 +345,7 @@ def _check_step(ops: Operands, args: StepArgs) -> None:
 
 def _check_param(param, param_lp, stochastic, remainder=None) -> None:
     """``param``: the fp32 master (or parameter), or with ``stochastic`` or a
-    ``remainder`` (int16) the bf16 parameter."""
+    ``remainder`` (int16, or int8: ``zero_triton.kernels.remainder``) the bf16 parameter."""
     if stochastic and remainder is not None:
         raise ValueError("stochastic=True and `remainder` are two ways of stepping a bfloat16 "
                          "parameter without an fp32 master; pass one")
@@ -345,7 +355,7 @@ def _check_param(param, param_lp, stochastic, remainder=None) -> None:
             raise ValueError("`param_lp` must be None with stochastic=True or a `remainder`: "
                              "`param` is the bfloat16 parameter itself")
         if remainder is not None:
-            _check("remainder", remainder, param.numel(), (torch.int16,), param.device)
+            _check("remainder", remainder, param.numel(), tuple(REMAINDER_MODES), param.device)
     else:
         _check("param", param, param.numel(), (torch.float32,), param.device)
 
@@ -354,7 +364,7 @@ def _param_flags(ops: Operands, args: StepArgs) -> dict:
     """The constexprs of the parameter's mode (and its stream of bits, stochastic)."""
     from zero_triton.kernels import rounding
     mode = MODE_STOCHASTIC if args.stochastic else \
-        MODE_REMAINDER if ops.remainder is not None else MODE_MASTER
+        REMAINDER_MODES[ops.remainder.dtype] if ops.remainder is not None else MODE_MASTER
     return dict(PARAM_MODE=mode, PARAM_MIX=(rounding.PARAM_STREAM * rounding.M1) & rounding.MASK32)
 
 

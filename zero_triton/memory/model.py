@@ -16,7 +16,8 @@ master, moments 8P, so K = 8 and DDP is 16P again.
 bf16 training without a master (``master_dtype="stochastic"``, the optimizers'
 ``master_weights="stochastic"``): parameters 2P, gradients 2P, no master. With the
 master's low half beside the parameters (``master_dtype="remainder"``, the optimizers'
-``master_weights="remainder"``): the master 2P, exact (``zero_triton.state.master``).
+``master_weights="remainder"``): the master 2P, exact (``zero_triton.state.master``);
+its 8 bits (``master_dtype="remainder8"``): a 24-bit master, 1P.
 
 The moments' format (``moments``, the optimizers' argument): ``"fp32"`` 8P; ``"bf16"``
 4P; ``"int8"``
@@ -66,6 +67,7 @@ PRECISIONS = {
     "none": (4, 4, 0, 8),  # plain fp32 training: the parameters are the master
     "stochastic": (2, 2, 0, 8),  # bf16 params and grads, no master (master_weights="stochastic")
     "remainder": (2, 2, 2, 8),   # bf16 params and grads, the master's low 16 bits beside them
+    "remainder8": (2, 2, 1, 8),  # the same with 8 bits of it: a 24-bit master
 }
 # moments format -> bytes per parameter of m + v
 MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256}
@@ -156,8 +158,9 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
 
     ``master_dtype``: ``"fp32"`` (fp16/bf16 params and grads, fp32 master, K = 12),
     ``"none"`` (plain fp32 training, no separate master, K = 8), ``"stochastic"`` (bf16
-    params and grads, no master: ``master_weights="stochastic"``) or ``"remainder"`` (the
-    master's low 16 bits beside bf16 params, K = 10). ``moments``: the
+    params and grads, no master: ``master_weights="stochastic"``), ``"remainder"`` (the
+    master's low 16 bits beside bf16 params, K = 10) or ``"remainder8"`` (8 of them, a
+    24-bit master, K = 9). ``moments``: the
     moments' format, ``"fp32"`` (8 bytes per parameter), ``"bf16"`` (4) or ``"int8"`` (2.03).
     ``offload_fraction``: the share of the optimizer state in host memory (None: no
     offload; each stage then also has ``host_bytes``, ``device_bytes`` and
@@ -171,7 +174,8 @@ def memory_table(params: int, world_size: int, master_dtype: str = "fp32",
                          f"{master_dtype!r}; use 'fp32' for bf16/fp16 training with an "
                          f"fp32 master copy, 'none' for plain fp32 training, 'stochastic' "
                          f"for bf16 training without a master, 'remainder' for an exact "
-                         f"master in 2 bytes beside bf16 parameters")
+                         f"master in 2 bytes beside bf16 parameters, 'remainder8' for a "
+                         f"24-bit master in 1 byte")
     if moments not in MOMENT_BYTES:
         raise ValueError(f"moments must be one of {sorted(MOMENT_BYTES)}, got {moments!r}")
     pb, gb, mb, _ = PRECISIONS[master_dtype]

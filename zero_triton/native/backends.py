@@ -53,7 +53,7 @@ def torch_step(ops: Operands, args: StepArgs) -> None:
         torch_step(Operands(master, grad, ops.moments, None, step, lr, scratch=scratch),
                    args.replace(stochastic=False, found_inf=None))
         if remainder is not None:
-            high, low = remainders.split(master)
+            high, low = remainders.split(master, remainder.dtype)
             param.copy_(high)
             remainder.copy_(low)
             return

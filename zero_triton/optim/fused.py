@@ -40,7 +40,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         master_weights: None (default) keeps an fp32 master for fp16/bf16 parameters;
             fp32 parameters are their own master. "remainder": bf16 parameters with only
             the master's low 16 bits beside them, the same master for 2 bytes instead of
-            4 (zero_triton.kernels.remainder). "stochastic": bf16 parameters without
+            4 (zero_triton.kernels.remainder). "remainder8": 8 of those bits, a 24-bit
+            master for 1 byte, each step rounded to 2**-16 of the weight. "stochastic": bf16 parameters without
             one, stepped in float32 and rounded back stochastically (a hash of the step
             and the element's place: the same at every world size; zero_triton.kernels.rounding).
         backend: "auto" | "triton" | "cuda" | "cpu" | "torch" (see zero_triton.native.backends).

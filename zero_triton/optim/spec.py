@@ -22,18 +22,15 @@ from zero_triton.native import backends
 from zero_triton.optim import offload as offloads
 from zero_triton.optim.capture import CAPTURED, EAGER, Captured, Eager
 from zero_triton.optim.checks import check_flag
+from zero_triton.state import master as master_formats
 from zero_triton.state import moments as moment_formats
 
 REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 FEEDBACK = {True: torch.bfloat16, False: None, torch.bfloat16: torch.bfloat16,
             torch.float32: torch.float32}
 STOCHASTIC = "stochastic"  # master_weights: no fp32 master, bf16 parameters rounded stochastically
-REMAINDER = "remainder"    # master_weights: the fp32 master's low half beside bf16 parameters
-MASTER_STRINGS = {
-    STOCHASTIC: "bfloat16 parameters without an fp32 master, stepped with stochastic rounding",
-    REMAINDER: "the low 16 bits of the fp32 master beside bfloat16 parameters: an exact "
-               "master for 2 bytes",
-}
+# master_weights's strings: the master formats that name themselves (``state.master.KEYWORDS``).
+MASTER_STRINGS = {k: cls.described for k, cls in master_formats.KEYWORDS.items()}
 
 
 _COMPRESSED_DIFFERENTIABLE = (
@@ -204,7 +201,9 @@ class Spec:
         """How parameters of ``dtype`` are stepped (``zero_triton.state.master.FORMATS``)."""
         if dtype not in (torch.float16, torch.bfloat16):
             return "own"
-        return {STOCHASTIC: "none", REMAINDER: "remainder"}.get(self.master_weights, "fp32")
+        named = master_formats.KEYWORDS.get(self.master_weights) if isinstance(
+            self.master_weights, str) else None
+        return named.format if named else "fp32"
 
     def check_params(self, params, amsgrad: bool) -> None:
         """Refuse, with the fix and before anything is built, what the moments' format
@@ -219,10 +218,9 @@ class Spec:
                            "master_weights=None" if p.dtype in (torch.float32, torch.float64)
                            else f"{mode!r} is for bfloat16 only (the top half of a float32): "
                            "use bfloat16 parameters, or master_weights=None (an fp32 master)")
-                    what = ("drops the fp32 master of" if mode == STOCHASTIC else
-                            "keeps the fp32 master's low 16 bits beside")
-                    raise ValueError(f"master_weights={mode!r} {what} bfloat16 parameters; "
-                                     f"parameter {i} {tuple(p.shape)} is {p.dtype}: {fix}")
+                    raise ValueError(f"master_weights={mode!r} is for "
+                                     f"{MASTER_STRINGS[mode]}; parameter {i} "
+                                     f"{tuple(p.shape)} is {p.dtype}: {fix}")
         self._check_compressed(params)
         if self.moments == "fp32":
             return

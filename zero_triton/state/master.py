@@ -9,8 +9,14 @@ through the optimizer.
 - ``remainder``: bf16 parameters whose master is their own 16 bits and an int16 beside
   them (``master_weights="remainder"``, ``zero_triton.kernels.remainder``): the master is
   exact for 2 bytes; the parameter rounds ties away from zero.
+- ``remainder8``: bf16 parameters whose master is their own 16 bits and an int8 beside
+  them (``master_weights="remainder8"``): a 24-bit master for 1 byte, each step's result
+  rounded to 24 bits (``zero_triton.kernels.remainder`` says what that keeps and loses).
 - ``none``: bf16 parameters without a master (``master_weights="stochastic"``): the kernel
   steps the parameter in float32 and rounds it back stochastically.
+
+A format that a ``master_weights`` string names says so (``keyword``, with what it is:
+``described``); the optimizers' keyword takes its values from ``KEYWORDS``.
 
 A master holds one rank's shard in state order, as the moment stores do
 (``zero_triton.state.protocol``), and sees the parameters through the shard's views of
@@ -64,6 +70,8 @@ SAME = Same()
 
 class _Master:
     format: str
+    keyword = None    # the master_weights string that names it (None: chosen by dtype)
+    described = ""    # what it keeps, for the keyword's error message
     exact = False  # an fp32 master beside the parameters (torch's "master_param")
     live = True    # export() is the storage itself, or there is nothing to export
     keyed = False  # the step rounds the parameter by a generator keyed by element
@@ -157,6 +165,8 @@ class NoMaster(_Master):
     """bf16 parameters stepped without a master, rounded back stochastically."""
 
     format = "none"
+    keyword = "stochastic"
+    described = "bfloat16 parameters without an fp32 master, stepped with stochastic rounding"
     keyed = True
     plain = False
     stochastic = True
@@ -215,13 +225,17 @@ class RemainderMaster(_Master):
     """The low 16 bits of bf16 parameters' fp32 master, beside them (int16)."""
 
     format = "remainder"
+    keyword = "remainder"
+    described = ("the low 16 bits of the fp32 master beside bfloat16 parameters: an exact "
+                 "master for 2 bytes")
     exact = True
     live = False  # export() joins a copy
     plain = False
+    dtype = torch.int16  # the remainder's (``zero_triton.kernels.remainder``)
 
     def __init__(self, param_parts, segments, numel: int, device, mirror=SAME):
         super().__init__(param_parts, segments, numel, device, mirror)
-        self.remainder = torch.zeros(numel, dtype=torch.int16, device=device)
+        self.remainder = torch.zeros(numel, dtype=self.dtype, device=device)
 
     def operands(self, a: int, b: int, param: torch.Tensor) -> tuple:
         return param, None, self.remainder[a:b]
@@ -233,7 +247,7 @@ class RemainderMaster(_Master):
         """The elements of ``master`` that differ from the one the parameters and
         remainders make now: an export written back unchanged changes nothing (not even
         a parameter the user wrote since, which ``reseed`` has yet to pair)."""
-        high, low = remainders.split(master)
+        high, low = remainders.split(master, self.dtype)
         params = self.parameters()
         changed = master.view(torch.int32) != remainders.join(params, self.remainder).view(torch.int32)
         self.remainder.copy_(torch.where(changed, low, self.remainder))
@@ -248,21 +262,33 @@ class RemainderMaster(_Master):
         r = self.remainder[a:b]
         r.copy_(remainders.consistent(part, r))
 
-    @staticmethod
-    def rebase(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """The written ``param`` with the master's low half, where they still pair."""
-        _, low = remainders.split(master)
+    @classmethod
+    def rebase(cls, master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """The written ``param`` with the master's low bits, where they still pair."""
+        _, low = remainders.split(master, cls.dtype)
         return remainders.join(param, remainders.consistent(param, low))
 
     def storage(self) -> list:
         return [self.remainder]
 
     def carry_over(self, old) -> None:
-        if isinstance(old, RemainderMaster):
+        if type(old) is type(self):
             self.remainder.copy_(old.remainder)
 
 
-FORMATS = {cls.format: cls for cls in (OwnMaster, NoMaster, Fp32Master, RemainderMaster)}
+class Remainder8Master(RemainderMaster):
+    """Bits 8-15 of bf16 parameters' fp32 master, beside them (int8): a 24-bit master."""
+
+    format = "remainder8"
+    keyword = "remainder8"
+    described = ("8 more bits of the master beside bfloat16 parameters (int8): a 24-bit "
+                 "master for 1 byte, each step rounded to 2**-16 of the weight")
+    dtype = torch.int8
+
+
+FORMATS = {cls.format: cls for cls in (OwnMaster, NoMaster, Fp32Master, RemainderMaster,
+                                       Remainder8Master)}
+KEYWORDS = {cls.keyword: cls for cls in FORMATS.values() if cls.keyword}
 
 
 def make(format: str, param_parts, segments, numel: int, device, mirror=SAME):

@@ -52,7 +52,7 @@ def _rank(args, rank, world, device):
     params = _params(args.params, dtype)
     opt = ZeroAdam(params, lr=1e-3, stage=args.stage, bucket_cap_mb=args.bucket_cap_mb,
                    reduce_dtype=torch.float32, moments=args.moments,
-                   master_weights=args.master_dtype if args.master_dtype in ("stochastic", "remainder")
+                   master_weights=args.master_dtype if args.master_dtype in ("stochastic", "remainder", "remainder8")
                    else None)
     probe = MemoryProbe(device)
     held = None
@@ -191,7 +191,8 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
     parser.add_argument("--master-dtype", choices=sorted(PRECISIONS), default="fp32",
                         help="fp32: bf16/fp16 params + fp32 master (default); "
                              "none: plain fp32 training; stochastic: bf16 params, no master; "
-                             "remainder: bf16 params + the master's low 16 bits (exact)")
+                             "remainder: bf16 params + the master's low 16 bits (exact); "
+                             "remainder8: bf16 params + 8 of them (a 24-bit master)")
     parser.add_argument("--moments", choices=sorted(MOMENT_BYTES), default="fp32",
                         help="the Adam moments' format: fp32 (8 bytes per parameter, default), "
                              "bf16 (4) or int8 (2.03: block-scaled 8-bit codes)")
