@@ -17,14 +17,16 @@ def test_step_bench_prints_every_row_with_its_state_bytes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {line[:16].strip(): line for line in proc.stdout.splitlines()}
     for name in ("zt fp32", "zt int8", "zt bf16", "zt bf16+master", "zt bf16 sr int8", "zt bf16 rem",
-                 "zt bf16 rem int8", "torch fused", "limit 28 B", "limit 20 B", "limit 16 B"):
+                 "zt bf16 rem int8", "zt bf16 rem8", "zt bf16 r8 int8", "torch fused", "limit 28 B",
+                 "limit 20 B", "limit 16 B"):
         assert name in rows, proc.stdout
     state = {name: float(rows[name].split()[-1])
              for name in ("zt fp32", "zt int8", "zt bf16", "zt bf16 sr int8", "zt bf16 rem",
-                          "zt bf16 rem int8")}
+                          "zt bf16 rem int8", "zt bf16 rem8", "zt bf16 r8 int8")}
     assert state["zt fp32"] == 8.0 and state["zt bf16"] == 4.0 and state["zt bf16 rem"] == 10.0
     assert 2.0 < state["zt int8"] < 2.1 and 2.0 < state["zt bf16 sr int8"] < 2.1
     assert 4.0 < state["zt bf16 rem int8"] < 4.1
+    assert state["zt bf16 rem8"] == 9.0 and 3.0 < state["zt bf16 r8 int8"] < 3.1
 
 
 def test_quality_bench_writes_its_table(tmp_path):
