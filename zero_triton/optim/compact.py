@@ -93,14 +93,18 @@ def wanted(opt, compact):
 
 
 def compact(opt, state_dict: dict) -> dict:
-    """``state_dict`` (torch's format, this optimizer's) in the compact form."""
-    fmt = opt.spec.moments
-    marker = {"moments": fmt, "version": VERSION}
-    if fmt == "fp32":
+    """``state_dict`` (torch's format, this optimizer's) in the compact form: each
+    shard's parameters in its moments' format (a param group may name its own:
+    ``Spec.for_group``); the marker names the format, or the formats in param group
+    order where they differ."""
+    shards = opt.shards()
+    formats = list(dict.fromkeys(shard.state.moments.format for _, shard in shards)) or [opt.spec.moments]
+    marker = {"moments": formats[0] if len(formats) == 1 else formats, "version": VERSION}
+    if formats == ["fp32"]:
         return {**state_dict, KEY: marker}
     _, ids = packed_groups(opt)
     state = dict(state_dict["state"])
-    for _, shard in opt.shards():
+    for _, shard in shards:
         for i, p in enumerate(shard.params):
             entry = state.get(ids[id(p)])
             if not isinstance(entry, dict) or FIRST not in entry:
@@ -174,23 +178,39 @@ def expand(state_dict: dict) -> dict:
                    **_expand_int8(e, f"state {key!r} of the state dict")}
                   if isinstance(e, dict) and Int8Moments.COMPACT[0] in e else e)
             for key, e in entries.items()}}
-    fmt = marker.get("moments") if isinstance(marker, dict) else None
-    if fmt not in moment_formats.FORMATS or marker.get("version") != VERSION:
+    named = marker.get("moments") if isinstance(marker, dict) else None
+    formats = named if isinstance(named, list) else [named]
+    if not formats or any(f not in moment_formats.FORMATS for f in formats) or \
+            marker.get("version") != VERSION:
         raise ValueError(f"the state dict's 'compact' entry is {marker!r}; this version of "
                          f"zero_triton reads version {VERSION} with moments in "
-                         f"{tuple(moment_formats.FORMATS)}")
+                         f"{tuple(moment_formats.FORMATS)} (one, or a list: one per param "
+                         "group's format)")
     rest = {k: v for k, v in state_dict.items() if k != KEY}
-    if fmt == "fp32":
+    stores = [moment_formats.FORMATS[f] for f in formats if f != "fp32"]
+    if not stores:
         return rest
-    store = moment_formats.FORMATS[fmt]
-    unpack = _expand_int8 if store is Int8Moments else store.expand
     state = {}
     for key, entry in state_dict["state"].items():
-        if isinstance(entry, dict) and any(k in entry for k in store.COMPACT):
+        store = next((s for s in stores if isinstance(entry, dict) and
+                      _holds(s, entry, mixed=len(formats) > 1)), None)
+        if store is not None:
+            unpack = _expand_int8 if store is Int8Moments else store.expand
             kept = {k: v for k, v in entry.items() if k not in store.COMPACT}
             entry = {**kept, **unpack(entry, f"state {key!r} of the compact state dict")}
         state[key] = entry
     return {**rest, "state": state}
+
+
+def _holds(store, entry: dict, mixed: bool) -> bool:
+    """Whether ``entry`` is in ``store``'s compact form: it has its keys (any of them: a
+    partial entry is refused by the store's ``expand``); where param groups have
+    different formats (``mixed``) and the store's keys are torch's (bf16), also its
+    dtype, so that the entries of fp32 groups pass as they are."""
+    if not any(k in entry for k in store.COMPACT):
+        return False
+    return not (mixed and store.COMPACT == (FIRST, SECOND)) or \
+        getattr(entry.get(FIRST), "dtype", None) == torch.bfloat16
 
 
 def size_bytes(state_dict: dict) -> int:

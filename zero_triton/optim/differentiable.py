@@ -166,4 +166,8 @@ def build(cls, args: tuple, kwargs: dict) -> DifferentiableAdam:
     spec = Spec.build(master_weights=a["master_weights"], backend=a["backend"],
                       max_grad_norm=a["max_grad_norm"], differentiable=True, moments=a["moments"],
                       capturable=a["capturable"]).with_offload(a["offload"], a["offload_fraction"])
+    if isinstance(a["params"], (list, tuple)):
+        for group in a["params"]:  # a group's own formats, refused as the constructor's are
+            if isinstance(group, dict):
+                spec.for_group(group)
     return DifferentiableAdam(a["params"], {**hyper, **group_keys(True, **spec.capture.keywords)})

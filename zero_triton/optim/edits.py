@@ -16,6 +16,7 @@ import torch
 
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.shard import Shard
+from zero_triton.state.keys import GROUP_FORMATS, formats_of
 from zero_triton.state import watch
 
 
@@ -32,12 +33,15 @@ class UserEdits:
         self.views_state = views_state
         self.tracked = watch.TrackedState()
         self.group_params: list[list] = []   # per group, as given (followed if replaced)
+        self.group_formats: list[dict] = []  # per group, the state formats it named
         self.frozen: list = []               # (group index, parameter) left out at construction
 
-    def add_group(self, params: list) -> None:
-        """A param group was built over ``params`` (frozen ones included)."""
+    def add_group(self, params: list, group: dict) -> None:
+        """A param group was built over ``params`` (frozen ones included), in the state
+        formats ``group`` names (``Spec.for_group``)."""
         gi = len(self.group_params)
         self.group_params.append(params)
+        self.group_formats.append(formats_of(group))
         self.frozen.extend((gi, p) for p in params if not p.requires_grad)
 
     def regroup(self, gi: int, params: list, old_shards) -> None:
@@ -121,25 +125,40 @@ class UserEdits:
 
     # -- param groups ----------------------------------------------------------------
     def check_groups(self, param_groups) -> None:
-        """Refuse parameters added to or removed from ``param_groups`` by hand: the
-        optimizer has flat buffers and state for the ones it was given."""
+        """Refuse parameters added to or removed from ``param_groups`` by hand (the
+        optimizer has flat buffers and state for the ones it was given), and a group's
+        state formats changed by hand (its state is stored in them)."""
+        if not self._same_parameters(param_groups):
+            raise RuntimeError(
+                f"{self.who}: param_groups were edited by hand (now "
+                f"{[len(g['params']) for g in param_groups]} parameters per group, built with "
+                f"{[len(ps) for ps in self.group_params]}); the optimizer keeps flat buffers and "
+                "state for the parameters it was given and would not train the others. Add "
+                "parameters with optimizer.add_param_group({'params': [...]}) (ZeroAdam: on every "
+                "rank), or build a new optimizer. Nothing was changed")
+        for gi, (group, built) in enumerate(zip(param_groups, self.group_formats)):
+            now = formats_of(group)
+            if now == built:
+                continue
+            key = next(k for k in GROUP_FORMATS if (k in now, now.get(k)) != (k in built, built.get(k)))
+            was, is_ = (repr(d[key]) if key in d else "the optimizer's" for d in (built, now))
+            raise RuntimeError(
+                f"{self.who}: param group {gi}'s {key}= was changed by hand (built with {was}, "
+                f"now {is_}); a group's state is laid out and stored in its formats when it is "
+                "added. Build a new optimizer with the formats you want (its load_state_dict "
+                "takes this one's state in any format), or add the parameters as a new group. "
+                "Nothing was changed")
+
+    def _same_parameters(self, param_groups) -> bool:
+        """``param_groups`` hold the parameters the optimizer was given, group by group
+        (groups repeated after them, ``param_groups.extend(param_groups)``, allowed: the
+        state dict numbers their parameters as torch does; each still steps once)."""
         sizes = [len(ps) for ps in self.group_params]
-        if len(param_groups) >= len(sizes) and all(
-                len(g["params"]) == n for g, n in zip(param_groups, sizes)):
-            if len(param_groups) == len(sizes):
-                return
-            # Groups repeated (``param_groups.extend(param_groups)``): the state dict
-            # numbers their parameters as torch does; each parameter still steps once.
-            known = {id(p) for g in param_groups[:len(sizes)] for p in g["params"]}
-            if all(id(p) in known for g in param_groups[len(sizes):] for p in g["params"]):
-                return
-        raise RuntimeError(
-            f"{self.who}: param_groups were edited by hand (now "
-            f"{[len(g['params']) for g in param_groups]} parameters per group, built with "
-            f"{sizes}); the optimizer keeps flat buffers and state for the parameters it was "
-            "given and would not train the others. Add parameters with "
-            "optimizer.add_param_group({'params': [...]}) (ZeroAdam: on every rank), or build a "
-            "new optimizer. Nothing was changed")
+        if len(param_groups) < len(sizes) or any(
+                len(g["params"]) != n for g, n in zip(param_groups, sizes)):
+            return False
+        known = {id(p) for g in param_groups[:len(sizes)] for p in g["params"]}
+        return all(id(p) in known for g in param_groups[len(sizes):] for p in g["params"])
 
     def replaced_groups(self, param_groups, flats_per_group, rebuilds: bool) -> list:
         """The param groups whose parameters were replaced by others, to rebuild over

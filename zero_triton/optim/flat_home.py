@@ -209,7 +209,9 @@ class FlatHome:
         """Parameter ``i``'s moments, given in torch's ``entry``, as ``moments`` (the
         shard's store, either side of an offload's cut) keeps them, for the compact state
         dict (``optim.compact``): its elements in the flat buffer's (its blocks') order,
-        encoded by the store's format."""
+        encoded by the store's format; None for fp32 moments (torch's ``entry`` as it is)."""
+        if moments.format == "fp32":
+            return None
         view = ParamView(self.layout, self.segments)
         first, second = (view.elements(i, entry[k].detach().cpu()) for k in (FIRST, SECOND))
         encode = moment_formats.FORMATS[moments.format].compact

@@ -133,9 +133,9 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         check_group_params(params, self.param_groups, materialised=not isinstance(self._comm, LocalComm))
         # Build the flat buffers before registering the group, so an error (no usable
         # backend, say) leaves the optimizer as it was.
-        shards = self._shards.build(params, group["amsgrad"])
+        shards = self._shards.build(params, group)
         super().add_param_group(param_group)
-        self._edits.add_group(params)  # as given: followed if replaced
+        self._edits.add_group(params, group)  # as given: followed if replaced
         self._shards.add(self.param_groups, shards)
 
     def _enter(self, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:

@@ -25,15 +25,17 @@ class Shards:
         self.rebuilds_replaced = rebuilds_replaced
         self.groups: list[list[Shard]] = []
 
-    def build(self, params, amsgrad: bool, key: int | None = None, group: int | None = None) -> list:
-        """The shards of param group ``group``'s trainable ``params`` (None: a new group),
-        numbered from ``key`` (None: after every shard there is)."""
+    def build(self, params, group: dict, key: int | None = None, index: int | None = None) -> list:
+        """The shards of the trainable ``params`` of param group ``group``, number
+        ``index`` (None: a new group), numbered from ``key`` (None: after every shard
+        there is), built to the optimizer's spec with the group's own state formats
+        (``Spec.for_group``)."""
         key = sum(map(len, self.groups)) if key is None else key
-        group = len(self.groups) if group is None else group
+        index = len(self.groups) if index is None else index
         sharded = self.comm.everyone.world_size > 1 or self.spec.grads.sharded
-        return build_shards([p for p in params if p.requires_grad], self.comm, self.spec,
-                           amsgrad=amsgrad, key=key, reducer=self.reducer if sharded else None,
-                           group=group)
+        return build_shards([p for p in params if p.requires_grad], self.comm,
+                            self.spec.for_group(group), amsgrad=group["amsgrad"], key=key,
+                            reducer=self.reducer if sharded else None, group=index)
 
     def add(self, param_groups: list, shards: list) -> None:
         """The shards of the group just added to ``param_groups``, taken."""
@@ -72,7 +74,7 @@ class Shards:
         others = [g for k, g in enumerate(param_groups) if k != gi]
         check_group_params(params, others, materialised=False)
         key = 1 + max((s.key for shards in self.groups for s in shards), default=-1)
-        shards = self.build(params, param_groups[gi]["amsgrad"], key, gi)
+        shards = self.build(params, param_groups[gi], key, gi)
         for shard in self.groups[gi]:
             shard.remove_hooks()
         self.edits.regroup(gi, params, self.groups[gi])

@@ -24,6 +24,7 @@ from zero_triton.optim.capture import CAPTURED, EAGER, Captured, Eager
 from zero_triton.optim.checks import check_flag
 from zero_triton.state import master as master_formats
 from zero_triton.state import moments as moment_formats
+from zero_triton.state.keys import formats_of
 
 REDUCE_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
 FEEDBACK = {True: torch.bfloat16, False: None, torch.bfloat16: torch.bfloat16,
@@ -37,6 +38,37 @@ _COMPRESSED_DIFFERENTIABLE = (
     "compressed collectives (reduce_dtype='int8', gather_dtype='int8') cannot be used with "
     "differentiable=True: autograd through the step needs exact gradients and parameters; "
     "leave them out")
+
+
+def _check_master_weights(master_weights, differentiable: bool) -> None:
+    if isinstance(master_weights, str):
+        if master_weights not in MASTER_STRINGS:
+            kinds = "; ".join(f"{k!r} ({why})" for k, why in MASTER_STRINGS.items())
+            raise ValueError(f"master_weights must be True or False (None: True), or "
+                             f"{kinds}, got {master_weights!r}")
+        if differentiable:
+            raise ValueError(f"master_weights={master_weights!r} cannot be used with "
+                             "differentiable=True: autograd through the step needs torch's "
+                             "own float state; use master_weights=None")
+    elif master_weights is not None:
+        check_flag("master_weights", master_weights)
+
+
+def _check_moments(moments, differentiable: bool) -> None:
+    if not isinstance(moments, str) or moments not in moment_formats.FORMATS:
+        raise ValueError(f"moments must be one of {tuple(moment_formats.FORMATS)} (the Adam "
+                         f"moments' storage format), got {moments!r}")
+    if moments != "fp32" and differentiable:
+        raise ValueError(f"moments={moments!r} cannot be used with differentiable=True: "
+                         "autograd through the step needs torch's own float state; use "
+                         "moments='fp32' (the default)")
+
+
+def _master(master_weights) -> bool | str:
+    """``master_weights`` as a spec holds it: a format's string, or a flag (None: True)."""
+    if master_weights is None:
+        return True
+    return master_weights if isinstance(master_weights, str) else bool(master_weights)
 
 
 @dataclass(frozen=True)
@@ -81,17 +113,7 @@ class Spec:
               capturable=False) -> "Spec":
         """The constructor's keywords, checked in the order the optimizers have always
         checked them (each error names the fix; nothing has changed yet)."""
-        if isinstance(master_weights, str):
-            if master_weights not in MASTER_STRINGS:
-                kinds = "; ".join(f"{k!r} ({why})" for k, why in MASTER_STRINGS.items())
-                raise ValueError(f"master_weights must be True or False (None: True), or "
-                                 f"{kinds}, got {master_weights!r}")
-            if differentiable:
-                raise ValueError(f"master_weights={master_weights!r} cannot be used with "
-                                 "differentiable=True: autograd through the step needs torch's "
-                                 "own float state; use master_weights=None")
-        elif master_weights is not None:
-            check_flag("master_weights", master_weights)
+        _check_master_weights(master_weights, differentiable)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or
                                           not isinstance(max_grad_norm, (int, float)) or
                                           not max_grad_norm > 0):
@@ -116,26 +138,31 @@ class Spec:
                              f"blocks on the wire, summed in float32), got {reduce_dtype!r}")
         if reduce_codec and differentiable:
             raise ValueError(_COMPRESSED_DIFFERENTIABLE)
-        if not isinstance(moments, str) or moments not in moment_formats.FORMATS:
-            raise ValueError(f"moments must be one of {tuple(moment_formats.FORMATS)} (the Adam "
-                             f"moments' storage format), got {moments!r}")
-        if moments != "fp32" and differentiable:
-            raise ValueError(f"moments={moments!r} cannot be used with differentiable=True: "
-                             "autograd through the step needs torch's own float state; use "
-                             "moments='fp32' (the default)")
+        _check_moments(moments, differentiable)
         check_flag("capturable", capturable)
         if capturable and differentiable:
             raise ValueError("capturable=True cannot be used with differentiable=True: the "
                              "differentiable step is torch's, building an autograd graph at "
                              "each step; leave one of them out")
-        master = True if master_weights is None else (
-            master_weights if isinstance(master_weights, str) else bool(master_weights))
-        return cls(backend=backend, master_weights=master,
+        return cls(backend=backend, master_weights=_master(master_weights),
                    reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                    max_grad_norm=None if max_grad_norm is None else float(max_grad_norm),
                    differentiable=bool(differentiable), moments=moments,
                    reduce_codec=reduce_codec, capture=CAPTURED if capturable else EAGER,
                    error_feedback=FEEDBACK[True] if reduce_codec else None)
+
+    def for_group(self, group: dict) -> "Spec":
+        """The spec a param group's shards are built to: this one, with the group's own
+        state formats where it names them (``state.keys.GROUP_FORMATS``: ``moments``,
+        ``master_weights``), checked as the constructor checks them."""
+        given = formats_of(group)
+        if not given:
+            return self
+        moments = given.get("moments", self.moments)
+        master_weights = given.get("master_weights", self.master_weights)
+        _check_moments(moments, self.differentiable)
+        _check_master_weights(master_weights, self.differentiable)
+        return dataclasses.replace(self, moments=moments, master_weights=_master(master_weights))
 
     def with_offload(self, offload=None, offload_fraction=None) -> "Spec":
         """This spec with the optimizer state placed by ``offload`` (None: beside the

@@ -18,6 +18,7 @@ import torch
 from zero_triton.comm import serve
 from zero_triton.optim.checks import adam_hyperparameters
 from zero_triton.optim.shard import written_values
+from zero_triton.state.keys import GROUP_FORMATS
 from zero_triton.state.flat import real_shape
 from zero_triton.state.moments import KEYS as MOMENT_KEYS
 from zero_triton.state.moments import MAXIMUM
@@ -281,7 +282,7 @@ def apply_load(opt, state_dict, plan) -> None:
     others, per_param = loaded_extras(opt, state_dict)
     for group, saved in zip(opt.param_groups, state_dict["param_groups"]):
         for k, v in saved.items():  # saved names win, as in torch; ours stay if it has none
-            if k != "params":
+            if k != "params" and k not in GROUP_FORMATS:  # formats: this optimizer's, as built
                 group[k] = v
         group.setdefault("decoupled_weight_decay", False)
     for shard, entries, step in plan:

@@ -32,6 +32,7 @@ from zero_triton.optim.checks import (adam_hyperparameters, check_device_mesh, c
                                       check_process_group)
 from zero_triton.optim.fused import FusedAdam
 from zero_triton.optim.seat import Seat
+from zero_triton.state.keys import formats_of
 from zero_triton.optim.spec import Spec
 
 
@@ -163,6 +164,7 @@ class ZeroAdam(FusedAdam, Joinable):
         _check_mesh_device(device_mesh, groups)
         self._check_same_model(comm, groups, {
             "moments": spec.moments, "master_weights": spec.master_weights,
+            "param groups' formats": [formats_of(g) for g in groups],
             "reduce_dtype": str(spec.reduce_codec or spec.reduce_dtype),
             "gather_dtype": spec.gather_codec, "error_feedback": str(spec.error_feedback)})
         # How calls meet the other ranks (zero_triton.optim.ranks): agreed over the group,
@@ -239,7 +241,8 @@ class ZeroAdam(FusedAdam, Joinable):
             if not isinstance(param_group["params"], torch.Tensor):
                 param_group["params"] = list(param_group["params"])
             check_no_dtensors([param_group], type(self).__name__, len(self.param_groups))
-            self._check_same_model(self._comm, [param_group])
+            self._check_same_model(self._comm, [param_group],
+                                   {"the group's formats": formats_of(param_group)})
         super().add_param_group(param_group)
         # torch's clip_grad_norm_ comes here (``zero_triton.integrations.clip_grad``) when
         # the local gradients are not the averaged ones (several ranks), or there are none
