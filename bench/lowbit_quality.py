@@ -24,7 +24,7 @@ Rows (each when it can run here):
   bf16p rem int8  the same with moments="int8" (4.03 B of state)
   bf16p rem8      the model in bfloat16, FusedAdamW(master_weights="remainder8"): 8 bits
                   of the master beside the parameters, a 24-bit master (9 B of state)
-  bf16p rem8 int8 the same with moments="int8" (3.03 B of state)
+  bf16p r8 int8   the same with moments="int8" (3.03 B of state)
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
                   elements keep 32-bit state)
   torchao 8bit    torchao.optim.AdamW8bit
@@ -72,7 +72,7 @@ LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8"
           "zt_bf16": "zt bf16", "zt_bf16p_master": "bf16p + master", "zt_bf16p_sr": "bf16p sr",
           "zt_bf16p_sr_int8": "bf16p sr int8", "zt_bf16p_rem": "bf16p rem",
           "zt_bf16p_rem_int8": "bf16p rem int8", "zt_bf16p_rem8": "bf16p rem8",
-          "zt_bf16p_rem8_int8": "bf16p rem8 int8", "bnb_8bit": "bnb 8bit",
+          "zt_bf16p_rem8_int8": "bf16p r8 int8", "bnb_8bit": "bnb 8bit",
           "torchao_8bit": "torchao 8bit", "zt_int8_fsdp2": "zt int8 FSDP2",
           "zt_bf16p_rem_int8_fsdp2": "rem int8 FSDP2", "zt_bf16p_sr_int8_fsdp2": "sr int8 FSDP2"}
 # rows whose model is in bfloat16
