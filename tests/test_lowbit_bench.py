@@ -29,6 +29,16 @@ def test_step_bench_prints_every_row_with_its_state_bytes(tmp_path):
     assert state["zt bf16 rem8"] == 9.0 and 3.0 < state["zt bf16 r8 int8"] < 3.1
 
 
+def test_state_bytes_bench_prints_the_report_and_resident_memory_per_row():
+    proc = run_python([REPO / "bench" / "state_bytes.py", "--size", "1Mi", "--rows",
+                       "remainder8+int8,fp32+fp32"], env=ENV, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[1:]}
+    assert [float(x) for x in rows["remainder8+int8"][:3]] == [7.031, 1.0, 2.031]
+    assert float(rows["fp32+fp32"][0]) == 16.0
+    assert all(float(x) > 0 for r in rows.values() for x in r[3:] if x != "n/a")
+
+
 def test_quality_bench_writes_its_table(tmp_path):
     proc = run_python([REPO / "bench" / "lowbit_quality.py", "--steps", "12", "--tail", "4",
                        "--warmup", "2", "--val-batches", "2", "--corpus-bytes", "200000",
