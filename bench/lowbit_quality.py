@@ -28,6 +28,8 @@ Rows (each when it can run here):
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
                   elements keep 32-bit state)
   torchao 8bit    torchao.optim.AdamW8bit
+  torchao 4bit    torchao.optim.AdamW4bit
+  torchao fp8     torchao.optim.AdamWFp8
   zt int8 FSDP2   FusedAdamW(moments="int8") over the same GPT under FSDP2 (``fully_shard``
                   per block and the root) at 2 gloo ranks, each rank given the whole batch
                   (their average is the batch's gradient): the int8 blocks are the
@@ -43,6 +45,11 @@ per parameter. Curves go to a PNG (with matplotlib), the table to a CSV and JSON
     python bench/lowbit_quality.py                  # 2,000 steps, about 10 minutes on 2 cores
     python bench/lowbit_quality.py --steps 300 --rows torch_fp32,zt_int8
     python bench/lowbit_quality.py --seed 1 --rows torch_fp32,zt_int8,bnb_8bit --out seed1
+    python bench/lowbit_quality.py --seeds 0,1,2    # each seed's table, then their means
+
+With ``--seeds``, each seed's results go to ``--out``/seed<N> and a last table gives, per
+row, the mean over the seeds of its ratios to torch fp32's loss in the same seed (and
+their smallest and largest): one run's ratio moves by about 1% from seed to seed.
 """
 from __future__ import annotations
 
@@ -65,7 +72,7 @@ from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 
 ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf16p_sr",
         "zt_bf16p_sr_int8", "zt_bf16p_rem", "zt_bf16p_rem_int8", "zt_bf16p_rem8",
-        "zt_bf16p_rem8_int8", "bnb_8bit", "torchao_8bit",
+        "zt_bf16p_rem8_int8", "bnb_8bit", "torchao_8bit", "torchao_4bit", "torchao_fp8",
         "zt_int8_fsdp2", "zt_bf16p_rem_int8_fsdp2", "zt_bf16p_sr_int8_fsdp2")
 FSDP2 = "_fsdp2"  # a row's suffix: the same optimizer under FSDP2 at 2 ranks
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
@@ -73,7 +80,8 @@ LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8"
           "zt_bf16p_sr_int8": "bf16p sr int8", "zt_bf16p_rem": "bf16p rem",
           "zt_bf16p_rem_int8": "bf16p rem int8", "zt_bf16p_rem8": "bf16p rem8",
           "zt_bf16p_rem8_int8": "bf16p r8 int8", "bnb_8bit": "bnb 8bit",
-          "torchao_8bit": "torchao 8bit", "zt_int8_fsdp2": "zt int8 FSDP2",
+          "torchao_8bit": "torchao 8bit", "torchao_4bit": "torchao 4bit",
+          "torchao_fp8": "torchao fp8", "zt_int8_fsdp2": "zt int8 FSDP2",
           "zt_bf16p_rem_int8_fsdp2": "rem int8 FSDP2", "zt_bf16p_sr_int8_fsdp2": "sr int8 FSDP2"}
 # rows whose model is in bfloat16
 BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr", "zt_bf16p_sr_int8", "zt_bf16p_rem",
@@ -139,6 +147,12 @@ def make_optimizer(row: str, params, lr: float, wd: float):
     if row == "torchao_8bit":
         from torchao.optim import AdamW8bit
         return AdamW8bit(params, lr=lr, weight_decay=wd)
+    if row == "torchao_4bit":
+        from torchao.optim import AdamW4bit
+        return AdamW4bit(params, lr=lr, weight_decay=wd)
+    if row == "torchao_fp8":
+        from torchao.optim import AdamWFp8
+        return AdamWFp8(params, lr=lr, weight_decay=wd)
     raise ValueError(f"unknown row {row!r}; choose from {ROWS}")
 
 
@@ -308,6 +322,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0,
                         help="the model's initial weights and the order of its batches (0: the "
                              "published run); other seeds show how much one run's loss varies")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds, each a run of every row, then their mean "
+                             "ratios (instead of --seed)")
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"comma-separated, from {', '.join(ROWS)}")
     add_training_args(parser, batch=16, batch_help="sequences per step")
@@ -324,22 +341,55 @@ def main(argv=None) -> int:
     train_tokens, val = tokens[:cut], tokens[cut:]
     config = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers,
                        n_head=args.heads, n_embd=args.width)
-    results = []
-    for row in args.rows:
-        try:
-            results.append(train(row, train_tokens, val, config, args))
-        except ImportError as exc:
-            print(f"{LABELS[row]}: skipped ({exc})", file=sys.stderr)
-            continue
-        r = results[-1]
-        print(f"{r['label']}: train {r['train_loss']:.4f}, val {r['val_loss']:.4f} "
-              f"({r['seconds']:.0f} s)", flush=True)
-    print(f"\n{args.steps} steps, batch {args.batch} x {args.seq} bytes, "
-          f"{tokens.numel():,} bytes of text ({cut:,} train)")
-    print(format_table(results))
-    write_outputs(args, results, ["row", "train_loss", "val_loss", "state_bytes_per_param",
-                                  "seconds"], write_png)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    every, out = [], args.out
+    for seed in seeds:
+        args.seed = seed
+        args.out = out if len(seeds) == 1 else os.path.join(out, f"seed{seed}")
+        results = []
+        for row in args.rows:
+            try:
+                results.append(train(row, train_tokens, val, config, args))
+            except ImportError as exc:
+                print(f"{LABELS[row]}: skipped ({exc})", file=sys.stderr)
+                continue
+            r = results[-1]
+            print(f"{r['label']}: train {r['train_loss']:.4f}, val {r['val_loss']:.4f} "
+                  f"({r['seconds']:.0f} s)", flush=True)
+        print(f"\nseed {seed}: {args.steps} steps, batch {args.batch} x {args.seq} bytes, "
+              f"{tokens.numel():,} bytes of text ({cut:,} train)")
+        print(format_table(results))
+        write_outputs(args, results, ["row", "train_loss", "val_loss", "state_bytes_per_param",
+                                      "seconds"], write_png)
+        every.append(results)
+    if len(seeds) > 1:
+        print(f"\nover seeds {seeds}: each row's loss over torch fp32's in the same seed")
+        print(format_means(every))
     return 0
+
+
+def format_means(every: list) -> str:
+    """Per row, the mean (and the smallest and largest) over the seeds of its train and
+    validation loss ratios to torch fp32's of the same seed; the seeds without a torch
+    fp32 row (or without the row) are left out."""
+    lines = [f"{'':<16}{'train x ref':>12}{'(min-max)':>16}{'val x ref':>11}{'(min-max)':>16}"
+             f"{'state B/param':>15}{'seeds':>6}"]
+    rows = list(dict.fromkeys(r["row"] for results in every for r in results))
+    for row in rows:
+        ratios = []
+        for results in every:
+            ref = next((r for r in results if r["row"] == "torch_fp32"), None)
+            mine = next((r for r in results if r["row"] == row), None)
+            if ref is not None and mine is not None:
+                ratios.append((mine["train_loss"] / ref["train_loss"],
+                               mine["val_loss"] / ref["val_loss"], mine["state_bytes_per_param"]))
+        if not ratios:
+            continue
+        tr, va = [r[0] for r in ratios], [r[1] for r in ratios]
+        lines.append(f"{LABELS[row]:<16}{sum(tr) / len(tr):>12.4f}"
+                     f"{f'({min(tr):.4f}-{max(tr):.4f})':>16}{sum(va) / len(va):>11.4f}"
+                     f"{f'({min(va):.4f}-{max(va):.4f})':>16}{ratios[0][2]:>15.3f}{len(ratios):>6}")
+    return "\n".join(lines)
 
 
 def write_outputs(args, results, columns, png) -> None:

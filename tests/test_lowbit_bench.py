@@ -39,19 +39,24 @@ def test_state_bytes_bench_prints_the_report_and_resident_memory_per_row():
     assert all(float(x) > 0 for r in rows.values() for x in r[3:] if x != "n/a")
 
 
-def test_quality_bench_writes_its_table(tmp_path):
+def test_quality_bench_writes_its_table_per_seed_and_the_means(tmp_path):
     proc = run_python([REPO / "bench" / "lowbit_quality.py", "--steps", "12", "--tail", "4",
                        "--warmup", "2", "--val-batches", "2", "--corpus-bytes", "200000",
-                       "--rows", "torch_fp32,zt_int8,zt_bf16", "--out", tmp_path],
-                      env=ENV, cwd=REPO, timeout=600)
+                       "--rows", "torch_fp32,zt_int8,zt_bf16p_rem8", "--seeds", "0,1",
+                       "--out", tmp_path], env=ENV, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    data = json.loads((tmp_path / "quality.json").read_text())
-    rows = {r["row"]: r for r in data["results"]}
-    assert set(rows) == {"torch_fp32", "zt_int8", "zt_bf16"}
-    for r in rows.values():
-        assert len(r["losses"]) == 12 and r["losses"][-1] < r["losses"][0]  # it trains
-    assert rows["zt_int8"]["state_bytes_per_param"] < 2.2
-    assert "x ref" in proc.stdout
+    for seed in (0, 1):
+        data = json.loads((tmp_path / f"seed{seed}" / "quality.json").read_text())
+        rows = {r["row"]: r for r in data["results"]}
+        assert set(rows) == {"torch_fp32", "zt_int8", "zt_bf16p_rem8"}
+        for r in rows.values():
+            assert len(r["losses"]) == 12 and r["losses"][-1] < r["losses"][0]  # it trains
+        assert rows["zt_int8"]["state_bytes_per_param"] < 2.2
+        assert rows["zt_bf16p_rem8"]["state_bytes_per_param"] == 9.0
+    means = proc.stdout.split("over seeds [0, 1]")[1].splitlines()
+    ref = next(line for line in means if line.startswith("torch fp32"))
+    assert ref.split()[2] == "1.0000" and ref.split()[-1] == "2"
+    assert any(line.startswith("bf16p rem8") for line in means)
 
 
 def test_wire_quality_bench_trains_each_row_at_four_ranks_and_counts_its_bytes(tmp_path):
