@@ -416,6 +416,8 @@ class EngineHome:
                                    scales_placements(p, self.rows))}
 
     def checkpointable(self, entry: str) -> None:
+        """zero_triton.checkpoint cannot save these shards (their engine owns them): raises
+        with DCP, the way they are saved."""
         raise TypeError(
             f"zero_triton.checkpoint ({entry}) saves the flat buffers FusedAdam and "
             "ZeroAdam own; this optimizer steps DTensor parameters (FSDP2, tensor "
