@@ -31,6 +31,7 @@ FORMATS = {  # name: (parameter dtype, FusedAdamW keywords)
     "int8": (torch.float32, {"moments": "int8"}),
     "bf16": (torch.float32, {"moments": "bf16"}),
     "remainder+int8": (torch.bfloat16, {"master_weights": "remainder", "moments": "int8"}),
+    "remainder8+int8": (torch.bfloat16, {"master_weights": "remainder8", "moments": "int8"}),
     "stochastic+int8": (torch.bfloat16, {"master_weights": "stochastic", "moments": "int8"}),
 }
 
