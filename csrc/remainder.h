@@ -39,17 +39,15 @@ ZT_REMAINDER float remainder8_join(uint16_t p, int8_t r) {
 }
 
 // f rounded to 24 bits (to nearest, ties to even; a NaN as it is), then split as above:
-// the int16 remainder's low byte is zero, and *r is its high byte.
+// the int16 remainder's low byte is zero, and *r is its high byte (remainder_split's
+// arithmetic on the rounded bits, written out: one NaN test for both).
 ZT_REMAINDER uint16_t remainder8_split(float f, int8_t* r) {
   uint32_t u;
   __builtin_memcpy(&u, &f, sizeof(u));
-  if (f == f) u = (u + 0x7Fu + ((u >> 8) & 1u)) & 0xFFFFFF00u;
-  float g;
-  __builtin_memcpy(&g, &u, sizeof(g));
-  int16_t r16;
-  const uint16_t hi = remainder_split(g, &r16);
-  *r = int8_t(uint8_t(uint16_t(r16) >> 8));
-  return hi;
+  const bool nan = f != f;
+  const uint32_t v = nan ? u : (u + 0x7Fu + ((u >> 8) & 1u)) & 0xFFFFFF00u;
+  *r = int8_t(uint8_t(v >> 8));
+  return uint16_t(nan ? ((u >> 16) | 0x40u) : (v + 0x8000u) >> 16);
 }
 
 #undef ZT_REMAINDER
