@@ -127,7 +127,7 @@ setup(
     install_requires=install_requires,
     extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "accelerate", "transformers", "expecttest", "deepspeed",
                              "pyyaml", TRITON, *DOCS],
-                    "bench": ["matplotlib"], "peers": ["deepspeed"], "triton": [TRITON], "docs": DOCS},
+                    "bench": ["matplotlib"], "peers": ["deepspeed", "bitsandbytes", "torchao"], "triton": [TRITON], "docs": DOCS},
     ext_modules=EXT_MODULES,
     cmdclass={"build_py": BuildPyWithCsrc, **EXT_CMDCLASS},
     entry_points={"console_scripts": ["zero-triton=zero_triton.tools.cli:main"]},

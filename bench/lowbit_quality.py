@@ -8,7 +8,7 @@ running interpreter's ``Lib/``, sorted by name), byte by byte (a vocabulary of 2
 structured text every Python ships, on which a small model's loss falls from ln 256 = 5.5
 to about 1.5 within a few thousand steps. The last ``--val-frac`` of it is held out.
 
-Rows (each when it can run here):
+Rows (each when it can run here; the peers' with ``pip install -e ".[peers]"``):
 
   torch fp32      torch.optim.AdamW (the reference the ratios are to)
   zt fp32         zero_triton FusedAdamW, fp32 moments
