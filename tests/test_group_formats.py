@@ -13,7 +13,7 @@ import zero_triton as zt
 from zero_triton.optim.compact import expand
 
 from dist_utils import run_ranks
-from lowbit_cases import mean_grads
+from lowbit_cases import assert_same, mean_grads
 
 SHAPES = [(300, 19), (64,), (37, 256), (5,)]
 # embeddings and norms (0, 1) in fp32 with an fp32 master; the rest in int8 with a 24-bit one
@@ -168,24 +168,16 @@ def _job(rank, world_size, stage, bucket_cap_mb, steps, save_to, load_from, dcp_
             {k: {n: v.numpy().copy() for n, v in e.items()} for k, e in sd["state"].items()})
 
 
-def _assert_same(a, b, where):
-    for x, y in zip(a[0], b[0]):
-        assert (x == y).all(), where
-    for k in b[1]:
-        for n in b[1][k]:
-            assert (a[1][k][n] == b[1][k][n]).all(), (where, k, n)
-
-
 def test_zero_steps_the_same_bits_at_every_world_size_and_reshards_them(tmp_path):
     """1 rank, 2 (stage 2, many buckets) and 4 (stage 1): the same parameters and state;
     zero_triton.checkpoint and DCP saved at 2 ranks resume at 4 as the straight run."""
     one = run_ranks(_job, 1, 1, None, 5, None, None)[0]
-    _assert_same(run_ranks(_job, 2, 2, 0.002, 5, None, None)[0], one, "2 ranks")
+    assert_same(run_ranks(_job, 2, 2, 0.002, 5, None, None)[0], one, "2 ranks")
     ckpt, dcp_dir = os.fspath(tmp_path / "ckpt"), os.fspath(tmp_path / "dcp")
     run_ranks(_job, 2, 1, 0.002, 3, ckpt, None)
-    _assert_same(run_ranks(_job, 4, 1, 0.001, 2, None, ckpt)[0], one, "checkpoint 2 -> 4")
+    assert_same(run_ranks(_job, 4, 1, 0.001, 2, None, ckpt)[0], one, "checkpoint 2 -> 4")
     run_ranks(_job, 2, 1, 0.002, 3, True, None, dcp_dir)
-    _assert_same(run_ranks(_job, 4, 1, 0.001, 2, None, None, dcp_dir)[0], one, "DCP 2 -> 4")
+    assert_same(run_ranks(_job, 4, 1, 0.001, 2, None, None, dcp_dir)[0], one, "DCP 2 -> 4")
 
 
 def _disagreeing(rank, world_size):

@@ -157,6 +157,8 @@ class UserEdits:
         if len(param_groups) < len(sizes) or any(
                 len(g["params"]) != n for g, n in zip(param_groups, sizes)):
             return False
+        if len(param_groups) == len(sizes):  # the usual case, at every step: no set built
+            return True
         known = {id(p) for g in param_groups[:len(sizes)] for p in g["params"]}
         return all(id(p) in known for g in param_groups[len(sizes):] for p in g["params"])
 
