@@ -182,8 +182,8 @@ def test_no_reaches_into_the_optimizers_privates():
 
 # The optimizers' public face beyond torch.optim.Optimizer's (docs/reference.md lists it).
 FUSED_FACE = {"backend", "clip_grad_norm_", "clip_grads_with_norm_", "total_grad_norm",
-              "memory_report", "wait_params"}
-ZERO_FACE = FUSED_FACE | {"stage", "process_group", "rank", "world_size", "no_sync",
+              "memory_report", "wait_params", "no_sync"}
+ZERO_FACE = FUSED_FACE | {"stage", "process_group", "rank", "world_size",
                           "consolidated_state_dict", "sharded_state_dict",
                           "join_hook", "join_device", "join_process_group"}  # torch's Joinable
 

@@ -302,6 +302,67 @@ def _first_moved(params, param_views, dtype, device) -> int:
     return -1
 
 
+class ReleasedGrads:  # implements comm.protocol.GradHolder
+    """Gradient release (``zero_triton.optim.release``): no gradient buffer. Backward's
+    hook on each parameter hands its final gradient to ``target`` (the optimizer's
+    release, held weakly: ``(holder, i, param)``), which steps the parameter with it and
+    frees it; a ``.grad`` the hook left (inside ``accumulating()``, set by hand) is a
+    tensor of the user's, which ``step`` steps. ``sharded``: no local buffer (nothing is
+    averaged: one process)."""
+
+    sharded = True
+    flat = None
+    views = None
+    check_flat = None
+    foreign_hint = None
+
+    def __init__(self, params, layout, flat_param, reducer=None):
+        self.params = params
+        self.target = None  # a weakref.WeakMethod, set when the optimizer takes the shard
+
+    def register_hooks(self, bucket_list, reducer) -> list:
+        return [hooks.post_accumulate_hook(p, functools.partial(self._arrived, i))
+                for i, p in enumerate(self.params)]
+
+    def _arrived(self, i: int, param) -> None:
+        target = None if self.target is None else self.target()
+        if target is not None:
+            target(self, i, param)
+
+    def written_since_hooks(self) -> bool:
+        return False
+
+    def rewritten(self) -> None:
+        """Nothing held here."""
+
+    def first_moved(self, param_views, dtype, device, hint: bool) -> int:
+        return _first_moved(self.params, param_views, dtype, device)
+
+    def sync(self, param_views):
+        """Which parameters have a ``.grad`` (None when all do)."""
+        present = [p.grad is not None for p in self.params]
+        for i, p in enumerate(self.params):
+            if present[i] and p.grad.is_sparse:
+                raise RuntimeError(f"parameter {i} ({tuple(p.shape)}) has a sparse gradient; "
+                                   "FusedAdam needs dense gradients")
+        return None if all(present) else present
+
+    def zero(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                zero_in_place(p.grad)
+
+    def carry_over(self, old) -> None:
+        """Nothing is held: the ``.grad`` tensors are the user's."""
+
+    def nbytes(self) -> int:
+        return 0
+
+
 # A ZeRO stage -> how its gradients are held (``comm.protocol.GradHolder``): the one place a
 # stage is turned into behaviour (``optim.spec.Spec.grads``).
 HOLDERS = {1: LocalGrads, 2: ShardedGrads}

@@ -9,13 +9,14 @@ and ``.grad`` becomes its view there, so further micro-batches accumulate straig
 """
 from __future__ import annotations
 
+import contextlib
 
 import torch
 
 from zero_triton.comm import buckets, grads
 from zero_triton.comm.group import LocalComm
 from zero_triton.native.compat import disable_dynamo
-from zero_triton.optim import clipping, owners
+from zero_triton.optim import clipping, owners, release
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim import compact as compact_state
@@ -51,6 +52,10 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         offload: None (default) or "cpu": the master and moments in (pinned) host memory,
             stepped there (zero_triton.optim.offload); offload_fraction: the share offloaded
             (1, the default: all; 0.5: the last half, the rest stepped on the device meanwhile).
+        grad_release: step each parameter in backward as its gradient is made and free the
+            gradient (zero_triton.optim.release): the gradients are never all held.
+            ``no_sync()`` keeps them for gradient accumulation; clipping, GradScaler,
+            capturable, offload and DTensor parameters are refused with it.
 
     The parameters' storage moves into flat buffers at construction (a later
     ``model.to(device, dtype)`` is followed at the next step). ``zero_grad`` is torch's:
@@ -70,8 +75,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
                  master_weights=None, backend="auto", max_grad_norm=None, moments="fp32",
-                 offload=None, offload_fraction=None, foreach=None, fused=None, capturable=False,
-                 differentiable=False):
+                 offload=None, offload_fraction=None, grad_release=False, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
         hyper = adam_hyperparameters(lr, betas, eps, weight_decay, amsgrad, maximize,
                                      decoupled_weight_decay, foreach=foreach, fused=fused,
                                      capturable=capturable, differentiable=differentiable)
@@ -79,7 +84,10 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
                           moments=moments, capturable=capturable) \
-            .with_offload(offload=offload, offload_fraction=offload_fraction)
+            .with_offload(offload=offload, offload_fraction=offload_fraction) \
+            .with_release(grad_release)
+        if spec.release:
+            release.refuse_process_group()
         self._build(params, hyper, spec, LocalComm(), OneRank())
 
     def _build(self, params, hyper: dict, spec: Spec, comm, ranks: Ranks) -> None:
@@ -109,8 +117,9 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._shards = Shards(comm, spec, self._reducer, self._edits, self._rebuilds_replaced_groups)
         self._clipping = clipping.Clipping(spec.capture.buffers())  # this step's coefficient and norms
-        self._pipeline = StepPipeline(self._seat, comm, self._shards, self._reducer, self._clipping,
-                                      ranks, self._edits)
+        pipeline = release.ReleasePipeline if spec.release else StepPipeline
+        self._pipeline = pipeline(self._seat, comm, self._shards, self._reducer, self._clipping,
+                                  ranks, self._edits)
         defaults = {**hyper, **adam_state.group_keys(False, **spec.capture.keywords)}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor
@@ -137,6 +146,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         super().add_param_group(param_group)
         self._edits.add_group(params, group)  # as given: followed if replaced
         self._shards.add(self.param_groups, shards)
+        if self._spec.release:  # torch's clipping over them is refused (it would see no .grad)
+            owners.register(self, [p for s in shards for p in s.params], routes_clipping=True)
 
     def _enter(self, entry: str, pairs=None, stale: bool = False, detail: str = "") -> bool:
         """Start a call that reads the state (``step``, the state dicts, clipping,
@@ -176,6 +187,17 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         ``step``, calls it by itself (``comm.pending_reads``), as do the optimizer's
         state dicts, checkpoints and ``step``."""
         self._reducer.wait_gathers()
+
+    def no_sync(self):
+        """Gradient accumulation, as DistributedDataParallel's ``no_sync``: backward
+        passes inside keep their gradients in ``.grad``, summed as torch sums them. With
+        ``grad_release=True`` the first backward outside (the micro-batch that ends the
+        accumulation) steps each parameter with the sum and frees it; without, one process
+        has nothing to hold back and the context changes nothing (ZeroAdam's holds back
+        the averages)."""
+        if self._spec.release:
+            return self._pipeline.accumulating()
+        return contextlib.nullcontext()
 
     # -- the step -------------------------------------------------------------------
     @disable_dynamo  # eager under torch.compile, as torch.optim.Optimizer's

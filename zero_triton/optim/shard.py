@@ -229,22 +229,36 @@ class Shard:
         """Count this step and return its plan for ``update``/``update_bucket``: per
         side, the step's ``StepArgs`` and the runs of parameters that step (None: every
         piece whole)."""
-        beta1, beta2 = group["betas"]
-        hyper = (float(beta1), float(beta2), group["eps"], group["weight_decay"],
-                 group["decoupled_weight_decay"], group["amsgrad"], group["maximize"])
         plan = []
         for n, side in enumerate(self.sides):
-            # To the side's device: the host when offloaded, where the copy is the step's
-            # one wait on the device (a copy to the host that did not wait would be read early).
-            scalars = side.scalars(group["lr"], grad_scale, found_inf, clip_coef)
-            args = StepArgs(*hyper, *scalars, self.state.master.stochastic,
-                            self.home.seed if self.keyed else 0)
+            args = self._args(side, group, grad_scale, found_inf, clip_coef)
             if n == 0:
                 runs = side.state.count(self.stepped, args.found_inf)
             else:  # the second side counts as the first did (the same parameters)
                 runs = side.state.follow(self.sides[0].state, self.stepped, plan[0][1])
             plan.append((args, runs))
         return {"sides": plan}
+
+    def _args(self, side, group, grad_scale=None, found_inf=None, clip_coef=None) -> StepArgs:
+        """The step's ``StepArgs`` for ``side``: ``group``'s hyperparameters, its lr and
+        the step's scalars on the side's device (the host when offloaded, where the copy
+        is the step's one wait on the device: a copy to the host that did not wait would
+        be read early)."""
+        beta1, beta2 = group["betas"]
+        scalars = side.scalars(group["lr"], grad_scale, found_inf, clip_coef)
+        return StepArgs(float(beta1), float(beta2), group["eps"], group["weight_decay"],
+                        group["decoupled_weight_decay"], group["amsgrad"], group["maximize"],
+                        *scalars, self.state.master.stochastic, self.home.seed if self.keyed else 0)
+
+    def step_param(self, group, run, grad: torch.Tensor) -> None:
+        """Gradient release (``zero_triton.optim.release``): step parameter ``run.index``
+        alone, its elements [``run.a``, ``run.b``) held at ``run.at`` in the state, with
+        ``grad`` (its elements in the buffer's order, 1-D), counted alone
+        (``ShardState.count_one``): the bits the whole step gives it. One side (the state
+        beside the parameters)."""
+        side, step = self.sides[0], self.state.count_one(run.index)
+        if grad.numel():
+            side.step_run(run.at, grad, step, self._args(side, group))
 
     def update(self, plan: dict) -> None:
         """The fused kernel over this rank's whole shard (one process: every segment)."""
@@ -361,6 +375,15 @@ class Side:
                     launches.append((ops, index + a if keyed else 0, piece.k))
             self.launch.run(launches, args)
             place.done(batch)
+
+    def step_run(self, at: int, grad, step, args: StepArgs) -> None:
+        """Step the state's elements [at, at + grad.numel()), which lie in one piece, with
+        ``grad`` and the count ``step``."""
+        j = next(j for j, (lo, hi, s0) in enumerate(self.state.segments) if s0 <= at < s0 + hi - lo)
+        piece, a = self.place.pieces[j], at - self.state.segments[j][2]
+        index = self.shard.home.canonical(piece.k) + piece.off + a if self.shard.keyed else 0
+        ops = self._operands(j, a, a + grad.numel(), grad, step, args.amsgrad)
+        self.launch.run([(ops, index, piece.k)], args)
 
     def _operands(self, j: int, a: int, b: int, grad, step, amsgrad: bool) -> Operands:
         """The operands of elements [a, b) of piece ``j``."""

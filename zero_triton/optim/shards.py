@@ -9,6 +9,8 @@ are built again, the state carried over, and the reducer takes the new buckets.
 """
 from __future__ import annotations
 
+import weakref
+
 from zero_triton.optim.build import build_shards
 from zero_triton.optim.checks import check_group_params
 from zero_triton.optim.shard import Shard
@@ -24,6 +26,7 @@ class Shards:
         self.comm, self.spec, self.reducer, self.edits = comm, spec, reducer, edits
         self.rebuilds_replaced = rebuilds_replaced
         self.groups: list[list[Shard]] = []
+        self.watchers = []  # told when shards are built or built again (``on_change``)
 
     def build(self, params, group: dict, key: int | None = None, index: int | None = None) -> list:
         """The shards of the trainable ``params`` of param group ``group``, number
@@ -37,10 +40,24 @@ class Shards:
                             self.spec.for_group(group), amsgrad=group["amsgrad"], key=key,
                             reducer=self.reducer if sharded else None, group=index)
 
+    def on_change(self, watcher) -> None:
+        """``watcher(param_groups)`` (a bound method, held weakly) is told each time shards
+        are built or built again."""
+        self.watchers.append(weakref.WeakMethod(watcher))
+
+    def _changed(self, param_groups: list) -> None:
+        """Shards were built or built again: the reducer takes their buckets, the
+        watchers are told."""
+        self.reducer.rebuild([s for _, s in self.listed(param_groups)])
+        for ref in self.watchers:
+            watcher = ref()
+            if watcher is not None:
+                watcher(param_groups)
+
     def add(self, param_groups: list, shards: list) -> None:
         """The shards of the group just added to ``param_groups``, taken."""
         self.groups.append(shards)
-        self.reducer.rebuild([s for _, s in self.listed(param_groups)])
+        self._changed(param_groups)
         self.edits.expose(*shards)
         self.edits.tracked.elsewhere = not self.edits.views_state and any(self.groups)
 
@@ -65,7 +82,7 @@ class Shards:
                 moved = True
                 self.edits.expose(shards[k])
         if moved:
-            self.reducer.rebuild([s for _, s in self.listed(param_groups)])
+            self._changed(param_groups)
         return self.listed(param_groups), changed or moved
 
     def _rebuild_group(self, param_groups: list, gi: int, params: list) -> None:
@@ -79,5 +96,5 @@ class Shards:
             shard.remove_hooks()
         self.edits.regroup(gi, params, self.groups[gi])
         self.groups[gi] = shards
-        self.reducer.rebuild([s for _, s in self.listed(param_groups)])
+        self._changed(param_groups)
         self.edits.expose(*shards)

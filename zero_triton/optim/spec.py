@@ -22,6 +22,7 @@ from zero_triton.native import backends
 from zero_triton.optim import offload as offloads
 from zero_triton.optim.capture import CAPTURED, EAGER, Captured, Eager
 from zero_triton.optim.checks import check_flag
+from zero_triton.optim.engine_home import is_dtensor
 from zero_triton.state import master as master_formats
 from zero_triton.state import moments as moment_formats
 from zero_triton.state.keys import formats_of
@@ -106,6 +107,7 @@ class Spec:
     error_feedback: torch.dtype | None = None
     placement: offloads.Beside = offloads.BESIDE
     capture: Eager = EAGER
+    release: bool = False
 
     @classmethod
     def build(cls, *, backend="auto", master_weights=None, reduce_dtype=None, bucket_cap_mb=None,
@@ -195,6 +197,34 @@ class Spec:
         fraction = 1.0 if offload_fraction is None else float(offload_fraction)
         return dataclasses.replace(self, placement=offloads.Offloaded(fraction))
 
+    def with_release(self, grad_release=False) -> "Spec":
+        """This spec with gradient release (``zero_triton.optim.release``: each parameter
+        stepped in backward as its gradient is made, the gradient then freed), checked
+        against what needs every gradient before any parameter is stepped."""
+        check_flag("grad_release", grad_release)
+        if not grad_release:
+            return self
+        why = ("grad_release=True steps each parameter in backward, as its gradient is made, "
+               "and frees the gradient")
+        if self.max_grad_norm is not None:
+            raise ValueError(f"max_grad_norm cannot be used with grad_release=True: clipping by the "
+                             f"global norm needs every gradient before any parameter is stepped, "
+                             f"and {why}; leave one of them out")
+        if self.differentiable:
+            raise ValueError("grad_release=True cannot be used with differentiable=True: the "
+                             "differentiable step is torch's own, in step(); leave one of them out")
+        if isinstance(self.capture, Captured):
+            raise ValueError(f"grad_release=True cannot be used with capturable=True: {why}, one "
+                             "launch per parameter inside backward, which no captured step "
+                             "holds; leave one of them out")
+        if self.placement is not offloads.BESIDE:
+            raise ValueError(f"grad_release=True cannot be used with offload='cpu': {why}, and "
+                             "the offloaded state is stepped in host memory once the step's "
+                             "gradients are there; leave one of them out")
+        if self.stage != 1:
+            raise ValueError("grad_release=True is FusedAdam's (one process)")
+        return dataclasses.replace(self, release=True)
+
     def with_wire(self, gather_dtype=None, error_feedback=True) -> "Spec":
         """This spec with ZeroAdam's parameter gathers (``gather_dtype``) and the int8
         average's error buffers (``error_feedback``), checked (``zero_triton.comm.compressed``)."""
@@ -249,6 +279,10 @@ class Spec:
                                      f"{MASTER_STRINGS[mode]}; parameter {i} "
                                      f"{tuple(p.shape)} is {p.dtype}: {fix}")
         self._check_compressed(params)
+        if self.release and any(is_dtensor(p) for p in params):
+            raise ValueError("grad_release=True is for plain tensors: FSDP2 and tensor parallel "
+                             "make DTensor gradients in their own hooks after backward's, and "
+                             "FSDP2 already frees the unsharded ones; leave grad_release out")
         if self.moments == "fp32":
             return
         if amsgrad:
@@ -293,7 +327,7 @@ class Spec:
     def grads(self) -> type:
         """How the gradients are held (``comm.protocol.GradHolder``): the class of this
         ``stage``. Everything that differs between the stages asks it, not the number."""
-        return grads.HOLDERS[self.stage]
+        return grads.ReleasedGrads if self.release else grads.HOLDERS[self.stage]
 
     def bucket_numel(self, dtype: torch.dtype, numel: int, world_size: int) -> int | None:
         """Elements per bucket of a flat buffer of ``numel`` elements of ``dtype``
@@ -308,11 +342,12 @@ class Spec:
         """The spec whose ``options()`` these are, checked again."""
         options = dict(options)
         offload, fraction = options.pop("offload", None), options.pop("offload_fraction", None)
-        return cls.build(**options).with_offload(offload, fraction)
+        release = options.pop("grad_release", False)
+        return cls.build(**options).with_offload(offload, fraction).with_release(release)
 
     def options(self) -> dict:
         """What a copy (``copy.deepcopy``, ``pickle``) of a one-process optimizer keeps."""
         return {"master_weights": self.master_weights, "backend": self.backend,
                 "max_grad_norm": self.max_grad_norm, "moments": self.moments,
                 **self.capture.keywords,
-                **self.placement.keywords}
+                **self.placement.keywords, "grad_release": self.release}

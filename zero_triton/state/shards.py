@@ -190,6 +190,30 @@ class ShardState:
             self.steps, self.history = None, None
         return self.runs(stepped)
 
+    def count_one(self, i: int) -> torch.Tensor:
+        """Count a step of parameter ``i`` alone (gradient release: each parameter stepped
+        as backward makes its gradient) and return its count, the step's operand. Counted
+        on the device as ``count`` counts; ``settle`` labels the histories after."""
+        if self.steps is None:
+            n = len(self.layout.offsets)
+            self.steps = self.step.expand(n).clone()
+            self.history = [0] * n
+        step = self.steps[i:i + 1]
+        step.add_(self.one)
+        return step
+
+    def settle(self, stepped: list) -> None:
+        """After ``count_one`` of the parameters ``stepped`` (host list of bools): their
+        histories labelled as ``count`` labels them, one count for all again where every
+        parameter has stepped alike."""
+        if self.steps is None:
+            return
+        labels = {}
+        self.history = [labels.setdefault((h, s), len(labels)) for h, s in zip(self.history, stepped)]
+        if len(labels) == 1:
+            self.step.copy_(self.steps[0:1])
+            self.steps, self.history = None, None
+
     def follow(self, lead: "ShardState", stepped, runs) -> list | None:
         """Take the step counts ``lead`` (the state of the same parameters' other
         elements) just counted, which returned ``runs``, and return this state's runs

@@ -1,0 +1,210 @@
+"""Gradient release: each parameter stepped in backward as its final gradient is made,
+and the gradient freed at once (``FusedAdam(..., grad_release=True)``).
+
+A bf16 model's gradients are 2 of the 7 bytes per parameter that a 24-bit master and int8
+moments leave (``docs/low-bit-state.md``); released, the gradients are never all held at
+once: backward holds one parameter's at a time (and what autograd holds itself).
+
+How: the shards' gradient holder (``comm.grads.ReleasedGrads``) has no buffer; its hook
+on each parameter, called by autograd once the parameter's gradient is final for this
+backward (``register_post_accumulate_grad_hook``), hands it to ``ReleasePipeline.arrived``,
+which steps that parameter's run of the state with it (``Shard.step_param``: the kernel
+of the whole step on that run, its count taken alone) and sets ``.grad`` to None. The
+first hook of a backward follows the user's edits as ``step()`` does (``Ranks.enter``);
+the end of backward (a callback autograd runs once its graph is done) labels the step
+counts (``ShardState.settle``) and shows them in ``opt.state``. Each parameter gets the
+bits the plain step gives it: the same kernel, gradient, count and hyperparameters.
+
+What it composes with, and what it refuses (each error says why and what to use):
+
+- gradient accumulation: backward inside ``opt.no_sync()`` keeps its gradients in
+  ``.grad`` (autograd adds them up as it does without the optimizer); the first backward
+  outside it steps each parameter with the sum and frees it;
+- ``step()`` steps what backward did not release (a ``.grad`` set by hand, or kept by
+  ``no_sync()``) and ``zero_grad()`` clears those: training loops run unchanged;
+- refused: ``max_grad_norm`` and torch's clipping over the parameters (the global norm
+  needs every gradient before any step), GradScaler (its inf check and unscale too),
+  ``capturable``, ``offload``, ``differentiable``, DTensor parameters (FSDP2 and tensor
+  parallel), and a process group of several ranks (DistributedDataParallel averages at
+  the end of backward, after each parameter would have been stepped with its own rank's
+  gradient: ZeroAdamW with ``stage=2`` keeps only the averaged 1/N shard instead).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from zero_triton.optim.pipeline import StepPipeline
+from zero_triton.state.param_view import Run
+
+
+def refuse_process_group() -> None:
+    """Refuse gradient release in a process group of several ranks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            f"grad_release=True in a process group of {dist.get_world_size()} ranks: each "
+            "parameter would be stepped in backward with this rank's own gradient, before "
+            "DistributedDataParallel (or any wrapper) averages it at the end of backward. Use "
+            "ZeroAdamW(..., stage=2), which keeps only this rank's averaged 1/N of the "
+            "gradients, or leave grad_release out")
+
+
+def _needs_every_gradient(what: str, fix: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} cannot be used with grad_release=True: it needs every gradient of the step "
+        f"before any parameter is stepped, and gradient release stepped each parameter in "
+        f"backward as its gradient was made, then freed it; {fix}")
+
+
+_FIXES = {
+    "GradScaler": ("GradScaler", "this backward's steps took the scaled gradients. Train with "
+                   "bfloat16 autocast, which needs no scaler, or leave grad_release out"),
+    "clip_grad_norm_": ("Clipping by the global gradient norm",
+                        "leave grad_release out to clip (or clip nothing)"),
+}
+
+
+def _runs(shard) -> list:
+    """Each parameter's run of ``shard``'s state (one process: the whole parameter; an
+    empty one has none, and is only counted)."""
+    owned = shard.by_param.owned()
+    return [owned.get(i, Run(i, 0, 0, 0)) for i in range(len(shard.params))]
+
+
+def _current_task():
+    """The id of the backward running now (torch 2.1+), None where torch does not say."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else current()
+
+
+class ReleasePipeline(StepPipeline):
+    """The step of an optimizer built with ``grad_release=True``: parameters stepped one
+    by one as backward makes their gradients (``arrived``); ``step()`` steps only what
+    backward left in ``.grad``. The stages that need every gradient first (reduce, clip,
+    GradScaler's unscale) refuse."""
+
+    def __init__(self, seat, comm, shards, reducer, clipping, ranks, edits):
+        super().__init__(seat, comm, shards, reducer, clipping, ranks, edits)
+        self.held = 0         # depth of no_sync() blocks: backward keeps .grad
+        self.task = None      # the backward whose first hook entered
+        self.stepped = {}     # shard key -> parameters stepped since the last settle
+        self.where = {}       # id(holder) -> (param group index, shard, its runs by parameter)
+        shards.on_change(self.attach)
+
+    def attach(self, param_groups: list) -> None:
+        """The shards of ``param_groups`` (built or built again) hand their gradients
+        here."""
+        self.where = {}
+        target = weakref.WeakMethod(self.arrived)
+        for gi, shards in enumerate(self.shards.groups):
+            for shard in shards:
+                shard.grad_buffer.target = target
+                self.where[id(shard.grad_buffer)] = (gi, shard, _runs(shard))
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward keeps its gradients in ``.grad`` (summed over the backwards, as torch
+        does) inside this block; the first backward after it steps with the sum."""
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+
+    # -- backward's hooks ------------------------------------------------------------------
+    def arrived(self, holder, i: int, param) -> None:
+        """Parameter ``i`` of ``holder``'s shard has its final gradient of this backward:
+        step it and free the gradient (unless accumulating, or the parameter was moved or
+        replaced since the shard was built: ``step()`` re-homes it and steps it then)."""
+        g = param.grad
+        if self.held or g is None:
+            return
+        found = self.where.get(id(holder))
+        if found is None:  # a shard built again since (a move): its hooks go with it
+            return
+        gi, shard, runs = found
+        view = shard.home.param_views[i]
+        if g.is_sparse or g.dtype != param.dtype or g.device != view.device \
+                or param.data_ptr() != view.data_ptr() or param.dtype != view.dtype:
+            return  # step() says what is wrong, or follows the move
+        task = _current_task()
+        if task is None or task != self.task:
+            self._enter(task)
+        shard.step_param(self.seat.param_groups[gi], runs[i], shard.by_param.elements(i, g))
+        self.stepped.setdefault(shard.key, bytearray(len(shard.params)))[i] = 1
+        param.grad = None
+
+    def _enter(self, task) -> None:
+        """The first gradient of a backward: what ``step()`` checks and follows first
+        (the user's edits, written parameters), and the end of this backward queued."""
+        refuse_process_group()
+        self.settle()  # a backward that raised midway was never settled
+        self.task = task
+        pairs = self.shards.listed(self.seat.param_groups)
+        self.edits.check_frozen()
+        self.ranks.enter(self.seat, "step", pairs)
+        for group, s in pairs:
+            if group["amsgrad"] and s.state.ensure_amsgrad():
+                self.edits.expose(s)
+        torch.autograd.Variable._execution_engine.queue_callback(self._ended)
+
+    def _ended(self) -> None:
+        self.task = None
+        self.settle()
+
+    def settle(self) -> None:
+        """Label the step counts of the parameters stepped since the last settle
+        (``ShardState.settle``), and show them in ``opt.state``."""
+        if not self.stepped:
+            return
+        stepped, self.stepped = self.stepped, {}
+        for _, s in self.shards.listed(self.seat.param_groups):
+            mask = stepped.get(s.key)
+            if mask is None:
+                continue
+            s.state.settle(list(map(bool, mask)))
+            if self.edits.views_state and s.exposed_steps is not s.state.steps:
+                self.edits.expose(s)
+        self.ranks.stepped(self.seat)
+
+    # -- the stages that need every gradient -----------------------------------------------
+    def reduce(self, pairs=None, entry: str = "step") -> None:
+        what, fix = _FIXES.get(entry, _FIXES["clip_grad_norm_"])
+        raise _needs_every_gradient(what, fix)
+
+    def clip(self, max_norm: float, norm_type: float, grad_scale=None, in_step: bool = False):
+        return self.reduce(entry="clip_grad_norm_")
+
+    def global_norm(self, norm_type: float, averaged: bool = False):
+        return self.reduce(entry="clip_grad_norm_")
+
+    def rescaled(self) -> None:
+        self.reduce(entry="GradScaler")
+
+    # -- step() ------------------------------------------------------------------------------
+    def step(self, pairs: list, grad_scale, found_inf, max_grad_norm, overlapped: bool):
+        """Step each parameter that has a ``.grad`` still (kept by ``no_sync()``, or
+        set by hand), one by one as backward would have; the gradients stay, as
+        torch.optim.Adam leaves them, for ``zero_grad``."""
+        if grad_scale is not None or found_inf is not None:
+            self.reduce(entry="GradScaler")
+        refuse_process_group()
+        self.settle()
+        self.edits.check_frozen()
+        self.ranks.enter(self.seat, "step", pairs)
+        for group, s in pairs:
+            present = s.grad_buffer.sync(None)
+            if present is not None and not any(present):
+                continue
+            if group["amsgrad"] and s.state.ensure_amsgrad():
+                self.edits.expose(s)
+            runs = _runs(s)
+            for i, p in enumerate(s.params):
+                if p.grad is not None:
+                    s.step_param(group, runs[i], s.by_param.elements(i, p.grad))
+                    self.stepped.setdefault(s.key, bytearray(len(s.params)))[i] = 1
+        self.settle()
+        return None
