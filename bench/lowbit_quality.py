@@ -25,6 +25,8 @@ Rows (each when it can run here; the peers' with ``pip install -e ".[peers]"``):
   bf16p rem8      the model in bfloat16, FusedAdamW(master_weights="remainder8"): 8 bits
                   of the master beside the parameters, a 24-bit master (9 B of state)
   bf16p r8 int8   the same with moments="int8" (3.03 B of state)
+  r8 int8 release the same with grad_release=True: each parameter stepped in backward
+                  and its gradient freed (the same bits as "bf16p r8 int8")
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
                   elements keep 32-bit state)
   torchao 8bit    torchao.optim.AdamW8bit
@@ -72,20 +74,22 @@ from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 
 ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf16p_sr",
         "zt_bf16p_sr_int8", "zt_bf16p_rem", "zt_bf16p_rem_int8", "zt_bf16p_rem8",
-        "zt_bf16p_rem8_int8", "bnb_8bit", "torchao_8bit", "torchao_4bit", "torchao_fp8",
+        "zt_bf16p_rem8_int8", "zt_bf16p_rem8_int8_release", "bnb_8bit", "torchao_8bit", "torchao_4bit", "torchao_fp8",
         "zt_int8_fsdp2", "zt_bf16p_rem_int8_fsdp2", "zt_bf16p_sr_int8_fsdp2")
 FSDP2 = "_fsdp2"  # a row's suffix: the same optimizer under FSDP2 at 2 ranks
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
           "zt_bf16": "zt bf16", "zt_bf16p_master": "bf16p + master", "zt_bf16p_sr": "bf16p sr",
           "zt_bf16p_sr_int8": "bf16p sr int8", "zt_bf16p_rem": "bf16p rem",
           "zt_bf16p_rem_int8": "bf16p rem int8", "zt_bf16p_rem8": "bf16p rem8",
-          "zt_bf16p_rem8_int8": "bf16p r8 int8", "bnb_8bit": "bnb 8bit",
+          "zt_bf16p_rem8_int8": "bf16p r8 int8", "zt_bf16p_rem8_int8_release": "r8 int8 release",
+          "bnb_8bit": "bnb 8bit",
           "torchao_8bit": "torchao 8bit", "torchao_4bit": "torchao 4bit",
           "torchao_fp8": "torchao fp8", "zt_int8_fsdp2": "zt int8 FSDP2",
           "zt_bf16p_rem_int8_fsdp2": "rem int8 FSDP2", "zt_bf16p_sr_int8_fsdp2": "sr int8 FSDP2"}
 # rows whose model is in bfloat16
 BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr", "zt_bf16p_sr_int8", "zt_bf16p_rem",
-               "zt_bf16p_rem_int8", "zt_bf16p_rem8", "zt_bf16p_rem8_int8")
+               "zt_bf16p_rem_int8", "zt_bf16p_rem8", "zt_bf16p_rem8_int8",
+               "zt_bf16p_rem8_int8_release")
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -141,6 +145,9 @@ def make_optimizer(row: str, params, lr: float, wd: float):
     if row == "zt_bf16p_rem8_int8":
         return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="remainder8",
                           moments="int8")
+    if row == "zt_bf16p_rem8_int8_release":  # each parameter stepped in backward
+        return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="remainder8",
+                          moments="int8", grad_release=True)
     if row == "bnb_8bit":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=wd)

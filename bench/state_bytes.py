@@ -10,7 +10,8 @@ tensors) whose gradients come from a real backward (the hooks take each one).
 
 Rows: ``fp32+fp32`` (an fp32 master and fp32 moments: torch's mixed precision, 16 B),
 ``remainder+int8`` (the exact master's low 16 bits, int8 moments), ``remainder8+int8``
-(a 24-bit master, int8 moments), ``stochastic+int8`` (no master).
+(a 24-bit master, int8 moments), ``stochastic+int8`` (no master); ``+release``: the same
+with ``grad_release=True`` (each parameter stepped in backward and its gradient freed).
 
 Resident memory counts what the process holds from the OS; glibc keeps freed blocks
 below its mmap threshold in its heap (the parameters' first storage, moved into the flat
@@ -29,7 +30,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-ROWS = ("fp32+fp32", "remainder+int8", "remainder8+int8", "stochastic+int8")
+ROWS = ("fp32+fp32", "remainder+int8", "remainder8+int8", "stochastic+int8",
+        "remainder+int8+release", "remainder8+int8+release", "stochastic+int8+release")
 TENSORS = 64
 
 
@@ -44,18 +46,19 @@ def measure(row: str, n: int) -> dict:
 
     import zero_triton as zt
     torch.set_num_threads(1)
-    master, moments = row.split("+")
+    master, moments, *release = row.split("+")
     master_weights = None if master == "fp32" else master
+    kw = {"master_weights": master_weights, "moments": moments, "grad_release": bool(release)}
     warm = [torch.nn.Parameter(torch.randn(1024).bfloat16())]  # kernels and buffers loaded
-    opt = zt.FusedAdamW(warm, master_weights=master_weights, moments=moments)
-    warm[0].grad = torch.randn(1024).bfloat16()
+    opt = zt.FusedAdamW(warm, **kw)
+    (warm[0] * torch.randn(1024).bfloat16()).sum().backward()
     opt.step()
     del opt, warm
     peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     base = _rss()
     params = [torch.nn.Parameter(torch.empty(n // TENSORS, dtype=torch.bfloat16).normal_())
               for _ in range(TENSORS)]
-    opt = zt.FusedAdamW(params, lr=1e-3, master_weights=master_weights, moments=moments)
+    opt = zt.FusedAdamW(params, lr=1e-3, **kw)
     for _ in range(2):
         sum((p * 1e-3).sum() for p in params).backward()
         opt.step()
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     if not args.keep_malloc:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    print(f"{'row':18s} {'memory_report':>13s} {'master':>7s} {'moments':>8s} {'peak RSS':>9s} "
+    print(f"{'row':24s} {'memory_report':>13s} {'master':>7s} {'moments':>8s} {'peak RSS':>9s} "
           f"{'RSS after':>10s}   (bytes per parameter, {args.size:,} bf16 parameters)")
     for row in rows:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", row,
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
             return 1
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         peak = "n/a" if r["peak_rss"] is None else f"{r['peak_rss']:.3f}"
-        print(f"{row:18s} {r['report']:13.3f} {r['master']:7.3f} {r['moments']:8.3f} "
+        print(f"{row:24s} {r['report']:13.3f} {r['master']:7.3f} {r['moments']:8.3f} "
               f"{peak:>9s} {r['rss_after']:10.3f}", flush=True)
     return 0
 
