@@ -188,10 +188,33 @@ def test_clipping_and_grad_scaler_refused_with_why():
         scaler.step(opt)
 
 
-def test_process_group_of_several_ranks_refused(monkeypatch):
+def _under_ddp(rank, world):
     import torch.distributed as dist
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    p = torch.nn.Parameter(torch.randn(4))
-    with pytest.raises(RuntimeError, match="DistributedDataParallel"):
-        zt.FusedAdamW([p], backend="torch", grad_release=True)
+    lin = torch.nn.Linear(8, 8)
+    if world > 1:
+        try:
+            zt.FusedAdamW(lin.parameters(), backend="torch", grad_release=True)
+        except RuntimeError as exc:
+            return str(exc)
+        return "built"
+    ddp = torch.nn.parallel.DistributedDataParallel(lin)
+    opt = zt.FusedAdamW(lin.parameters(), backend="torch", grad_release=True)
+    ddp(torch.randn(2, 8)).sum().backward()  # released, then DDP writes its average back
+    before = [p.detach().clone() for p in lin.parameters()]
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        same = all(torch.equal(a, b) for a, b in zip(before, lin.parameters()))
+        return f"{exc} | unchanged={same} | step={opt.state[lin.weight]['step'].item()}"
+    return "stepped twice"
+
+
+def test_process_groups_and_ddp_refused():
+    """At 2 ranks the constructor refuses (DDP would average after each parameter was
+    stepped); at one rank under DDP, step() refuses the .grad DDP wrote back after
+    backward released it (it would step the parameter twice), changing nothing."""
+    from dist_utils import run_ranks
+    two = run_ranks(_under_ddp, 2)
+    assert all("process group of 2 ranks" in two[r] and "ZeroAdamW" in two[r] for r in (0, 1)), two
+    one = run_ranks(_under_ddp, 1)[0]
+    assert "DistributedDataParallel" in one and "unchanged=True" in one and "step=1.0" in one, one

@@ -67,6 +67,22 @@ _FIXES = {
 }
 
 
+def _refuse_written_back(shard, present, released) -> None:
+    """A ``.grad`` at ``step()`` on a parameter that backward released since the last
+    step was written afterwards: stepping it would step the parameter twice."""
+    if released is None:
+        return
+    for i, p in enumerate(shard.params):
+        if released[i] and (present is None or present[i]):
+            raise RuntimeError(
+                f"parameter {i} ({tuple(p.shape)}) has a .grad at step() after backward had "
+                "stepped it and released its gradient (grad_release=True): something wrote it "
+                "afterwards, almost always a DistributedDataParallel wrapper copying its "
+                "average back at the end of backward; stepping it again would step the "
+                "parameter twice. Do not wrap the model in DistributedDataParallel (one "
+                "process needs none), or leave grad_release out. Nothing was stepped")
+
+
 def _runs(shard) -> list:
     """Each parameter's run of ``shard``'s state (one process: the whole parameter; an
     empty one has none, and is only counted)."""
@@ -91,6 +107,7 @@ class ReleasePipeline(StepPipeline):
         self.held = 0         # depth of no_sync() blocks: backward keeps .grad
         self.task = None      # the backward whose first hook entered
         self.stepped = {}     # shard key -> parameters stepped since the last settle
+        self.released = {}    # shard key -> parameters released since the last step()
         self.where = {}       # id(holder) -> (param group index, shard, its runs by parameter)
         shards.on_change(self.attach)
 
@@ -135,6 +152,7 @@ class ReleasePipeline(StepPipeline):
             self._enter(task)
         shard.step_param(self.seat.param_groups[gi], runs[i], shard.by_param.elements(i, g))
         self.stepped.setdefault(shard.key, bytearray(len(shard.params)))[i] = 1
+        self.released.setdefault(shard.key, bytearray(len(shard.params)))[i] = 1
         param.grad = None
 
     def _enter(self, task) -> None:
@@ -194,10 +212,13 @@ class ReleasePipeline(StepPipeline):
         refuse_process_group()
         self.settle()
         self.edits.check_frozen()
+        present = {s.key: s.grad_buffer.sync(None) for _, s in pairs}
+        for _, s in pairs:
+            _refuse_written_back(s, present[s.key], self.released.get(s.key))
+        self.released = {}
         self.ranks.enter(self.seat, "step", pairs)
         for group, s in pairs:
-            present = s.grad_buffer.sync(None)
-            if present is not None and not any(present):
+            if present[s.key] is not None and not any(present[s.key]):
                 continue
             if group["amsgrad"] and s.state.ensure_amsgrad():
                 self.edits.expose(s)
