@@ -161,16 +161,36 @@ def test_copies_and_state_dicts_keep_releasing():
     other.load_state_dict(opt.state_dict())  # the formats' state, whoever steps it
 
 
+def test_checkpoint_resumes_bit_for_bit(tmp_path):
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)).to(torch.bfloat16)
+        return m, zt.FusedAdamW(m.parameters(), lr=1e-2, backend="torch", moments="int8",
+                                master_weights="remainder8", grad_release=True)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    a, oa = make()
+    a(x).float().pow(2).sum().backward()
+    zt.checkpoint.save(str(tmp_path), oa, model=a)
+    b, ob = make()
+    zt.checkpoint.load(str(tmp_path), ob, model=b)
+    for m in (a, b):
+        m(x).float().pow(2).sum().backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("kw,words", [
     ({"max_grad_norm": 1.0}, "max_grad_norm cannot"),
     ({"capturable": True}, "capturable=True"),
     ({"offload": "cpu"}, "offload='cpu'"),
     ({"grad_release": "yes"}, "grad_release"),
+    ({"zero": True}, "ZeroAdam.grad_release=.... is not supported"),
 ])
 def test_refused_at_construction(kw, words):
     p = torch.nn.Parameter(torch.randn(4))
+    cls = zt.ZeroAdamW if kw.pop("zero", False) else zt.FusedAdamW
     with pytest.raises((ValueError, TypeError), match=words):
-        zt.FusedAdamW([p], backend="torch", **{"grad_release": True, **kw})
+        cls([p], backend="torch", **{"grad_release": True, **kw})
     assert p.grad is None
 
 

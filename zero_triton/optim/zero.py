@@ -129,7 +129,8 @@ class ZeroAdam(FusedAdam, Joinable):
                  master_weights=None, backend="auto", process_group=None, reduce_dtype=None,
                  max_grad_norm=None, bucket_cap_mb=25, stage=1, moments="fp32", foreach=None,
                  fused=None, capturable=False, differentiable=False, device_mesh=None,
-                 gather_dtype=None, error_feedback=True, offload=None, offload_fraction=None):
+                 gather_dtype=None, error_feedback=True, offload=None, offload_fraction=None,
+                 grad_release=False):
         # torch.optim.Adam's order and messages: the hyperparameters, then the parameters;
         # all before the first collective (the model check), so a bad argument fails on
         # each rank alone.
@@ -140,6 +141,13 @@ class ZeroAdam(FusedAdam, Joinable):
         if isinstance(params, torch.Tensor):  # one tensor: iterating it would give its rows
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             f"Tensors or dicts, but got {torch.typename(params)}")
+        if grad_release is not False:
+            raise ValueError(
+                "ZeroAdam(grad_release=...) is not supported: a bucket stepped in backward, as its "
+                "average lands, would be stepped before the ranks agree on what the step checks "
+                "(which parameters have gradients, the hyperparameters, the buckets launched). "
+                "With stage=2 each rank already keeps only its averaged 1/N of the gradients; "
+                "on one process, FusedAdamW(grad_release=True) releases them all")
         check_process_group(process_group)
         check_device_mesh(device_mesh, process_group)
         spec = Spec.build(master_weights=master_weights, backend=backend,
