@@ -119,7 +119,7 @@ def test_a_malformed_compact_state_dict_is_refused_before_anything_changes():
     bad_codes = {**small, "state": {**small["state"], 2: {
         **small["state"][2], "exp_avg_codes": small["state"][2]["exp_avg_codes"].float()}}}
     for bad, match in ((bad_scales, "moment_scales"), (bad_codes, "exp_avg_codes"),
-                       ({**small, "compact": {"moments": "int4", "version": 1}}, "version 1"),
+                       ({**small, "compact": {"moments": "int2", "version": 1}}, "version 1"),
                        ({**small, "compact": {"moments": "int8", "version": 2}}, "version 1")):
         with pytest.raises(ValueError, match=match):
             opt.load_state_dict(bad)

@@ -109,7 +109,7 @@ def test_torch_format_and_compact_state_dicts_carry_every_groups_state():
 def test_formats_named_by_a_group_are_checked_and_a_change_by_hand_is_refused():
     p = torch.nn.Parameter(torch.randn(40, 3).bfloat16())
     storage = p.data_ptr()
-    for group, match in [({"moments": "int4"}, "moments must be one of"),
+    for group, match in [({"moments": "int2"}, "moments must be one of"),
                          ({"master_weights": "remainder9"}, "'remainder8'"),
                          ({"master_weights": "remainder8", "params": [torch.nn.Parameter(
                              torch.randn(3))]}, "their own master")]:

@@ -258,7 +258,7 @@ def test_opt_state_edits_reach_the_codes():
     ({"differentiable": True}, torch.float32, "differentiable"),
     ({}, torch.float64, "float64"),
     ({}, torch.complex64, "complex64"),
-    ({"moments": "int4"}, torch.float32, "moments must be one of"),
+    ({"moments": "int2"}, torch.float32, "moments must be one of"),
 ])
 def test_refused_before_anything_changes(kwargs, dtype, match):
     p = torch.nn.Parameter(torch.randn(40, 3, dtype=dtype))
@@ -449,7 +449,7 @@ def test_memory_formula_takes_the_moments_format():
     z1 = {r["stage"]: r for r in int8["stages"]}["zero1"]
     assert z1["optimizer_bytes"] == 2.03125 * 10**9 / 8
     with pytest.raises(ValueError, match="moments must be one of"):
-        memory_table(10, 1, moments="int4")
+        memory_table(10, 1, moments="int2")
 
 
 # -- on a GPU (run by bench/gpu_check.sh; skipped here) ----------------------------------

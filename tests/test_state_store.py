@@ -33,12 +33,12 @@ def test_each_format_has_the_protocols_signature(impl, method):
 @pytest.mark.parametrize("impl", FORMATS, ids=lambda c: c.format)
 def test_a_store_exports_resets_and_carries_over(impl):
     """What every format does, with values every format holds exactly (powers of two
-    within 2^-10 of their block's largest)."""
+    within 2^-2 of their block's largest: int4's range)."""
     store = impl(10, torch.float32, torch.device("cpu"))
     assert isinstance(store, MomentStore) and not store.amsgrad
     assert store.align % 16 == 0 and isinstance(store.live, bool)
     assert list(store.export()) == [moments.FIRST, moments.SECOND]
-    first = torch.tensor([2.0 ** -k for k in range(10)]) * torch.tensor([1, -1] * 5)
+    first = torch.tensor([2.0 ** -(k % 3) for k in range(10)]) * torch.tensor([1, -1] * 5)
     out = store.export()
     out[moments.FIRST].copy_(first)
     out[moments.SECOND].fill_(2.0)
@@ -47,9 +47,9 @@ def test_a_store_exports_resets_and_carries_over(impl):
     assert torch.equal(got[moments.FIRST], first) and torch.equal(got[moments.SECOND], torch.full((10,), 2.0))
     if store.live:  # the export is the storage: opt.state views it
         assert got[moments.FIRST].data_ptr() == store.storage()[0].data_ptr()
-    assert store.operands(0, 5, amsgrad=False)[0].numel() == 5
+    assert store.operands(0, 5, amsgrad=False)[0].numel() in (5, 3)  # a code a byte, or two
     assert store.nbytes() == sum(t.numel() * t.element_size() for t in store.storage())
-    assert store.nbytes() >= 2 * 10  # at least a byte per element per moment
+    assert store.nbytes() >= 10  # at least half a byte per element per moment
     try:
         new = store.ensure_amsgrad()
     except ValueError as exc:  # a format without the running maximum says so, with the fix
@@ -80,10 +80,10 @@ def test_fp32_operands_are_slices_of_the_moments_and_amsgrad_is_stored_on_demand
 
 
 def test_an_unknown_format_or_a_missing_kernel_names_the_fix():
-    with pytest.raises(ValueError, match="unknown moments format 'int4'; choose one of"):
-        moments.make("int4", 4, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="has no kernel for 'int4' moments; backends that have one"):
-        backends.step_function("torch", "int4")
+    with pytest.raises(ValueError, match="unknown moments format 'int2'; choose one of"):
+        moments.make("int2", 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="has no kernel for 'int2' moments; backends that have one"):
+        backends.step_function("torch", "int2")
     with pytest.raises(ValueError, match="not a concrete backend"):
         backends.step_function("auto")
 

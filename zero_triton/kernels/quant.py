@@ -68,33 +68,33 @@ FIRST = Minifloat(4, 3, signed=True, keeps_positive=False)   # exp_avg
 SECOND = Minifloat(4, 4, signed=False, keeps_positive=True)  # exp_avg_sq
 
 
-def blocks(numel: int) -> int:
-    """Blocks (scales) of a run of ``numel`` state elements."""
-    return (numel + BLOCK - 1) // BLOCK
+def blocks(numel: int, block: int = BLOCK) -> int:
+    """Blocks (scales) of a run of ``numel`` state elements (``block`` to a block)."""
+    return (numel + block - 1) // block
 
 
-def _by_block(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as [blocks, BLOCK] (the last block padded with zeros when it is short)."""
+def _by_block(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``x`` as [blocks, block] (the last block padded with zeros when it is short)."""
     n = x.numel()
-    pad = blocks(n) * BLOCK - n
+    pad = blocks(n, block) * block - n
     if pad:
         x = torch.cat([x, x.new_zeros(pad)])
-    return x.view(-1, BLOCK)
+    return x.view(-1, block)
 
 
-def block_absmax(x: torch.Tensor) -> torch.Tensor:
+def block_absmax(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """The largest |x| of each block, float32 [blocks] (by the bits of |x|: NaN wins,
     as in every kernel)."""
-    bits = _by_block(x.float()).view(torch.int32) & 0x7FFFFFFF
+    bits = _by_block(x.float(), block).view(torch.int32) & 0x7FFFFFFF
     return bits.amax(dim=1).view(torch.float32) if bits.numel() else x.new_zeros(0, dtype=torch.float32)
 
 
-def encode(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+def encode(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat, block: int = BLOCK) -> torch.Tensor:
     """The codes of float32 ``x`` (a run starting on a block boundary) under the block
-    scales ``scale`` (one per block)."""
+    scales ``scale`` (one per block of ``block``)."""
     n = x.numel()
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    return _codes(x, (_by_block(x).abs() * inv[:, None]).reshape(-1)[:n], fmt)
+    return _codes(x, (_by_block(x, block).abs() * inv[:, None]).reshape(-1)[:n], fmt)
 
 
 def scratch(like: torch.Tensor):
@@ -142,11 +142,11 @@ def _codes(x: torch.Tensor, r: torch.Tensor, fmt: Minifloat, out=None, tmp=None)
     return out.copy_(code)
 
 
-def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat) -> torch.Tensor:
+def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Minifloat, block: int = BLOCK) -> torch.Tensor:
     """float32 values of ``codes`` (a run starting on a block boundary) under ``scale``."""
     n = codes.numel()
     c, r = _ratios(codes, fmt)
-    x = (_by_block(r) * scale[:, None]).reshape(-1)[:n]
+    x = (_by_block(r, block) * scale[:, None]).reshape(-1)[:n]
     return torch.where(c < 0, -x, x)
 
 
@@ -176,9 +176,10 @@ def _ratios(codes: torch.Tensor, fmt: Minifloat, tmp=None) -> tuple:
     return c, bits.view(torch.float32)
 
 
-def quantize(x: torch.Tensor, fmt: Minifloat, codes: torch.Tensor, scale: torch.Tensor) -> None:
+def quantize(x: torch.Tensor, fmt: Minifloat, codes: torch.Tensor, scale: torch.Tensor,
+             block: int = BLOCK) -> None:
     """Encode float ``x`` into ``codes`` and its block scales into ``scale`` (in place)."""
     x = x.float()
-    s = block_absmax(x)
-    codes.copy_(encode(x, s, fmt))
+    s = block_absmax(x, block)
+    codes.copy_(encode(x, s, fmt, block))
     scale.copy_(s)

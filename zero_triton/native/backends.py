@@ -287,7 +287,18 @@ STEPS = {
     ("cpu", "bf16"): (_native_step_bf16, None),
     ("cuda", "bf16"): (_native_step_bf16, None),
     ("torch", "bf16"): (lambda: torch_step_bf16, None),
+    # 4-bit moments: each backend's float32 step between a decode and an encode in torch
+    # ops (zero_triton.kernels.quant4)
+    ("triton", "int4"): (lambda: _int4(_triton_step()), None),
+    ("cpu", "int4"): (lambda: _int4(_native_step()), None),
+    ("cuda", "int4"): (lambda: _int4(_native_step()), None),
+    ("torch", "int4"): (lambda: _int4(torch_step), None),
 }
+
+
+def _int4(fp32_step):
+    from zero_triton.kernels import quant4
+    return quant4.stepper(fp32_step)
 
 
 def _entry(name: str, format: str):

@@ -52,6 +52,17 @@ def refuse_process_group() -> None:
             "gradients, or leave grad_release out")
 
 
+def refuse_over_ranks(grad_release) -> None:
+    """ZeroAdam's ``grad_release``: refused, saying why and what to use."""
+    if grad_release is not False:
+        raise ValueError(
+            "ZeroAdam(grad_release=...) is not supported: a bucket stepped in backward, as its "
+            "average lands, would be stepped before the ranks agree on what the step checks "
+            "(which parameters have gradients, the hyperparameters, the buckets launched). "
+            "With stage=2 each rank already keeps only its averaged 1/N of the gradients; "
+            "on one process, FusedAdamW(grad_release=True) releases them all")
+
+
 def _needs_every_gradient(what: str, fix: str) -> RuntimeError:
     return RuntimeError(
         f"{what} cannot be used with grad_release=True: it needs every gradient of the step "

@@ -25,7 +25,7 @@ from zero_triton.comm.compressed import Int8Comm
 from zero_triton.comm.hybrid import HybridComm
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import compact as compact_state
-from zero_triton.optim import join, owners, sharded_state
+from zero_triton.optim import join, owners, release, sharded_state
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import (adam_hyperparameters, check_device_mesh, check_flag,
                                       check_no_dtensors, check_params_argument,
@@ -141,13 +141,7 @@ class ZeroAdam(FusedAdam, Joinable):
         if isinstance(params, torch.Tensor):  # one tensor: iterating it would give its rows
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             f"Tensors or dicts, but got {torch.typename(params)}")
-        if grad_release is not False:
-            raise ValueError(
-                "ZeroAdam(grad_release=...) is not supported: a bucket stepped in backward, as its "
-                "average lands, would be stepped before the ranks agree on what the step checks "
-                "(which parameters have gradients, the hyperparameters, the buckets launched). "
-                "With stage=2 each rank already keeps only its averaged 1/N of the gradients; "
-                "on one process, FusedAdamW(grad_release=True) releases them all")
+        release.refuse_over_ranks(grad_release)
         check_process_group(process_group)
         check_device_mesh(device_mesh, process_group)
         spec = Spec.build(master_weights=master_weights, backend=backend,

@@ -6,8 +6,9 @@ compute dtype (float32; float64 for float64 parameters). Its export is the stora
 itself, so ``opt.state`` and ``state_dict()`` hand out views of the live state, as torch
 does.
 
-``int8``: block-scaled 8-bit codes (``zero_triton.state.int8``); ``bf16``: bfloat16
-moments written by stochastic rounding (``zero_triton.state.bf16``).
+``int8``: block-scaled 8-bit codes (``zero_triton.state.int8``); ``int4``: 4-bit ones,
+two to a byte (``zero_triton.state.int4``); ``bf16``: bfloat16 moments written by
+stochastic rounding (``zero_triton.state.bf16``).
 
 A format is added by a class here (or a module of its own) registered in ``FORMATS``
 and its kernels in ``zero_triton.native.backends``; ``ShardState`` makes the one the
@@ -19,11 +20,12 @@ import torch
 
 from .bf16 import Bf16Moments
 from .flat import ALIGN
+from .int4 import Int4Moments
 from .int8 import Int8Moments
 from .keys import FIRST, KEYS, MAXIMUM, SECOND
 
 __all__ = ["FIRST", "SECOND", "MAXIMUM", "KEYS", "FORMATS", "Fp32Moments", "Bf16Moments",
-           "Int8Moments", "make"]
+           "Int8Moments", "Int4Moments", "make"]
 
 
 class Fp32Moments:
@@ -87,7 +89,7 @@ class Fp32Moments:
         self.commit(mine)
 
 
-FORMATS = {cls.format: cls for cls in (Fp32Moments, Bf16Moments, Int8Moments)}
+FORMATS = {cls.format: cls for cls in (Fp32Moments, Bf16Moments, Int8Moments, Int4Moments)}
 
 
 def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = False,

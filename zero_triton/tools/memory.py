@@ -195,7 +195,8 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
                              "remainder8: bf16 params + 8 of them (a 24-bit master)")
     parser.add_argument("--moments", choices=sorted(MOMENT_BYTES), default="fp32",
                         help="the Adam moments' format: fp32 (8 bytes per parameter, default), "
-                             "bf16 (4) or int8 (2.03: block-scaled 8-bit codes)")
+                             "bf16 (4), int8 (2.03: block-scaled 8-bit codes) or int4 "
+                             "(1.06: 4-bit codes)")
     parser.add_argument("--offload", action="store_true",
                         help="the optimizer state in host memory (offload='cpu'): device and "
                              "host bytes per rank, and what crosses the bus per step")
