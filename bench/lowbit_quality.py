@@ -25,6 +25,9 @@ Rows (each when it can run here; the peers' with ``pip install -e ".[peers]"``):
   bf16p rem8      the model in bfloat16, FusedAdamW(master_weights="remainder8"): 8 bits
                   of the master beside the parameters, a 24-bit master (9 B of state)
   bf16p r8 int8   the same with moments="int8" (3.03 B of state)
+  zt int4         FusedAdamW(moments="int4"): 4-bit moments, two codes to a byte (1.03 B)
+  bf16p r8 int4   the model in bfloat16, FusedAdamW(master_weights="remainder8",
+                  moments="int4") (2.03 B of state)
   r8 int8 release the same with grad_release=True: each parameter stepped in backward
                   and its gradient freed (the same bits as "bf16p r8 int8")
   bnb 8bit        bitsandbytes.optim.AdamW8bit (its defaults: tensors under 4,096
@@ -74,7 +77,8 @@ from zero_triton.tools.gpt import GPTConfig, build_gpt  # noqa: E402
 
 ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf16p_sr",
         "zt_bf16p_sr_int8", "zt_bf16p_rem", "zt_bf16p_rem_int8", "zt_bf16p_rem8",
-        "zt_bf16p_rem8_int8", "zt_bf16p_rem8_int8_release", "bnb_8bit", "torchao_8bit", "torchao_4bit", "torchao_fp8",
+        "zt_bf16p_rem8_int8", "zt_bf16p_rem8_int8_release", "zt_int4", "zt_bf16p_rem8_int4",
+        "bnb_8bit", "torchao_8bit", "torchao_4bit", "torchao_fp8",
         "zt_int8_fsdp2", "zt_bf16p_rem_int8_fsdp2", "zt_bf16p_sr_int8_fsdp2")
 FSDP2 = "_fsdp2"  # a row's suffix: the same optimizer under FSDP2 at 2 ranks
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
@@ -82,6 +86,7 @@ LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8"
           "zt_bf16p_sr_int8": "bf16p sr int8", "zt_bf16p_rem": "bf16p rem",
           "zt_bf16p_rem_int8": "bf16p rem int8", "zt_bf16p_rem8": "bf16p rem8",
           "zt_bf16p_rem8_int8": "bf16p r8 int8", "zt_bf16p_rem8_int8_release": "r8 int8 release",
+          "zt_int4": "zt int4", "zt_bf16p_rem8_int4": "bf16p r8 int4",
           "bnb_8bit": "bnb 8bit",
           "torchao_8bit": "torchao 8bit", "torchao_4bit": "torchao 4bit",
           "torchao_fp8": "torchao fp8", "zt_int8_fsdp2": "zt int8 FSDP2",
@@ -89,7 +94,7 @@ LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8"
 # rows whose model is in bfloat16
 BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr", "zt_bf16p_sr_int8", "zt_bf16p_rem",
                "zt_bf16p_rem_int8", "zt_bf16p_rem8", "zt_bf16p_rem8_int8",
-               "zt_bf16p_rem8_int8_release")
+               "zt_bf16p_rem8_int8_release", "zt_bf16p_rem8_int4")
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -145,6 +150,11 @@ def make_optimizer(row: str, params, lr: float, wd: float):
     if row == "zt_bf16p_rem8_int8":
         return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="remainder8",
                           moments="int8")
+    if row == "zt_int4":
+        return FusedAdamW(params, lr=lr, weight_decay=wd, moments="int4")
+    if row == "zt_bf16p_rem8_int4":
+        return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="remainder8",
+                          moments="int4")
     if row == "zt_bf16p_rem8_int8_release":  # each parameter stepped in backward
         return FusedAdamW(params, lr=lr, weight_decay=wd, master_weights="remainder8",
                           moments="int8", grad_release=True)

@@ -23,7 +23,8 @@ The moments' format (``moments``, the optimizers' argument): ``"fp32"`` 8P; ``"b
 4P; ``"int8"``
 one byte per moment plus a float32 scale per moment per block of 256 elements,
 (2 + 8/256)P = 2.03P (``zero_triton.state.int8``); ``"int4"`` half a byte per moment
-and a scale per moment per block of 128, (1 + 8/128)P = 1.06P (``zero_triton.state.int4``).
+and a bfloat16 scale per moment per block of 128, (1 + 4/128)P = 1.03P
+(``zero_triton.state.int4``).
 
 A shard holds ceil(P/N) elements: the flat layout pads buffers so that every rank's
 shard has the same size, and the rank that pays most is the one that runs out of
@@ -71,7 +72,7 @@ PRECISIONS = {
     "remainder8": (2, 2, 1, 8),  # the same with 8 bits of it: a 24-bit master
 }
 # moments format -> bytes per parameter of m + v
-MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256, "int4": 1 + 8 / 128}
+MOMENT_BYTES = {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256, "int4": 1 + 4 / 128}
 
 
 def _check_count(value, name: str, minimum: int, fix: str) -> int:

@@ -1,9 +1,9 @@
 """``moments="int4"``: the Adam moments of a shard as 4-bit codes, two to a byte, with one
-float32 scale per moment per block of 128 state elements (the codes:
+bfloat16 scale per moment per block of 128 state elements (the codes:
 ``zero_triton.kernels.quant4``).
 
-Memory: half a byte per moment per element plus 8 bytes per block of 128 (two scales):
-1.06 bytes per parameter where ``fp32`` takes 8 and ``int8`` 2.03.
+Memory: half a byte per moment per element plus 4 bytes per block of 128 (two scales):
+1.03 bytes per parameter where ``fp32`` takes 8 and ``int8`` 2.03.
 
 As for ``int8`` (``zero_triton.state.int8``), the blocks are the layout's: every
 parameter starts on a block boundary (``ALIGN``), so every bucket and every rank's shard
@@ -13,7 +13,7 @@ step of a block reads only that block, so the state is the same bit for bit at 1
 an odd length leaves the high nibble of its last byte, a padding element's, zero).
 
 Kernel operands (``operands``): the run's packed codes of each moment (uint8) and its
-scales, float32 [blocks, 2]. ``export`` dequantizes (a copy, float32 in torch's keys);
+scales, bfloat16 [blocks, 2]. ``export`` dequantizes (a copy, float32 in torch's keys);
 ``commit`` encodes it back. No amsgrad maximum, no float64 moments (refused with the fix).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Int4Moments(NoMaximum):
         self.numel, self.dtype, self.device = numel, dtype, device
         self.exp_avg = torch.zeros(quant4.packed(numel), dtype=torch.uint8, device=device)
         self.exp_avg_sq = torch.zeros(quant4.packed(numel), dtype=torch.uint8, device=device)
-        self.scales = torch.zeros(quant4.blocks(numel), 2, dtype=torch.float32, device=device)
+        self.scales = torch.zeros(quant4.blocks(numel), 2, dtype=quant4.SCALE_DTYPE, device=device)
 
     def operands(self, a: int, b: int, amsgrad: bool) -> tuple:
         self.check(None, amsgrad)
@@ -85,14 +85,14 @@ class Int4Moments(NoMaximum):
     def compact(first: torch.Tensor, second: torch.Tensor, shape, stride) -> dict:
         """One parameter's moments (float32, flat in its memory order ``stride``, whose
         blocks are the store's) as the compact state dict holds them: the codes, shaped
-        and strided as the parameter, and its blocks' scales, float32 [blocks, 2]."""
+        and strided as the parameter, and its blocks' scales, bfloat16 [blocks, 2]."""
         n = first.numel()
-        out = {"moment_scales4": torch.zeros(quant4.blocks(n), 2, dtype=torch.float32)}
+        out = {"moment_scales4": torch.zeros(quant4.blocks(n), 2, dtype=quant4.SCALE_DTYPE)}
         for key, x, fmt, col in (("exp_avg_codes4", first, quant4.FIRST, 0),
                                  ("exp_avg_sq_codes4", second, quant4.SECOND, 1)):
             codes = torch.empty_strided(shape, stride, dtype=fmt.dtype)
-            s = quant.block_absmax(x.float(), BLOCK)
-            codes.as_strided((n,), (1,)).copy_(quant.encode(x.float(), s, fmt, BLOCK))
+            s = quant4.scales_of(x.float())
+            codes.as_strided((n,), (1,)).copy_(quant4.encode(x.float(), s, fmt))
             out["moment_scales4"][:, col] = s
             out[key] = codes
         return out
@@ -107,20 +107,20 @@ class Int4Moments(NoMaximum):
               and isinstance(second, torch.Tensor) and second.dtype == quant4.SECOND.dtype
               and second.shape == first.shape and second.stride() == first.stride()
               and _dense(first)
-              and isinstance(scales, torch.Tensor) and scales.dtype == torch.float32
+              and isinstance(scales, torch.Tensor) and scales.dtype == quant4.SCALE_DTYPE
               and tuple(scales.shape) == (quant4.blocks(n), 2))
         if not ok:
             raise ValueError(
                 f"{where}: a compact int4 entry holds exp_avg_codes4 (int8) and "
                 "exp_avg_sq_codes4 (uint8) of the parameter's shape and moment_scales4 "
-                f"(float32 [ceil(numel / {BLOCK}), 2]); this one does not. Save it again "
+                f"(bfloat16 [ceil(numel / {BLOCK}), 2]); this one does not. Save it again "
                 "with state_dict(compact=True)")
         out = {}
         for key, codes, fmt, col in ((FIRST, first, quant4.FIRST, 0), (SECOND, second, quant4.SECOND, 1)):
             values = torch.empty_strided(codes.shape, codes.stride(), dtype=torch.float32,
                                          device=codes.device)
             values.as_strided((n,), (1,)).copy_(quant.decode(
-                codes.as_strided((n,), (1,)), scales[:, col].to(codes.device), fmt, BLOCK))
+                codes.as_strided((n,), (1,)), scales[:, col].to(codes.device).float(), fmt, BLOCK))
             out[key] = values
         return out
 

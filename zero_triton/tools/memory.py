@@ -196,7 +196,7 @@ def build_parser(prog: str = "python -m zero_triton memory") -> argparse.Argumen
     parser.add_argument("--moments", choices=sorted(MOMENT_BYTES), default="fp32",
                         help="the Adam moments' format: fp32 (8 bytes per parameter, default), "
                              "bf16 (4), int8 (2.03: block-scaled 8-bit codes) or int4 "
-                             "(1.06: 4-bit codes)")
+                             "(1.03: 4-bit codes)")
     parser.add_argument("--offload", action="store_true",
                         help="the optimizer state in host memory (offload='cpu'): device and "
                              "host bytes per rank, and what crosses the bus per step")
