@@ -10,8 +10,9 @@ tensors) whose gradients come from a real backward (the hooks take each one).
 
 Rows: ``fp32+fp32`` (an fp32 master and fp32 moments: torch's mixed precision, 16 B),
 ``remainder+int8`` (the exact master's low 16 bits, int8 moments), ``remainder8+int8``
-(a 24-bit master, int8 moments), ``stochastic+int8`` (no master); ``+release``: the same
-with ``grad_release=True`` (each parameter stepped in backward and its gradient freed).
+(a 24-bit master, int8 moments), ``stochastic+int8`` (no master); ``+int4``: 4-bit
+moments; ``+release``: the same with ``grad_release=True`` (each parameter stepped in
+backward and its gradient freed).
 
 Resident memory counts what the process holds from the OS; glibc keeps freed blocks
 below its mmap threshold in its heap (the parameters' first storage, moved into the flat
@@ -31,7 +32,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 ROWS = ("fp32+fp32", "remainder+int8", "remainder8+int8", "stochastic+int8",
-        "remainder+int8+release", "remainder8+int8+release", "stochastic+int8+release")
+        "remainder+int8+release", "remainder8+int8+release", "stochastic+int8+release",
+        "remainder8+int4", "remainder+int4+release", "remainder8+int4+release")
 TENSORS = 64
 
 

@@ -119,3 +119,24 @@ def test_the_same_bits_at_every_world_size_and_bucket_size():
 ])
 def test_refused_before_anything_changes(kwargs, dtype, match):
     assert_refused(kwargs, dtype, match)
+
+
+@pytest.mark.parametrize("master_weights", ["remainder8", "stochastic"])
+def test_stepped_a_chunk_at_a_time_the_same_bits(monkeypatch, master_weights):
+    """The step decodes a run CHUNK elements at a time (its temporaries bounded): the
+    same bits as in one piece, a stochastically rounded parameter's keys included."""
+    def run():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(3000).bfloat16()),
+                  torch.nn.Parameter(torch.randn(70, 9).bfloat16())]
+        opt = zt.FusedAdamW(params, lr=1e-2, moments="int4", master_weights=master_weights)
+        for t in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t)).bfloat16()
+            opt.step()
+        return params, _moments(opt)
+    whole = run()
+    monkeypatch.setattr(quant4, "CHUNK", 2 * quant4.BLOCK)
+    chunked = run()
+    assert all(torch.equal(a, b) for a, b in zip(whole[0], chunked[0]))
+    assert all(torch.equal(a, b) for a, b in zip(whole[1], chunked[1]))

@@ -96,17 +96,38 @@ def quantize(x: torch.Tensor, fmt: quant.Minifloat, packed_codes: torch.Tensor,
     scale.copy_(s)
 
 
+CHUNK = 1 << 16  # elements decoded at a time (a multiple of BLOCK): ~2 MiB of temporaries
+
+
+def _chunk(ops, lo: int, hi: int):
+    """``ops`` over elements [lo, hi) of its run (``lo`` on a block boundary)."""
+    first, second, scales = ops.moments
+    cut = (lambda t: None if t is None else t[lo:hi])
+    return ops._replace(param=ops.param[lo:hi], grad=ops.grad[lo:hi], param_lp=cut(ops.param_lp),
+                        remainder=cut(ops.remainder), scratch=cut(ops.scratch),
+                        moments=(first[lo // 2:packed(hi)], second[lo // 2:packed(hi)],
+                                 scales[lo // BLOCK:lo // BLOCK + blocks(hi - lo)]))
+
+
 def stepper(fp32_step):
     """The step over 4-bit moments made from a backend's float32 step: ``step(ops,
-    args)`` with ``ops.moments`` the run's packed codes and scales [blocks, 2]."""
+    args)`` with ``ops.moments`` the run's packed codes and scales [blocks, 2], a
+    ``CHUNK`` of elements at a time (blocks are stepped alone: the same bits)."""
     def step_int4(ops, args) -> None:
-        first, second, scales = ops.moments
         n = ops.grad.numel()
-        m = decode(first, n, scales[:, 0], FIRST)
-        v = decode(second, n, scales[:, 1], SECOND)
-        # The float32 step keeps m and v where found_inf is set (on the device); encoding
-        # them again gives the codes they came from.
-        fp32_step(ops._replace(moments=(m, v, None)), args.replace(amsgrad=False))
-        quantize(m, FIRST, first, scales[:, 0])
-        quantize(v, SECOND, second, scales[:, 1])
+        for lo in range(0, n, CHUNK):
+            part = ops if n <= CHUNK else _chunk(ops, lo, min(n, lo + CHUNK))
+            _step(fp32_step, part, args.at(args.index + lo))
     return step_int4
+
+
+def _step(fp32_step, ops, args) -> None:
+    first, second, scales = ops.moments
+    n = ops.grad.numel()
+    m = decode(first, n, scales[:, 0], FIRST)
+    v = decode(second, n, scales[:, 1], SECOND)
+    # The float32 step keeps m and v where found_inf is set (on the device); encoding
+    # them again gives the codes they came from.
+    fp32_step(ops._replace(moments=(m, v, None)), args.replace(amsgrad=False))
+    quantize(m, FIRST, first, scales[:, 0])
+    quantize(v, SECOND, second, scales[:, 1])
