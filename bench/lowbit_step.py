@@ -18,6 +18,9 @@ round runs every row once, in an order rotated round by round:
   zt bf16 rem8      bf16 parameters and gradients, master_weights="remainder8": 8 bits
                     of the master beside them (24 bytes of traffic, 9 of state)
   zt bf16 r8 int8   the same with int8 moments (12 bytes of traffic, 3.03 of state)
+  zt int4           FusedAdamW(moments="int4"): 4-bit moments, decoded and encoded around
+                    the float32 step in torch ops (13 bytes of traffic, 1.03 of state)
+  zt bf16 r8 int4   bf16 parameters, "remainder8", int4 moments (9 bytes, 2.03 of state)
   torch fused       torch.optim.AdamW(fused=True)
   bnb 8bit          bitsandbytes.optim.AdamW8bit (when installed)
   torchao 8bit      torchao.optim.AdamW8bit (when installed; compiled first)
@@ -109,7 +112,9 @@ def rows(args):
             ("zt bf16 rem", torch.bfloat16, "fp32", "remainder", 26),
             ("zt bf16 rem int8", torch.bfloat16, "int8", "remainder", 14),
             ("zt bf16 rem8", torch.bfloat16, "fp32", "remainder8", 24),
-            ("zt bf16 r8 int8", torch.bfloat16, "int8", "remainder8", 12)):
+            ("zt bf16 r8 int8", torch.bfloat16, "int8", "remainder8", 12),
+            ("zt int4", torch.float32, "int4", None, 13),
+            ("zt bf16 r8 int4", torch.bfloat16, "int4", "remainder8", 9)):
         params = _params(n, args.tensors, dtype)
         opt = FusedAdamW(params, lr=LR, weight_decay=WD, moments=moments, master_weights=master)
         report = opt.memory_report()

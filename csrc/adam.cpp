@@ -247,6 +247,43 @@ void adam8_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_codes,
   launch(s);
 }
 
+// moments="int4": the same step over 4-bit codes, two to a byte, and their blocks'
+// bfloat16 scales (quant.h). CPU only (the GPUs' int4 step is in torch ops).
+void adam4_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg_nibbles,
+                at::Tensor exp_avg_sq_nibbles, at::Tensor scales, std::optional<at::Tensor> param_lp,
+                at::Tensor step, at::Tensor lr, double beta1, double beta2, double eps,
+                double weight_decay, bool adamw, bool maximize,
+                std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
+                std::optional<at::Tensor> clip_coef, bool stochastic, int64_t seed,
+                int64_t index, std::optional<at::Tensor> remainder) {
+  AdamStep s = checked_step(param, grad, param_lp, step, lr, beta1, beta2, eps, weight_decay,
+                            adamw, maximize, grad_scale, found_inf, clip_coef, stochastic, seed,
+                            index, remainder);
+  TORCH_CHECK(param.device().is_cpu(), "adam4_step runs on CPU tensors; `param` is on ",
+              param.device());
+  const int64_t bytes = (param.numel() + 1) / 2;
+  const int64_t blocks = (param.numel() + 127) / 128;
+  for (auto [t, name] : {std::pair{&exp_avg_nibbles, "exp_avg_nibbles"},
+                         std::pair{&exp_avg_sq_nibbles, "exp_avg_sq_nibbles"}}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kByte && t->is_contiguous() && t->dim() == 1 &&
+                         t->numel() == bytes && t->device() == param.device(),
+                     "`", name, "` must be a contiguous uint8 [", bytes, "] tensor (two codes "
+                     "a byte) on `param`'s device, got ", describe(*t));
+  }
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
+                       scales.dim() == 2 && scales.size(0) == blocks && scales.size(1) == 2 &&
+                       scales.device() == param.device(),
+                   "`scales` must be a contiguous bfloat16 [", blocks, ", 2] tensor (first, "
+                   "second moment per block of 128) on `param`'s device, got ", describe(scales));
+  check_writes(s,
+               {{"exp_avg_nibbles", &exp_avg_nibbles}, {"exp_avg_sq_nibbles", &exp_avg_sq_nibbles},
+                {"scales", &scales}});
+  s.exp_avg_nibbles = exp_avg_nibbles;
+  s.exp_avg_sq_nibbles = exp_avg_sq_nibbles;
+  s.scales_bf16 = scales;
+  launch(s);
+}
+
 // moments="bf16": the same step over bfloat16 moments, rounded stochastically by a
 // generator keyed by (seed, step, moment, index + element) (rounding.h).
 void adam_bf16_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -374,6 +411,10 @@ AdamArgs args_of(const AdamStep& s) {
   a.exp_avg_codes = s.exp_avg_codes ? s.exp_avg_codes->data_ptr<int8_t>() : nullptr;
   a.exp_avg_sq_codes = s.exp_avg_sq_codes ? s.exp_avg_sq_codes->data_ptr<uint8_t>() : nullptr;
   a.scales = s.scales ? s.scales->data_ptr<float>() : nullptr;
+  a.exp_avg_nibbles = s.exp_avg_nibbles ? s.exp_avg_nibbles->data_ptr<uint8_t>() : nullptr;
+  a.exp_avg_sq_nibbles = s.exp_avg_sq_nibbles ? s.exp_avg_sq_nibbles->data_ptr<uint8_t>() : nullptr;
+  a.scales_bf16 = s.scales_bf16
+      ? reinterpret_cast<uint16_t*>(s.scales_bf16->data_ptr<at::BFloat16>()) : nullptr;
   a.exp_avg_bf16 = s.exp_avg_bf16
       ? reinterpret_cast<uint16_t*>(s.exp_avg_bf16->data_ptr<at::BFloat16>()) : nullptr;
   a.exp_avg_sq_bf16 = s.exp_avg_sq_bf16
@@ -450,6 +491,20 @@ to 24 bits (zero_triton/kernels/remainder.py).)doc");
 exp_avg_codes: int8 [n]; exp_avg_sq_codes: uint8 [n]; scales: float32 [ceil(n/256), 2],
 each block's (first, second) scale (zero_triton/kernels/quant.py defines the codes).
 The range starts on a block boundary. Everything else as adam_step (no amsgrad).)doc");
+  m.def("adam4_step", &zero_triton::adam4_step, py::arg("param"), py::arg("grad"),
+        py::arg("exp_avg_nibbles"), py::arg("exp_avg_sq_nibbles"), py::arg("scales"),
+        py::arg("param_lp"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+        py::arg("maximize"), py::arg("grad_scale") = py::none(),
+        py::arg("found_inf") = py::none(), py::arg("clip_coef") = py::none(),
+        py::arg("stochastic") = false, py::arg("seed") = 0, py::arg("index") = 0,
+        py::arg("remainder") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        R"doc(adam_step over 4-bit moments (moments="int4"), in place (CPU).
+
+exp_avg_nibbles, exp_avg_sq_nibbles: uint8 [ceil(n/2)], two codes a byte (element 2k
+the low nibble); scales: bfloat16 [ceil(n/128), 2], each block's (first, second) scale
+(zero_triton/kernels/quant4.py defines the codes). The range starts on a block
+boundary. Everything else as adam_step (no amsgrad).)doc");
   m.def("adam_bf16_step", &zero_triton::adam_bf16_step, py::arg("param"), py::arg("grad"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param_lp"), py::arg("step"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),

@@ -27,6 +27,8 @@ struct AdamStep {
   // moments="int8" (quant.h): exp_avg / exp_avg_sq undefined, these defined instead:
   // int8 [n], uint8 [n], float32 [ceil(n / 256), 2].
   std::optional<at::Tensor> exp_avg_codes, exp_avg_sq_codes, scales;
+  // moments="int4": uint8 [ceil(n / 2)] each, bfloat16 [ceil(n / 128), 2].
+  std::optional<at::Tensor> exp_avg_nibbles, exp_avg_sq_nibbles, scales_bf16;
   // moments="bf16" (rounding.h): bfloat16 [n] each, and the keys of their rounding.
   std::optional<at::Tensor> exp_avg_bf16, exp_avg_sq_bf16;
   int64_t seed = 0, index = 0;

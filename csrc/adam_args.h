@@ -46,6 +46,11 @@ struct AdamArgs {
   int8_t* exp_avg_codes;
   uint8_t* exp_avg_sq_codes;
   float* scales;
+  // moments="int4" (quant.h, CPU only): the 4-bit codes two to a byte ([ceil(n/2)] each)
+  // and the blocks' bfloat16 scales ([blocks of 128][2]). nullptr otherwise.
+  uint8_t* exp_avg_nibbles;
+  uint8_t* exp_avg_sq_nibbles;
+  uint16_t* scales_bf16;
   // moments="bf16" (rounding.h): exp_avg / exp_avg_sq above are nullptr, these hold the
   // bfloat16 moments; `seed` and `index` (the canonical index of element 0) key the
   // stochastic rounding. nullptr otherwise.

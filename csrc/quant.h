@@ -71,6 +71,37 @@ ZT_QUANT uint8_t encode_second(float x, float inv_scale) {
   return uint8_t(code == 0 ? smallest : code);
 }
 
+// moments="int4" (zero_triton/kernels/quant4.py): the same minifloats with 4 bits, two
+// codes to a byte (element 2k the low nibble), blocks of 128 with bfloat16 scales.
+// exp_avg: a sign and E3M0 (BIAS 7, no mantissa), the nibble its 4-bit two's complement;
+// exp_avg_sq: E3M1 (BIAS 7, MAN 1), a positive value never code 0.
+constexpr int kQuant4Block = 128;
+constexpr int kFirst4Bias = 7;
+constexpr int kFirst4Man = 0;
+constexpr int kSecond4Bias = 7;
+constexpr int kSecond4Man = 1;
+
+ZT_QUANT float decode_first4(uint32_t nibble, float scale) {
+  const int32_t c = int32_t(nibble << 28) >> 28;  // sign-extended
+  const float x = decode_magnitude<kFirst4Bias, kFirst4Man>(uint32_t(c < 0 ? -c : c)) * scale;
+  return c < 0 ? -x : x;
+}
+
+ZT_QUANT float decode_second4(uint32_t nibble, float scale) {
+  return decode_magnitude<kSecond4Bias, kSecond4Man>(nibble) * scale;
+}
+
+ZT_QUANT uint32_t encode_first4(float x, float inv_scale) {
+  const int32_t code = int32_t(encode_magnitude<kFirst4Bias, kFirst4Man>(__builtin_fabsf(x) * inv_scale));
+  return uint32_t(x < 0.0f ? -code : code) & 0xFu;
+}
+
+ZT_QUANT uint32_t encode_second4(float x, float inv_scale) {
+  const float r = __builtin_fabsf(x) * inv_scale;
+  const uint32_t code = encode_magnitude<kSecond4Bias, kSecond4Man>(r);
+  return code == 0 ? (r > 0.0f ? 1u : 0u) : code;
+}
+
 // |x|'s bits: for the block's largest magnitude as an integer max (NaN the largest).
 ZT_QUANT uint32_t magnitude_bits(float x) {
   uint32_t u;

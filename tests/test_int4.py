@@ -140,3 +140,16 @@ def test_stepped_a_chunk_at_a_time_the_same_bits(monkeypatch, master_weights):
     chunked = run()
     assert all(torch.equal(a, b) for a, b in zip(whole[0], chunked[0]))
     assert all(torch.equal(a, b) for a, b in zip(whole[1], chunked[1]))
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2", "avx512"])
+def test_cpu_kernel_on_each_instruction_set(isa):
+    """The C++ int4 kernel, held to each instruction set: its float32 step with the
+    moments held in 4 bits between steps, bit for bit."""
+    from lowbit_cases import held_isa
+    with held_isa(isa):
+        model, opt = _train("cpu")
+        ref_model, ref = _train("cpu", moments="fp32", between=_held_in_4_bits)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    mine, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))

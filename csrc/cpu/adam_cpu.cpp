@@ -18,12 +18,14 @@ using cpu::AdamRangeFn;
 // Below ~64K elements the step takes a few microseconds; waking threads costs more.
 constexpr int64_t kGrainSize = int64_t(1) << 16;
 constexpr int64_t kQuantBlockElems = 256;  // quant.h's kQuantBlock
+constexpr int64_t kQuant4BlockElems = 128;  // quant.h's kQuant4Block
 
 struct IsaChoice {
   const char* name;
   AdamRangeFn fn;
   AdamRangeFn fn8;  // moments="int8", over blocks
   AdamRangeFn fn16;  // moments="bf16"
+  AdamRangeFn fn4;  // moments="int4", over blocks
 };
 
 IsaChoice best_isa() {
@@ -32,16 +34,16 @@ IsaChoice best_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
     return {"avx512", cpu::isa_avx512::adam_range, cpu::isa_avx512::adam8_range,
-            cpu::isa_avx512::adam_bf16_range};
+            cpu::isa_avx512::adam_bf16_range, cpu::isa_avx512::adam4_range};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
     return {"avx2", cpu::isa_avx2::adam_range, cpu::isa_avx2::adam8_range,
-            cpu::isa_avx2::adam_bf16_range};
+            cpu::isa_avx2::adam_bf16_range, cpu::isa_avx2::adam4_range};
   }
 #endif
   return {"default", cpu::isa_default::adam_range, cpu::isa_default::adam8_range,
-            cpu::isa_default::adam_bf16_range};
+            cpu::isa_default::adam_bf16_range, cpu::isa_default::adam4_range};
 }
 
 // Test hook only: -1 = automatic, otherwise an index into the variants below.
@@ -51,12 +53,12 @@ IsaChoice current_isa() {
   static const IsaChoice best = best_isa();
   switch (forced_isa.load(std::memory_order_relaxed)) {
     case 0: return {"default", cpu::isa_default::adam_range, cpu::isa_default::adam8_range,
-            cpu::isa_default::adam_bf16_range};
+            cpu::isa_default::adam_bf16_range, cpu::isa_default::adam4_range};
 #if defined(__x86_64__) && defined(__GNUC__)
     case 1: return {"avx2", cpu::isa_avx2::adam_range, cpu::isa_avx2::adam8_range,
-            cpu::isa_avx2::adam_bf16_range};
+            cpu::isa_avx2::adam_bf16_range, cpu::isa_avx2::adam4_range};
     case 2: return {"avx512", cpu::isa_avx512::adam_range, cpu::isa_avx512::adam8_range,
-            cpu::isa_avx512::adam_bf16_range};
+            cpu::isa_avx512::adam_bf16_range, cpu::isa_avx512::adam4_range};
 #endif
     default: return best;
   }
@@ -107,6 +109,13 @@ void adam_step_cpu(const AdamStep& s) {
     const AdamRangeFn fn16 = current_isa().fn16;
     at::parallel_for(0, n, kGrainSize,
                      [&](int64_t begin, int64_t end) { fn16(a, scalars, begin, end); });
+    return;
+  }
+  if (a.scales_bf16 != nullptr) {  // moments="int4": threads split the blocks
+    const AdamRangeFn fn4 = current_isa().fn4;
+    const int64_t blocks = (n + kQuant4BlockElems - 1) / kQuant4BlockElems;
+    at::parallel_for(0, blocks, kGrainSize / kQuant4BlockElems,
+                     [&](int64_t begin, int64_t end) { fn4(a, scalars, begin, end); });
     return;
   }
   if (a.scales != nullptr) {  // moments="int8": threads split the blocks

@@ -237,6 +237,55 @@ __attribute__((noinline)) void adam8_loop(const StepScalars& scalars, float* __r
   }
 }
 
+// moments="int4": adam8_loop over blocks of kQuant4Block elements whose codes are two to
+// a byte and whose scales are bfloat16 (each block's largest magnitude rounded to nearest
+// even; an element above its rounded scale takes the largest code). A block of an odd
+// length leaves its last byte's high nibble (a padding element's) zero.
+template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE, int PM>
+__attribute__((noinline)) void adam4_loop(const StepScalars& scalars, float* __restrict__ p,
+                                          const void* __restrict__ g,
+                                          uint8_t* __restrict__ mq, uint8_t* __restrict__ vq,
+                                          uint16_t* __restrict__ scales, uint16_t* __restrict__ lp,
+                                          void* __restrict__ rem, uint32_t key_p, uint64_t index,
+                                          int64_t block_begin, int64_t block_end, int64_t numel) {
+  const StepScalars s = scalars;
+  float mb[kQuant4Block], vb[kQuant4Block];
+  for (int64_t blk = block_begin; blk < block_end; ++blk) {
+    const int64_t lo = blk * kQuant4Block;
+    const int64_t len = numel - lo < kQuant4Block ? numel - lo : kQuant4Block;
+    const float m_scale = bf16_to_float(scales[2 * blk]);
+    const float v_scale = bf16_to_float(scales[2 * blk + 1]);
+    uint32_t m_max = 0, v_max = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t i = lo + j;
+      const uint32_t shift = uint32_t(i & 1) * 4;
+      float pi = load_param<LP_DT, PM>(p, lp, rem, i);
+      float mi = decode_first4((uint32_t(mq[i >> 1]) >> shift) & 0xFu, m_scale);
+      float vi = decode_second4((uint32_t(vq[i >> 1]) >> shift) & 0xFu, v_scale);
+      float unused = 0.0f;
+      adam_element<L2, false, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, unused);
+      store_param<LP_DT, PM>(p, lp, rem, i, pi, key_p, index);
+      mb[j] = mi;
+      vb[j] = vi;
+      const uint32_t am = magnitude_bits(mi), av = magnitude_bits(vi);
+      m_max = am > m_max ? am : m_max;
+      v_max = av > v_max ? av : v_max;
+    }
+    const uint16_t m_new = float_to_bf16(float_of(m_max)), v_new = float_to_bf16(float_of(v_max));
+    const float m_inv = inverse_scale(bf16_to_float(m_new)), v_inv = inverse_scale(bf16_to_float(v_new));
+    for (int64_t j = 0; j < len; j += 2) {
+      const bool pair = j + 1 < len;
+      const uint32_t m0 = encode_first4(mb[j], m_inv), v0 = encode_second4(vb[j], v_inv);
+      const uint32_t m1 = pair ? encode_first4(mb[j + 1], m_inv) : 0u;
+      const uint32_t v1 = pair ? encode_second4(vb[j + 1], v_inv) : 0u;
+      mq[(lo + j) >> 1] = uint8_t(m0 | (m1 << 4));
+      vq[(lo + j) >> 1] = uint8_t(v0 | (v1 << 4));
+    }
+    scales[2 * blk] = m_new;
+    scales[2 * blk + 1] = v_new;
+  }
+}
+
 // moments="bf16": adam_loop over bfloat16 moments, written back by stochastic rounding
 // keyed by (seed, step, stream, canonical index).
 template <int GRAD_DT, int LP_DT, bool L2, bool UNSCALE, int PM>
@@ -292,6 +341,22 @@ struct Loop8 {
   }
 };
 
+struct Loop4 {
+  const AdamArgs& a;
+  const StepScalars& s;
+  int64_t block_begin, block_end;
+
+  template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
+  void run() {  // AMSGRAD: refused for int4 before any launch
+    with_param_mode<LP_DT>(a, [&](auto mode) {
+      adam4_loop<GRAD_DT, LP_DT, L2, UNSCALE, decltype(mode)::value>(
+          s, a.param, a.grad, a.exp_avg_nibbles, a.exp_avg_sq_nibbles, a.scales_bf16,
+          static_cast<uint16_t*>(a.param_lp), a.param_remainder, param_key(a), uint64_t(a.index),
+          block_begin, block_end, a.numel);
+    });
+  }
+};
+
 }  // namespace
 
 void adam_range(const AdamArgs& a, const StepScalars& s, int64_t begin, int64_t end) {
@@ -302,6 +367,12 @@ void adam_range(const AdamArgs& a, const StepScalars& s, int64_t begin, int64_t 
 void adam8_range(const AdamArgs& a, const StepScalars& s, int64_t block_begin,
                  int64_t block_end) {
   Loop8 loop{a, s, block_begin, block_end};
+  dispatch</*kAlwaysUnscale=*/false>(a, loop);
+}
+
+void adam4_range(const AdamArgs& a, const StepScalars& s, int64_t block_begin,
+                 int64_t block_end) {
+  Loop4 loop{a, s, block_begin, block_end};
   dispatch</*kAlwaysUnscale=*/false>(a, loop);
 }
 

@@ -238,6 +238,17 @@ def _native_step_int8():
     return native_step_int8
 
 
+def _native_step_int4():
+    from zero_triton.native import ext as _ext
+    native = _ext.load().adam4_step
+
+    def native_step_int4(ops: Operands, args: StepArgs) -> None:
+        native(ops.param, ops.grad, *ops.moments, ops.param_lp, ops.step, ops.lr, *_native(args),
+               bool(args.maximize), args.grad_scale, args.found_inf, args.clip_coef,
+               bool(args.stochastic), int(args.seed), int(args.index), ops.remainder)
+    return native_step_int4
+
+
 def _native_step_bf16():
     from zero_triton.native import ext as _ext
     native = _ext.load().adam_bf16_step
@@ -287,10 +298,10 @@ STEPS = {
     ("cpu", "bf16"): (_native_step_bf16, None),
     ("cuda", "bf16"): (_native_step_bf16, None),
     ("torch", "bf16"): (lambda: torch_step_bf16, None),
-    # 4-bit moments: each backend's float32 step between a decode and an encode in torch
-    # ops (zero_triton.kernels.quant4)
+    # 4-bit moments: the C++ kernel (quant.h); elsewhere the backend's float32 step between
+    # a decode and an encode in torch ops (zero_triton.kernels.quant4), the same bits
     ("triton", "int4"): (lambda: _int4(_triton_step()), None),
-    ("cpu", "int4"): (lambda: _int4(_native_step()), None),
+    ("cpu", "int4"): (_native_step_int4, None),
     ("cuda", "int4"): (lambda: _int4(_native_step()), None),
     ("torch", "int4"): (lambda: _int4(torch_step), None),
 }
