@@ -249,20 +249,29 @@ __attribute__((noinline)) void adam4_loop(const StepScalars& scalars, float* __r
                                           void* __restrict__ rem, uint32_t key_p, uint64_t index,
                                           int64_t block_begin, int64_t block_end, int64_t numel) {
   const StepScalars s = scalars;
+  // Passes over one block in L1, each a loop the compiler vectorises: unpack and decode
+  // the bytes, step the elements (as adam8_loop), encode, pack.
   float mb[kQuant4Block], vb[kQuant4Block];
+  uint8_t cm[kQuant4Block], cv[kQuant4Block];
   for (int64_t blk = block_begin; blk < block_end; ++blk) {
     const int64_t lo = blk * kQuant4Block;
     const int64_t len = numel - lo < kQuant4Block ? numel - lo : kQuant4Block;
+    const int64_t bytes = (len + 1) / 2;
     const float m_scale = bf16_to_float(scales[2 * blk]);
     const float v_scale = bf16_to_float(scales[2 * blk + 1]);
+    const uint8_t* __restrict__ mbytes = mq + lo / 2;
+    const uint8_t* __restrict__ vbytes = vq + lo / 2;
+    for (int64_t k = 0; k < bytes; ++k) {
+      mb[2 * k] = decode_first4(uint32_t(mbytes[k]) & 0xFu, m_scale);
+      mb[2 * k + 1] = decode_first4(uint32_t(mbytes[k]) >> 4, m_scale);
+      vb[2 * k] = decode_second4(uint32_t(vbytes[k]) & 0xFu, v_scale);
+      vb[2 * k + 1] = decode_second4(uint32_t(vbytes[k]) >> 4, v_scale);
+    }
     uint32_t m_max = 0, v_max = 0;
     for (int64_t j = 0; j < len; ++j) {
       const int64_t i = lo + j;
-      const uint32_t shift = uint32_t(i & 1) * 4;
       float pi = load_param<LP_DT, PM>(p, lp, rem, i);
-      float mi = decode_first4((uint32_t(mq[i >> 1]) >> shift) & 0xFu, m_scale);
-      float vi = decode_second4((uint32_t(vq[i >> 1]) >> shift) & 0xFu, v_scale);
-      float unused = 0.0f;
+      float mi = mb[j], vi = vb[j], unused = 0.0f;
       adam_element<L2, false, UNSCALE>(s, load_grad<GRAD_DT>(g, i), pi, mi, vi, unused);
       store_param<LP_DT, PM>(p, lp, rem, i, pi, key_p, index);
       mb[j] = mi;
@@ -273,13 +282,19 @@ __attribute__((noinline)) void adam4_loop(const StepScalars& scalars, float* __r
     }
     const uint16_t m_new = float_to_bf16(float_of(m_max)), v_new = float_to_bf16(float_of(v_max));
     const float m_inv = inverse_scale(bf16_to_float(m_new)), v_inv = inverse_scale(bf16_to_float(v_new));
-    for (int64_t j = 0; j < len; j += 2) {
-      const bool pair = j + 1 < len;
-      const uint32_t m0 = encode_first4(mb[j], m_inv), v0 = encode_second4(vb[j], v_inv);
-      const uint32_t m1 = pair ? encode_first4(mb[j + 1], m_inv) : 0u;
-      const uint32_t v1 = pair ? encode_second4(vb[j + 1], v_inv) : 0u;
-      mq[(lo + j) >> 1] = uint8_t(m0 | (m1 << 4));
-      vq[(lo + j) >> 1] = uint8_t(v0 | (v1 << 4));
+    for (int64_t j = 0; j < len; ++j) {
+      cm[j] = uint8_t(encode_first4(mb[j], m_inv));
+      cv[j] = uint8_t(encode_second4(vb[j], v_inv));
+    }
+    if (len & 1) {  // the padding element after an odd run: zero
+      cm[len] = 0;
+      cv[len] = 0;
+    }
+    uint8_t* __restrict__ mout = mq + lo / 2;
+    uint8_t* __restrict__ vout = vq + lo / 2;
+    for (int64_t k = 0; k < bytes; ++k) {
+      mout[k] = uint8_t(cm[2 * k] | (cm[2 * k + 1] << 4));
+      vout[k] = uint8_t(cv[2 * k] | (cv[2 * k + 1] << 4));
     }
     scales[2 * blk] = m_new;
     scales[2 * blk + 1] = v_new;
