@@ -272,6 +272,11 @@ def _triton_step_int8():
     return adam8_step
 
 
+def _triton_step_int4():
+    from zero_triton.kernels.adam4 import adam4_step
+    return adam4_step
+
+
 def _triton_step_bf16():
     from zero_triton.kernels.adam_bf16 import adam_bf16_step
     return adam_bf16_step
@@ -298,9 +303,9 @@ STEPS = {
     ("cpu", "bf16"): (_native_step_bf16, None),
     ("cuda", "bf16"): (_native_step_bf16, None),
     ("torch", "bf16"): (lambda: torch_step_bf16, None),
-    # 4-bit moments: the C++ kernel (quant.h); elsewhere the backend's float32 step between
-    # a decode and an encode in torch ops (zero_triton.kernels.quant4), the same bits
-    ("triton", "int4"): (lambda: _int4(_triton_step()), None),
+    # 4-bit moments: the C++ and Triton kernels; CUDA and torch: the backend's float32 step
+    # between a decode and an encode in torch ops (zero_triton.kernels.quant4), the same bits
+    ("triton", "int4"): (_triton_step_int4, None),
     ("cpu", "int4"): (_native_step_int4, None),
     ("cuda", "int4"): (lambda: _int4(_native_step()), None),
     ("torch", "int4"): (lambda: _int4(torch_step), None),
