@@ -7,7 +7,7 @@ import torch
 import zero_triton as zt
 from conftest import interpreter_on
 from dist_utils import run_ranks
-from lowbit_cases import assert_refused, assert_same, bf16_zero_job
+from lowbit_cases import assert_refused, assert_same, bf16_zero_job, gpu_backends
 from zero_triton.kernels import quant, quant4
 
 
@@ -37,14 +37,14 @@ def test_codes_pack_and_decode_back_to_themselves(fmt, n):
         assert packed[-1] >> 4 == 0  # the padding element's nibble
 
 
-def _train(backend, steps=3, moments="int4", between=None, **kw):
+def _train(backend, steps=3, moments="int4", between=None, device="cpu", **kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(37, 129), torch.nn.GELU(),
-                                torch.nn.Linear(129, 5)).to(torch.bfloat16)
+                                torch.nn.Linear(129, 5)).to(device, torch.bfloat16)
     opt = zt.FusedAdamW(model.parameters(), lr=1e-2, backend=backend, moments=moments,
                         master_weights="remainder8", **kw)
     for t in range(steps):
-        x = torch.randn(4, 37, generator=torch.Generator().manual_seed(t)).bfloat16()
+        x = torch.randn(4, 37, generator=torch.Generator().manual_seed(t)).to(device, torch.bfloat16)
         model(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -63,8 +63,8 @@ def _held_in_4_bits(opt):
     for entry in opt.state.values():
         for key, fmt in (("exp_avg", quant4.FIRST), ("exp_avg_sq", quant4.SECOND)):
             x = entry[key].view(-1)
-            packed = torch.zeros(quant4.packed(x.numel()), dtype=torch.uint8)
-            scales = torch.zeros(quant4.blocks(x.numel()))
+            packed = torch.zeros(quant4.packed(x.numel()), dtype=torch.uint8, device=x.device)
+            scales = torch.zeros(quant4.blocks(x.numel()), device=x.device)
             quant4.quantize(x, fmt, packed, scales)
             x.copy_(quant4.decode(packed, x.numel(), scales, fmt))
 
@@ -150,6 +150,18 @@ def test_cpu_kernel_on_each_instruction_set(isa):
     with held_isa(isa):
         model, opt = _train("cpu")
         ref_model, ref = _train("cpu", moments="fp32", between=_held_in_4_bits)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    mine, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
+
+
+# -- on a GPU (run by bench/gpu_check.sh; skipped here) ----------------------------------
+@pytest.mark.parametrize("backend", gpu_backends())
+def test_int4_on_cuda_steps_its_fp32_step_held_in_4_bits(backend):
+    """Each GPU backend's int4 step (Triton's kernel, CUDA's torch ops) is its own float32
+    step with the moments held in 4 bits between steps, bit for bit."""
+    model, opt = _train(backend, device="cuda")
+    ref_model, ref = _train(backend, moments="fp32", between=_held_in_4_bits, device="cuda")
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
     mine, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
     assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
