@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from zero_triton.kernels import quant, quant4
+from zero_triton.kernels import quant4
 
-from .int8 import _dense
+from .int8 import expand_codes
 from .keys import FIRST, SECOND
 from .lowbit import NoMaximum
 
@@ -101,28 +101,8 @@ class Int4Moments(NoMaximum):
     def expand(entry: dict, where: str) -> dict:
         """``compact``'s entry as torch's float32 moments (the codes' shape and strides);
         ``where`` names the entry in the error for a malformed one."""
-        first, second, scales = (entry.get(k) for k in Int4Moments.COMPACT)
-        n = first.numel() if isinstance(first, torch.Tensor) else -1
-        ok = (isinstance(first, torch.Tensor) and first.dtype == quant4.FIRST.dtype
-              and isinstance(second, torch.Tensor) and second.dtype == quant4.SECOND.dtype
-              and second.shape == first.shape and second.stride() == first.stride()
-              and _dense(first)
-              and isinstance(scales, torch.Tensor) and scales.dtype == quant4.SCALE_DTYPE
-              and tuple(scales.shape) == (quant4.blocks(n), 2))
-        if not ok:
-            raise ValueError(
-                f"{where}: a compact int4 entry holds exp_avg_codes4 (int8) and "
-                "exp_avg_sq_codes4 (uint8) of the parameter's shape and moment_scales4 "
-                f"(bfloat16 [ceil(numel / {BLOCK}), 2]); this one does not. Save it again "
-                "with state_dict(compact=True)")
-        out = {}
-        for key, codes, fmt, col in ((FIRST, first, quant4.FIRST, 0), (SECOND, second, quant4.SECOND, 1)):
-            values = torch.empty_strided(codes.shape, codes.stride(), dtype=torch.float32,
-                                         device=codes.device)
-            values.as_strided((n,), (1,)).copy_(quant.decode(
-                codes.as_strided((n,), (1,)), scales[:, col].to(codes.device).float(), fmt, BLOCK))
-            out[key] = values
-        return out
+        return expand_codes(entry, where, Int4Moments.COMPACT, (quant4.FIRST, quant4.SECOND),
+                            BLOCK, quant4.SCALE_DTYPE, "int4")
 
     def carry_over(self, old) -> None:
         if isinstance(old, Int4Moments) and old.numel == self.numel:

@@ -40,6 +40,37 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or torch.empty_like(t).stride() == t.stride()
 
 
+def expand_codes(entry: dict, where: str, keys: tuple, formats: tuple, block: int,
+                 scale_dtype: torch.dtype, name: str) -> dict:
+    """A compact entry of block-scaled codes (``keys``: the first and second moments'
+    codes, shaped as the parameter, and their scales [blocks of ``block``, 2] of
+    ``scale_dtype``; ``formats``: the moments' ``quant.Minifloat``) as torch's float32
+    moments (the codes' shape and strides); ``where`` names it in the error for a
+    malformed one, ``name`` the format."""
+    first, second, scales = (entry.get(k) for k in keys)
+    n = first.numel() if isinstance(first, torch.Tensor) else -1
+    ok = (isinstance(first, torch.Tensor) and first.dtype == formats[0].dtype
+          and isinstance(second, torch.Tensor) and second.dtype == formats[1].dtype
+          and second.shape == first.shape and second.stride() == first.stride()
+          and _dense(first)
+          and isinstance(scales, torch.Tensor) and scales.dtype == scale_dtype
+          and tuple(scales.shape) == (quant.blocks(n, block), 2))
+    if not ok:
+        raise ValueError(
+            f"{where}: a compact {name} entry holds {keys[0]} (int8) and {keys[1]} (uint8) "
+            f"of the parameter's shape and {keys[2]} ({str(scale_dtype).replace('torch.', '')} "
+            f"[ceil(numel / {block}), 2]); this one does not. Save it again with "
+            "state_dict(compact=True)")
+    out = {}
+    for key, codes, fmt, col in ((FIRST, first, formats[0], 0), (SECOND, second, formats[1], 1)):
+        values = torch.empty_strided(codes.shape, codes.stride(), dtype=torch.float32,
+                                     device=codes.device)
+        values.as_strided((n,), (1,)).copy_(quant.decode(
+            codes.as_strided((n,), (1,)), scales[:, col].to(codes.device).float(), fmt, block))
+        out[key] = values
+    return out
+
+
 class Int8Moments(NoMaximum):
     """exp_avg and exp_avg_sq of a shard as block-scaled 8-bit codes."""
 
@@ -119,28 +150,8 @@ class Int8Moments(NoMaximum):
     def expand(entry: dict, where: str) -> dict:
         """``compact``'s entry as torch's float32 moments (the codes' shape and strides);
         ``where`` names the entry in the error for a malformed one."""
-        first, second, scales = (entry.get(k) for k in Int8Moments.COMPACT)
-        n = first.numel() if isinstance(first, torch.Tensor) else -1
-        ok = (isinstance(first, torch.Tensor) and first.dtype == quant.FIRST.dtype
-              and isinstance(second, torch.Tensor) and second.dtype == quant.SECOND.dtype
-              and second.shape == first.shape and second.stride() == first.stride()
-              and _dense(first)
-              and isinstance(scales, torch.Tensor) and scales.dtype == torch.float32
-              and tuple(scales.shape) == (quant.blocks(n), 2))
-        if not ok:
-            raise ValueError(
-                f"{where}: a compact int8 entry holds exp_avg_codes (int8) and "
-                "exp_avg_sq_codes (uint8) of the parameter's shape and moment_scales "
-                f"(float32 [ceil(numel / {BLOCK}), 2]); this one does not. Save it again "
-                "with state_dict(compact=True)")
-        out = {}
-        for key, codes, fmt, col in ((FIRST, first, quant.FIRST, 0), (SECOND, second, quant.SECOND, 1)):
-            values = torch.empty_strided(codes.shape, codes.stride(), dtype=torch.float32,
-                                         device=codes.device)
-            values.as_strided((n,), (1,)).copy_(
-                quant.decode(codes.as_strided((n,), (1,)), scales[:, col].to(codes.device), fmt))
-            out[key] = values
-        return out
+        return expand_codes(entry, where, Int8Moments.COMPACT, (quant.FIRST, quant.SECOND),
+                            BLOCK, torch.float32, "int8")
 
     def carry_over(self, old) -> None:
         if isinstance(old, Int8Moments) and old.numel == self.numel:
