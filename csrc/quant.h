@@ -74,12 +74,12 @@ ZT_QUANT uint8_t encode_second(float x, float inv_scale) {
 // moments="int4" (zero_triton/kernels/quant4.py): the same minifloats with 4 bits, two
 // codes to a byte (element 2k the low nibble), blocks of 128 with bfloat16 scales.
 // exp_avg: a sign and E3M0 (BIAS 7, no mantissa), the nibble its 4-bit two's complement;
-// exp_avg_sq: E4M0 (BIAS 15, no mantissa), a positive value never code 0.
+// exp_avg_sq: E3M1 (BIAS 7, MAN 1), a positive value never code 0.
 constexpr int kQuant4Block = 128;
 constexpr int kFirst4Bias = 7;
 constexpr int kFirst4Man = 0;
-constexpr int kSecond4Bias = 15;
-constexpr int kSecond4Man = 0;
+constexpr int kSecond4Bias = 7;
+constexpr int kSecond4Man = 1;
 
 ZT_QUANT float decode_first4(uint32_t nibble, float scale) {
   const int32_t c = int32_t(nibble << 28) >> 28;  // sign-extended
