@@ -370,7 +370,7 @@ MANY_PARAMETERS = {
     "optim/fused.py": {"__init__"}, "optim/zero.py": {"__init__"},
     "kernels/adam.py": {"_adam_kernel", "_adam_list_kernel", "_step_block", "_adam_update"},
     "kernels/adam_bf16.py": {"_adam_bf16_kernel"},
-    "kernels/adam8.py": {"_adam8_kernel"},
+    "kernels/adam8.py": {"_adam8_kernel"}, "kernels/adam4.py": {"_adam4_kernel"},
     "native/ops.py": {"adam_step_", "_"},
     "reference.py": {"torch_adam_step_"},
 }
