@@ -155,6 +155,16 @@ def test_cpu_kernel_on_each_instruction_set(isa):
     assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
 
 
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_offloaded_the_same_bits(fraction):
+    """offload="cpu" (all, or half: the cut on a block boundary) steps the same bits."""
+    model, opt = _train("cpu")
+    off_model, off = _train("cpu", offload="cpu", offload_fraction=fraction)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), off_model.parameters()))
+    mine, theirs = opt.state_dict()["state"], off.state_dict()["state"]
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
+
+
 # -- on a GPU (run by bench/gpu_check.sh; skipped here) ----------------------------------
 @pytest.mark.parametrize("backend", gpu_backends())
 def test_int4_on_cuda_steps_its_fp32_step_held_in_4_bits(backend):
