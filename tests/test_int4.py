@@ -57,6 +57,13 @@ def _moments(opt):
     return [t for _, s in opt._shards.listed(opt.param_groups) for t in s.state.moments.storage()]
 
 
+def _assert_same_run(model, opt, other_model, other):
+    """Two trainings ended with the same parameters and moments, bit for bit."""
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other_model.parameters()))
+    mine, theirs = opt.state_dict()["state"], other.state_dict()["state"]
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
+
+
 def _held_in_4_bits(opt):
     """fp32 moments as a 4-bit store holds them: each parameter's blocks (from its first
     element, as the store's layout puts them) encoded and decoded."""
@@ -78,11 +85,7 @@ def test_each_backend_steps_its_fp32_step_held_in_4_bits(backend):
         pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 only")
     model, opt = _train(backend)
     ref_model, ref = _train(backend, moments="fp32", between=_held_in_4_bits)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
-    mine, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
-    for i in mine:
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(mine[i][key], theirs[i][key]), (backend, i, key)
+    _assert_same_run(model, opt, ref_model, ref)
     released_model, released = _train(backend, grad_release=True)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), released_model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(_moments(opt), _moments(released)))
@@ -150,9 +153,7 @@ def test_cpu_kernel_on_each_instruction_set(isa):
     with held_isa(isa):
         model, opt = _train("cpu")
         ref_model, ref = _train("cpu", moments="fp32", between=_held_in_4_bits)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
-    mine, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
-    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
+    _assert_same_run(model, opt, ref_model, ref)
 
 
 @pytest.mark.parametrize("fraction", [None, 0.5])
@@ -160,9 +161,7 @@ def test_offloaded_the_same_bits(fraction):
     """offload="cpu" (all, or half: the cut on a block boundary) steps the same bits."""
     model, opt = _train("cpu")
     off_model, off = _train("cpu", offload="cpu", offload_fraction=fraction)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), off_model.parameters()))
-    mine, theirs = opt.state_dict()["state"], off.state_dict()["state"]
-    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
+    _assert_same_run(model, opt, off_model, off)
 
 
 # -- on a GPU (run by bench/gpu_check.sh; skipped here) ----------------------------------
@@ -172,6 +171,4 @@ def test_int4_on_cuda_steps_its_fp32_step_held_in_4_bits(backend):
     step with the moments held in 4 bits between steps, bit for bit."""
     model, opt = _train(backend, device="cuda")
     ref_model, ref = _train(backend, moments="fp32", between=_held_in_4_bits, device="cuda")
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
-    mine, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
-    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in ("exp_avg", "exp_avg_sq"))
+    _assert_same_run(model, opt, ref_model, ref)

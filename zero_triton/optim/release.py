@@ -233,7 +233,7 @@ class ReleasePipeline(StepPipeline):
                 continue
             if group["amsgrad"] and s.state.ensure_amsgrad():
                 self.edits.expose(s)
-            runs = _runs(s)
+            runs = self.where[id(s.grad_buffer)][2]
             for i, p in enumerate(s.params):
                 if p.grad is not None:
                     s.step_param(group, runs[i], s.by_param.elements(i, p.grad))

@@ -22,7 +22,7 @@ import torch
 
 from zero_triton.kernels import quant4
 
-from .int8 import expand_codes
+from .int8 import compact_codes, expand_codes
 from .keys import FIRST, SECOND
 from .lowbit import NoMaximum
 
@@ -86,16 +86,8 @@ class Int4Moments(NoMaximum):
         """One parameter's moments (float32, flat in its memory order ``stride``, whose
         blocks are the store's) as the compact state dict holds them: the codes, shaped
         and strided as the parameter, and its blocks' scales, bfloat16 [blocks, 2]."""
-        n = first.numel()
-        out = {"moment_scales4": torch.zeros(quant4.blocks(n), 2, dtype=quant4.SCALE_DTYPE)}
-        for key, x, fmt, col in (("exp_avg_codes4", first, quant4.FIRST, 0),
-                                 ("exp_avg_sq_codes4", second, quant4.SECOND, 1)):
-            codes = torch.empty_strided(shape, stride, dtype=fmt.dtype)
-            s = quant4.scales_of(x.float())
-            codes.as_strided((n,), (1,)).copy_(quant4.encode(x.float(), s, fmt))
-            out["moment_scales4"][:, col] = s
-            out[key] = codes
-        return out
+        return compact_codes(first, second, shape, stride, Int4Moments.COMPACT,
+                             (quant4.FIRST, quant4.SECOND), BLOCK, quant4.scales_of)
 
     @staticmethod
     def expand(entry: dict, where: str) -> dict:

@@ -40,6 +40,26 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or torch.empty_like(t).stride() == t.stride()
 
 
+def compact_codes(first: torch.Tensor, second: torch.Tensor, shape, stride, keys: tuple,
+                  formats: tuple, block: int, scales_of) -> dict:
+    """One parameter's moments (float32, flat in its memory order ``stride``, starting on a
+    block boundary) as a compact entry of block-scaled codes under ``keys``: the codes
+    (``formats``) shaped and strided as the parameter, and the scales of its blocks of
+    ``block`` [blocks, 2], as ``scales_of(x)`` gives them (their dtype is the store's)."""
+    n = first.numel()
+    out = {}
+    for key, x, fmt, col in ((keys[0], first, formats[0], 0), (keys[1], second, formats[1], 1)):
+        x = x.float()
+        s = scales_of(x)
+        if col == 0:
+            out[keys[2]] = torch.zeros(quant.blocks(n, block), 2, dtype=s.dtype)
+        codes = torch.empty_strided(shape, stride, dtype=fmt.dtype)
+        codes.as_strided((n,), (1,)).copy_(quant.encode(x, s.float(), fmt, block))
+        out[keys[2]][:, col] = s
+        out[key] = codes
+    return out
+
+
 def expand_codes(entry: dict, where: str, keys: tuple, formats: tuple, block: int,
                  scale_dtype: torch.dtype, name: str) -> dict:
     """A compact entry of block-scaled codes (``keys``: the first and second moments'
@@ -137,14 +157,9 @@ class Int8Moments(NoMaximum):
         blocks are the store's: a parameter starts on a block boundary) as the compact
         state dict holds them: the codes, shaped and strided as the parameter, and the
         scales of its blocks, float32 [blocks, 2] (exp_avg's, exp_avg_sq's)."""
-        n = first.numel()
-        first_codes = torch.empty_strided(shape, stride, dtype=quant.FIRST.dtype)
-        second_codes = torch.empty_strided(shape, stride, dtype=quant.SECOND.dtype)
-        scales = torch.zeros(quant.blocks(n), 2, dtype=torch.float32)
-        quant.quantize(first, quant.FIRST, first_codes.as_strided((n,), (1,)), scales[:, 0])
-        quant.quantize(second, quant.SECOND, second_codes.as_strided((n,), (1,)), scales[:, 1])
-        return {"exp_avg_codes": first_codes, "exp_avg_sq_codes": second_codes,
-                "moment_scales": scales}
+        return compact_codes(first, second, shape, stride, Int8Moments.COMPACT,
+                             (quant.FIRST, quant.SECOND), BLOCK,
+                             lambda x: quant.block_absmax(x, BLOCK))
 
     @staticmethod
     def expand(entry: dict, where: str) -> dict:
