@@ -33,6 +33,8 @@ FORMATS = {  # name: (parameter dtype, FusedAdamW keywords)
     "remainder+int8": (torch.bfloat16, {"master_weights": "remainder", "moments": "int8"}),
     "remainder8+int8": (torch.bfloat16, {"master_weights": "remainder8", "moments": "int8"}),
     "stochastic+int8": (torch.bfloat16, {"master_weights": "stochastic", "moments": "int8"}),
+    "int4": (torch.float32, {"moments": "int4"}),
+    "remainder8+int4": (torch.bfloat16, {"master_weights": "remainder8", "moments": "int4"}),
 }
 
 

@@ -7,8 +7,10 @@ that load across layouts.
 A model with the shapes tensor parallelism makes hard (``Net``): a ColwiseParallel weight
 whose rows are 256 long (under ``fully_shard`` over tensor parallelism its placements are
 a ``_StridedShard``), a RowwiseParallel weight (``Shard(1)``) whose part of each row is 256
-elements at tp=2 and 128 at tp=4 (its int8 blocks straddle two ranks at tp=4), a 300-row
-layer, 1-row layers (empty local shards at dp >= 2) and biases. The layouts: ``DxT`` a 2-D
+elements at tp=2 and 128 at tp=4 (its int8 blocks straddle two ranks at tp=4), another
+whose rows of 384 are cut into 192 and 96 (its int4 blocks of 128 straddle ranks at both
+tp sizes; for int8 its rows are not whole blocks: fp32 moments), a 300-row layer, 1-row
+layers (empty local shards at dp >= 2) and biases. The layouts: ``DxT`` a 2-D
 (dp, tp) mesh, tensor parallel over tp and ``fully_shard`` over dp; ``dpN`` a 1-D mesh of N
 ranks, ``fully_shard`` only (``dp1``: one rank). FusedAdamW in each format, fed the same
 global gradients (a fixed tensor per parameter and step, handed to each rank as its shard).
@@ -49,6 +51,8 @@ FORMATS = {  # name: (parameter dtype, FusedAdamW keywords)
     "bf16": (torch.float32, {"moments": "bf16"}),
     "stochastic+bf16": (torch.bfloat16, {"master_weights": "stochastic", "moments": "bf16"}),
     "int8 offloaded": (torch.float32, {"moments": "int8", "offload": "cpu"}),
+    "int4": (torch.float32, {"moments": "int4"}),
+    "remainder8+int4": (torch.bfloat16, {"master_weights": "remainder8", "moments": "int4"}),
 }
 LAYOUTS = ("2x2", "1x4", "4x1", "dp4", "dp2", "dp3", "dp1")
 KINDS = ("compact", "torch")
@@ -62,6 +66,7 @@ class Net(torch.nn.Module):
         self.mid = torch.nn.Linear(512, 300)    # 300 rows
         self.gate = torch.nn.Linear(512, 1)     # one row: empty local shards
         self.head = torch.nn.Linear(300, 1)     # one row of 300 (not a multiple of 256)
+        self.side = torch.nn.Linear(384, 64)    # RowwiseParallel: 192 of a row per rank at tp=2, 96 at tp=4
 
 
 def world_of(layout: str) -> int:
@@ -95,7 +100,8 @@ def build(layout: str, dtype):
     else:
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
-        parallelize_module(net, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(net, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(),
+                                             "side": RowwiseParallel()})
         dp = mesh["dp"]
     for layer in net.children():
         fully_shard(layer, mesh=dp)

@@ -23,17 +23,24 @@ constexpr int kFirstMan = 3;
 constexpr int kSecondBias = 15;   // exp_avg_sq: E4M4
 constexpr int kSecondMan = 4;
 
-// The code of r >= 0 (r a rounding above 1 and NaN take the code of 1.0).
+// The code of r >= 0 (r a rounding above 1 and NaN take the code of 1.0), `added` added
+// to r's bits before the bits below the code's are dropped: half of the last kept bit
+// (round to nearest, encode_magnitude) or random bits below it (stochastic rounding).
 template <int BIAS, int MAN>
-ZT_QUANT uint32_t encode_magnitude(float r) {
+ZT_QUANT uint32_t encode_magnitude_adding(float r, int32_t added) {
   int32_t bits;
   __builtin_memcpy(&bits, &r, sizeof(bits));
-  bits += int32_t(1) << (22 - MAN);
+  bits += added;
   const int32_t e = (bits >> 23) - 127 + BIAS;
   int32_t code = (e << MAN) | ((bits >> (23 - MAN)) & ((1 << MAN) - 1));
   code = e < 0 ? 0 : code;
   code = code < (BIAS << MAN) ? code : (BIAS << MAN);
   return uint32_t(code);
+}
+
+template <int BIAS, int MAN>
+ZT_QUANT uint32_t encode_magnitude(float r) {
+  return encode_magnitude_adding<BIAS, MAN>(r, int32_t(1) << (22 - MAN));
 }
 
 // r' of a code's magnitude (0 for code 0).
@@ -74,7 +81,8 @@ ZT_QUANT uint8_t encode_second(float x, float inv_scale) {
 // moments="int4" (zero_triton/kernels/quant4.py): the same minifloats with 4 bits, two
 // codes to a byte (element 2k the low nibble), blocks of 128 with bfloat16 scales.
 // exp_avg: a sign and E3M0 (BIAS 7, no mantissa), the nibble its 4-bit two's complement;
-// exp_avg_sq: E3M1 (BIAS 7, MAN 1), a positive value never code 0.
+// exp_avg_sq: E3M1 (BIAS 7, MAN 1), a positive value never code 0; in a step it is rounded
+// stochastically (encode_second4_stochastic) under a scale rounded so too.
 constexpr int kQuant4Block = 128;
 constexpr int kFirst4Bias = 7;
 constexpr int kFirst4Man = 0;
@@ -100,6 +108,18 @@ ZT_QUANT uint32_t encode_second4(float x, float inv_scale) {
   const float r = __builtin_fabsf(x) * inv_scale;
   const uint32_t code = encode_magnitude<kSecond4Bias, kSecond4Man>(r);
   return code == 0 ? (r > 0.0f ? 1u : 0u) : code;
+}
+
+// exp_avg_sq's code in a step (quant4.encode_stochastic): r = |x| / scale (0 where the
+// scale is not positive) rounded up with the probability of the fraction past the code
+// below (`bits`' low bits added before the drop); a positive value never code 0; the
+// block's largest (`top`) the top code.
+ZT_QUANT uint32_t encode_second4_stochastic(float x, float scale, bool top, uint32_t bits) {
+  const float r = scale > 0.0f ? __builtin_fabsf(x) / (scale > 0.0f ? scale : 1.0f) : 0.0f;
+  const int32_t added = int32_t(bits & ((1u << (23 - kSecond4Man)) - 1u));
+  const uint32_t code = encode_magnitude_adding<kSecond4Bias, kSecond4Man>(r, added);
+  const uint32_t kept = code == 0 ? (r > 0.0f ? 1u : 0u) : code;
+  return top ? uint32_t(kSecond4Bias << kSecond4Man) : kept;
 }
 
 // |x|'s bits: for the block's largest magnitude as an integer max (NaN the largest).

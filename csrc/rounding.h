@@ -12,8 +12,9 @@
 #endif
 
 constexpr uint32_t kGolden = 0x9E3779B1u, kMix1 = 0x85EBCA6Bu, kMix2 = 0xC2B2AE35u;
-// exp_avg, exp_avg_sq, the parameter (master_weights="stochastic")
-constexpr uint32_t kFirstStream = 1, kSecondStream = 2, kParamStream = 3;
+// exp_avg, exp_avg_sq, the parameter (master_weights="stochastic"), the 4-bit second
+// moment's block scales
+constexpr uint32_t kFirstStream = 1, kSecondStream = 2, kParamStream = 3, kScaleStream = 4;
 
 // MurmurHash3's 32-bit finaliser.
 ZT_ROUND uint32_t fmix32(uint32_t x) {

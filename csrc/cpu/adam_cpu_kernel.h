@@ -246,13 +246,17 @@ __attribute__((noinline)) void adam4_loop(const StepScalars& scalars, float* __r
                                           const void* __restrict__ g,
                                           uint8_t* __restrict__ mq, uint8_t* __restrict__ vq,
                                           uint16_t* __restrict__ scales, uint16_t* __restrict__ lp,
-                                          void* __restrict__ rem, uint32_t key_p, uint64_t index,
+                                          void* __restrict__ rem, uint32_t key_p,
+                                          uint32_t key_v, uint32_t key_s, uint64_t index,
                                           int64_t block_begin, int64_t block_end, int64_t numel) {
   const StepScalars s = scalars;
   // Passes over one block in L1, each a loop the compiler vectorises: unpack and decode
-  // the bytes, step the elements (as adam8_loop), encode, pack.
+  // the bytes, step the elements (as adam8_loop), encode, pack. exp_avg_sq and its scale
+  // are rounded stochastically, keyed by (seed, step, stream, canonical index): key_v
+  // each element's, key_s each block's first element's.
   float mb[kQuant4Block], vb[kQuant4Block];
   uint8_t cm[kQuant4Block], cv[kQuant4Block];
+  uint32_t rb[kQuant4Block];
   for (int64_t blk = block_begin; blk < block_end; ++blk) {
     const int64_t lo = blk * kQuant4Block;
     const int64_t len = numel - lo < kQuant4Block ? numel - lo : kQuant4Block;
@@ -280,11 +284,15 @@ __attribute__((noinline)) void adam4_loop(const StepScalars& scalars, float* __r
       m_max = am > m_max ? am : m_max;
       v_max = av > v_max ? av : v_max;
     }
-    const uint16_t m_new = float_to_bf16(float_of(m_max)), v_new = float_to_bf16(float_of(v_max));
-    const float m_inv = inverse_scale(bf16_to_float(m_new)), v_inv = inverse_scale(bf16_to_float(v_new));
+    const uint16_t m_new = float_to_bf16(float_of(m_max));
+    const uint16_t v_new = bf16_stochastic(float_of(v_max), random_bits(key_s, index + uint64_t(lo)));
+    const float m_inv = inverse_scale(bf16_to_float(m_new)), v_scale_new = bf16_to_float(v_new);
+    const uint64_t first = index + uint64_t(lo);
+    for (int64_t j = 0; j < len; ++j) rb[j] = random_bits(key_v, first + uint64_t(j));
+    for (int64_t j = 0; j < len; ++j) cm[j] = uint8_t(encode_first4(mb[j], m_inv));
     for (int64_t j = 0; j < len; ++j) {
-      cm[j] = uint8_t(encode_first4(mb[j], m_inv));
-      cv[j] = uint8_t(encode_second4(vb[j], v_inv));
+      const uint32_t av = magnitude_bits(vb[j]);
+      cv[j] = uint8_t(encode_second4_stochastic(vb[j], v_scale_new, av == v_max && av != 0, rb[j]));
     }
     if (len & 1) {  // the padding element after an odd run: zero
       cm[len] = 0;
@@ -363,11 +371,13 @@ struct Loop4 {
 
   template <int GRAD_DT, int LP_DT, bool L2, bool AMSGRAD, bool UNSCALE>
   void run() {  // AMSGRAD: refused for int4 before any launch
+    const uint32_t step = uint32_t(*a.step);
     with_param_mode<LP_DT>(a, [&](auto mode) {
       adam4_loop<GRAD_DT, LP_DT, L2, UNSCALE, decltype(mode)::value>(
           s, a.param, a.grad, a.exp_avg_nibbles, a.exp_avg_sq_nibbles, a.scales_bf16,
-          static_cast<uint16_t*>(a.param_lp), a.param_remainder, param_key(a), uint64_t(a.index),
-          block_begin, block_end, a.numel);
+          static_cast<uint16_t*>(a.param_lp), a.param_remainder, param_key(a),
+          rounding_key(a.seed, step, kSecondStream), rounding_key(a.seed, step, kScaleStream),
+          uint64_t(a.index), block_begin, block_end, a.numel);
     });
   }
 };

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from zero_triton.kernels import quant4
+from zero_triton.kernels import quant4, rounding
 from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
-                                      _hyper, _key, _load_param, _param_flags, _scalars, _second_half,
+                                      _fmix32, _hyper, _key, _load_param, _param_flags, _scalars, _second_half,
                                       _store_param)
 from zero_triton.kernels.adam8 import _decode, _encode
 from zero_triton.kernels.args import Operands, StepArgs
@@ -36,6 +36,42 @@ def _rounded_scale(x):
     safe = tl.where(scale > 0, scale, 1.0)
     inv = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), safe), 0.0)
     return bits, scale, inv
+
+
+@triton.jit
+def _bits_at(key, index):
+    """rounding.random_bits_at: 32 random bits (uint32) of canonical indices ``index``."""
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    return _fmix32(lo ^ key ^ (hi * 0xC2B2AE35))
+
+
+@triton.jit
+def _encode_second(v, index0, rows, offs, key_v, key_s, BIAS: tl.constexpr, MAN: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """exp_avg_sq's codes and its blocks' scales' bits, rounded stochastically
+    (``quant4.quantize_stochastic``): each row's largest magnitude rounded to bfloat16 by
+    the bits of the row's first element (``key_s``), then r = v / scale rounded by each
+    element's (``key_v``); the row's largest takes the top code."""
+    mag = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    most = tl.max(mag, axis=1)
+    u = most.to(tl.uint32)
+    sbits = _bits_at(key_s, index0 + rows * BLOCK)
+    rounded = ((u + (sbits & 0xFFFF)) >> 16).to(tl.int32)
+    rounded = tl.where(most >= 0x7F800000, most >> 16, rounded)  # infinities: truncated
+    scale_bits = tl.where(most > 0x7F800000, 0x7FC0, rounded)    # NaN: the canonical NaN
+    scale = (scale_bits << 16).to(tl.float32, bitcast=True)[:, None]
+    safe = tl.where(scale > 0, scale, 1.0)
+    r = tl.where(scale > 0, tl.math.div_rn(tl.abs(v), safe), 0.0)
+    ebits = _bits_at(key_v, index0 + offs)
+    bits = r.to(tl.int32, bitcast=True) + (ebits & ((1 << (23 - MAN)) - 1)).to(tl.int32)
+    e = (bits >> 23) - 127 + BIAS
+    code = (e << MAN) | ((bits >> (23 - MAN)) & ((1 << MAN) - 1))
+    code = tl.where(e < 0, 0, code)
+    code = tl.minimum(code, BIAS << MAN)
+    code = tl.where((code == 0) & (r > 0), 1, code)  # a positive value never takes code 0
+    code = tl.where((mag == most[:, None]) & (mag != 0), BIAS << MAN, code)
+    return code, scale_bits
 
 
 @triton.jit
@@ -68,7 +104,7 @@ def _adam4_kernel(
     HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
     FIRST_BIAS: tl.constexpr, FIRST_MAN: tl.constexpr, SECOND_BIAS: tl.constexpr,
     SECOND_MAN: tl.constexpr, PARAM_MODE: tl.constexpr, PARAM_MIX: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    SECOND_MIX: tl.constexpr, SCALE_MIX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0.0:
@@ -103,13 +139,20 @@ def _adam4_kernel(
     m = tl.where(mask, m, 0.0)
     v = tl.where(mask, v, 0.0)
     m_bits, _, m_inv = _rounded_scale(m)
-    v_bits, _, v_inv = _rounded_scale(v)
     m_codes = _encode(m, m_inv, FIRST_BIAS, FIRST_MAN, True)
-    v_codes = _encode(v, v_inv, SECOND_BIAS, SECOND_MAN, False)
+    seed32 = seed.to(tl.uint32)
+    step32 = t.to(tl.uint32)
+    v_codes, v_bits = _encode_second(v, index0, rows, offs, _key(seed32, step32, SECOND_MIX),
+                                     _key(seed32, step32, SCALE_MIX), SECOND_BIAS, SECOND_MAN,
+                                     BLOCK)
     tl.store(m_ptr + byte_offs, _pack(m_codes, ROWS, HALF), mask=byte_mask)
     tl.store(v_ptr + byte_offs, _pack(v_codes, ROWS, HALF), mask=byte_mask)
     tl.store(scales_ptr + 2 * rows, m_bits.to(tl.int16), mask=row_mask)
     tl.store(scales_ptr + 2 * rows + 1, v_bits.to(tl.int16), mask=row_mask)
+
+
+def _mix(stream: int) -> int:
+    return (stream * rounding.M1) & rounding.MASK32
 
 
 def _rows(n_blocks: int) -> tuple:
@@ -144,6 +187,6 @@ def adam4_step(ops: Operands, args: StepArgs):
         **_flags(args, param_lp),
         FIRST_BIAS=quant4.FIRST.bias, FIRST_MAN=quant4.FIRST.man_bits,
         SECOND_BIAS=quant4.SECOND.bias, SECOND_MAN=quant4.SECOND.man_bits,
-        **_param_flags(ops, args),
-        ROWS=rows, BLOCK=quant4.BLOCK, num_warps=warps,
+        **_param_flags(ops, args), SECOND_MIX=_mix(rounding.SECOND_STREAM),
+        SCALE_MIX=_mix(rounding.SCALE_STREAM), ROWS=rows, BLOCK=quant4.BLOCK, num_warps=warps,
     )

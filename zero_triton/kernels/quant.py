@@ -118,12 +118,15 @@ def encode_each(x: torch.Tensor, scale: torch.Tensor, fmt: Minifloat, out=None,
     return _codes(x, r, fmt, out, tmp)
 
 
-def _codes(x: torch.Tensor, r: torch.Tensor, fmt: Minifloat, out=None, tmp=None) -> torch.Tensor:
+def _codes(x: torch.Tensor, r: torch.Tensor, fmt: Minifloat, out=None, tmp=None,
+           added=None) -> torch.Tensor:
     """The codes of ``x`` from ``r = |x| / scale`` (float32, ``x``'s shape), into ``out``
-    (``tmp``'s int32 and bool slots)."""
+    (``tmp``'s int32 and bool slots). ``added``: what is added to r's bits before the
+    bits below the code's are dropped: half of the last kept bit (round to nearest), or
+    an int32 tensor of random bits below it (stochastic rounding)."""
     tmp = tmp or scratch(x)
     i32, flag = torch.int32, tmp(0, torch.bool)
-    bits = torch.add(r.view(i32), fmt.half, out=tmp(0, i32))
+    bits = torch.add(r.view(i32), fmt.half if added is None else added, out=tmp(0, i32))
     exp = torch.bitwise_right_shift(bits, 23, out=tmp(1, i32))
     exp.add_(fmt.bias - 127)  # the binade after rounding, biased
     # (exp << man_bits) | ((bits >> shift) & (2**man_bits - 1))

@@ -6,14 +6,28 @@ to a byte, and the step over them.
   the block's largest (the nearest in value), values below 2^-6.5 of it to zero.
 - ``exp_avg_sq`` (``SECOND``): an E3M1 minifloat with no sign: 8 binades [2^-7, 1], one
   mantissa bit; a positive value never becomes zero (below the range it takes the
-  smallest code: its step is shortened, never blown up by ``m / eps``).
+  smallest code: its step is shortened, never blown up by ``m / eps``). In a step it is
+  **rounded stochastically** (``quantize_stochastic``), and so is its block's scale.
 
-Chosen on the project's GPT (2,000 steps; final train loss over torch AdamW fp32's, the
-mean of seeds 0-2, fp32 parameters and bf16 ones with ``"remainder8"``): E3M0 / E3M1
-1.0146 and 1.0126, E3M0 / E4M0 1.0181 and 1.0144 (one seed, the moments held in 4 bits
-between float32 steps: E2M1 / E4M0 1.0469 against E3M0 / E4M0's 1.0246). A single seed
-moves these by +-1%: the first moment needs range more than precision; between the
-second moment's two maps, the three seeds' means favour precision by 0.2-0.35%.
+Why stochastic for the second moment: it moves by ``1 - beta2`` (0.1%) a step, and a code's
+step is 33-50% of its value (a bfloat16 scale's, 0.4-0.8%): rounded to nearest, a decaying
+``exp_avg_sq`` stays where it is, only growing ones move, and every later step is
+shortened. Rounded up with the probability of the fraction past the code below, its mean
+is its value. The bits come from ``zero_triton.kernels.rounding``'s counter-based hash of
+(seed, step, stream, canonical index): each element's code from its own index
+(``SECOND_STREAM``), each block's scale, its largest magnitude rounded to bfloat16, from
+its first element's (``SCALE_STREAM``); the element whose magnitude is the largest takes
+the top code (it decodes to the scale). The same bits at every world size and layout, on
+every backend. The project's GPT (2,000 steps, the train loss over torch AdamW fp32's,
+the mean of seeds 0-2): fp32 parameters 1.0146 -> 1.0006, bf16 ones with
+``"remainder8"`` 1.0126 -> 0.9913 (``docs/low-bit-state.md``). ``exp_avg`` stays rounded
+to nearest: it moves by 10% a step, and rounding it stochastically too did not measure
+better (one seed).
+
+The maps (the same GPT, the moments held in 4 bits between float32 steps, before the
+stochastic rounding): E3M0 / E3M1 1.0146 and 1.0126, E3M0 / E4M0 1.0181 and 1.0144, E2M1 /
+E4M0 1.0469 against E3M0 / E4M0's 1.0246 (one seed): the first moment needs range more
+than precision.
 
 Blocks of ``BLOCK`` (128) state elements, each with one bfloat16 scale per moment (its
 largest magnitude, rounded): smaller blocks than the 8-bit format's 256, as Li et al.
@@ -23,18 +37,18 @@ trained worse in both seeds tried), with scales of 2 bytes, so that the format c
 of a run takes the low nibble of byte ``k``, ``2k + 1`` the high one; a signed code is
 its 4-bit two's complement.
 
-The step (``stepper``) decodes a run's moments to float32, runs the backend's float32
-step on them, and encodes them with their blocks' new scales, in torch ops on the
-state's device: three passes, not one fused kernel (a fused 4-bit kernel is the next
-part). Decoding and encoding again gives the same codes and scales (every code's value
-is exact, the largest element's is its scale), so a state exported dequantized and
-loaded back is the same bit for bit, and a skipped step (GradScaler's inf) keeps it.
+The step (``stepper``, for backends without a 4-bit kernel) decodes a run's moments to
+float32, runs the backend's float32 step on them, and encodes them with their blocks' new
+scales, in torch ops on the state's device. Decoding and encoding again (to nearest, or
+stochastically by any bits) gives the same codes and scales (every code's value is
+exact, the largest element's is its scale), so a state exported dequantized and loaded
+back is the same bit for bit, and a skipped step (GradScaler's inf) keeps it.
 """
 from __future__ import annotations
 
 import torch
 
-from zero_triton.kernels import quant
+from zero_triton.kernels import quant, rounding
 
 BLOCK = 128  # state elements per scale
 SCALE_DTYPE = torch.bfloat16  # a scale's dtype: the moments' range, 2 bytes
@@ -69,6 +83,57 @@ def pack(codes: torch.Tensor, out: torch.Tensor) -> None:
         c = torch.cat([c, c.new_zeros(1)])  # the element after a run is padding: zero
     c = c.view(-1, 2)
     out.copy_((c[:, 0] | (c[:, 1] << 4)).to(torch.uint8))
+
+
+def stochastic_scales(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``SECOND``'s block scales of float32 ``x`` in a step: each block's largest magnitude
+    rounded to bfloat16 stochastically by ``bits`` (int64, one per block; NaN stays NaN)."""
+    return rounding.to_bf16_stochastic(quant.block_absmax(x, BLOCK), bits)
+
+
+def encode_stochastic(x: torch.Tensor, scale: torch.Tensor, bits: torch.Tensor,
+                      fmt: quant.Minifloat = SECOND) -> torch.Tensor:
+    """The codes (one per element) of float32 ``x`` (>= 0) under its blocks' ``scale``,
+    rounded stochastically: ``r = x / scale`` (0 where the scale is not positive) rounded
+    up to the next code with the probability of the fraction past the one below (the low
+    ``fmt.shift`` of ``bits``, int64 one per element, added to r's bits before they are
+    dropped); a positive value never code 0; the block's largest (by its bits) takes the
+    top code, which decodes to the scale."""
+    n = x.numel()
+    s = scale.float()[:, None]
+    by_block = quant._by_block(x, BLOCK)
+    r = torch.where(s > 0, by_block.abs() / torch.where(s > 0, s, 1.0), 0.0).reshape(-1)[:n]
+    added = (bits & ((1 << fmt.shift) - 1)).to(torch.int32)
+    codes = quant._codes(x, r.contiguous(), fmt, added=added)
+    mag = by_block.view(torch.int32) & 0x7FFFFFFF
+    top = ((mag == mag.amax(dim=1, keepdim=True)) & (mag != 0)).reshape(-1)[:n]
+    return codes.masked_fill_(top, fmt.top)
+
+
+def quantize_stochastic(x: torch.Tensor, packed_codes: torch.Tensor, scale: torch.Tensor,
+                        keys: tuple, index0: int) -> None:
+    """Encode float ``x`` (``SECOND``: exp_avg_sq of a run starting on a block boundary,
+    its element 0 at canonical index ``index0``) into ``packed_codes`` and ``scale`` as
+    the step does: rounded stochastically (``encode_stochastic``, ``stochastic_scales``),
+    by the bits of ``keys`` (the step's keys of ``rounding.SECOND_STREAM`` and
+    ``rounding.SCALE_STREAM``: ints, or ``rounding.key_at``'s tensors) at each element's
+    index and at each block's first."""
+    x = x.float()
+    n = x.numel()
+    index = torch.arange(index0, index0 + n, dtype=torch.int64, device=x.device)
+    s = stochastic_scales(x, rounding.random_bits_at(keys[1], index[::BLOCK].contiguous()))
+    pack(encode_stochastic(x, s, rounding.random_bits_at(keys[0], index)), packed_codes)
+    scale.copy_(s)
+
+
+def step_keys(step: torch.Tensor, seed: int) -> tuple:
+    """The keys ``quantize_stochastic`` takes at the step count ``step`` holds (float32
+    [1] on the device: nothing read on the host)."""
+    out = []
+    for stream in (rounding.SECOND_STREAM, rounding.SCALE_STREAM):
+        k = torch.empty(1, dtype=torch.int64, device=step.device)
+        out.append(rounding.key_at(step, seed, stream, k, torch.empty_like(k)))
+    return tuple(out)
 
 
 def scales_of(x: torch.Tensor) -> torch.Tensor:
@@ -132,4 +197,4 @@ def _step(fp32_step, ops, args) -> None:
     # them again gives the codes they came from.
     fp32_step(ops._replace(moments=(m, v, None)), args.replace(amsgrad=False))
     quantize(m, FIRST, first, scales[:, 0])
-    quantize(v, SECOND, second, scales[:, 1])
+    quantize_stochastic(v, second, scales[:, 1], step_keys(ops.step, args.seed), args.index)

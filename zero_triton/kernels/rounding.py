@@ -22,7 +22,8 @@ from .quant import scratch
 
 MASK32 = 0xFFFFFFFF
 GOLDEN, M1, M2 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
-FIRST_STREAM, SECOND_STREAM, PARAM_STREAM = 1, 2, 3  # exp_avg, exp_avg_sq, the parameter
+# exp_avg, exp_avg_sq, the parameter; the 4-bit second moment's block scales
+FIRST_STREAM, SECOND_STREAM, PARAM_STREAM, SCALE_STREAM = 1, 2, 3, 4
 
 
 def fmix32_int(x: int) -> int:

@@ -62,7 +62,7 @@ def engine_shards(members: list, spec) -> list:
       (``blocks_fit``), fp32 moments otherwise, in a shard of their own;
     - its rounding keys: its elements' indices in the canonical layout of ``members``'
       global shapes (``zero_triton.optim.rows``), and one seed per param group and dtype;
-    - its blocks and their scales: runs of 256 of its rows. Where a rank holds whole
+    - its blocks and their scales: runs of ``block`` (int8 256, int4 128) of its rows. Where a rank holds whole
       blocks in one run of keys the kernels step its local shard as it is; where a
       tensor-parallel cut leaves blocks that other ranks share a part of
       (``keeps_blocks`` false), or the rounding is keyed and a cut makes the keys no run
@@ -84,9 +84,9 @@ def engine_shards(members: list, spec) -> list:
         shared = fits and block > 1 and not keeps_blocks(p, block)
         rows = shared or (keyed and cuts_rows(p))
         if fits and block > 1:  # its blocks, their scales and its compact form read rows
-            m.check("int8 moments (blocks of 256 of a row)")
+            m.check(f"{fmt} moments (blocks of {block} of a row)")
         if rows:
-            m.check("int8 blocks cut across ranks" if shared
+            m.check(f"{fmt} blocks cut across ranks" if shared
                     else "stochastic rounding keyed by the element's global index")
         shards.setdefault((fits, rows), []).append((p, m))
     out = []

@@ -13,6 +13,8 @@ Per parameter, beside ``step`` (and ``master_param``, float32, for fp16/bf16 par
   the scale of exp_avg and of exp_avg_sq of each block of 256 elements, in the
   parameter's memory order). ``zero_triton.kernels.quant`` defines the codes: element
   ``j`` of block ``b`` is ``decode(code[j], moment_scales[b])``.
+- ``moments="int4"``: ``exp_avg_codes4`` and ``exp_avg_sq_codes4`` (one 4-bit code a
+  byte), and ``moment_scales4`` (bfloat16, blocks of 128): ``zero_triton.state.int4``.
 - ``moments="bf16"``: ``exp_avg`` and ``exp_avg_sq`` in bfloat16.
 - ``moments="fp32"``: torch's format as it is.
 
@@ -26,7 +28,7 @@ DTensor parameters (FSDP2, tensor parallel) hand DCP their compact form under
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
 Their codes are DTensors of the parameter's shape, mesh and placements, and their scales
-DTensors of shape (rows, row length / 256, 2) whose rows are split as the parameter's, so
+DTensors of shape (rows, row length / block, 2) whose rows are split as the parameter's, so
 DCP reshards both with the parameter: a parameter's blocks are runs of 256 of its rows
 (``zero_triton.optim.engine_home.blocks_fit``: the same parameters at every layout);
 where a tensor-parallel cut splits blocks between ranks, the ranks agree on their scales
@@ -60,7 +62,8 @@ from zero_triton.optim.engine_home import is_dtensor
 from zero_triton.optim.rows import local_indices, row_map
 from zero_triton.optim.state_dict import packed_groups
 from zero_triton.state import moments as moment_formats
-from zero_triton.state.int8 import BLOCK, Int8Moments
+from zero_triton.state.int4 import Int4Moments
+from zero_triton.state.int8 import Int8Moments
 from zero_triton.state.moments import FIRST, SECOND
 
 KEY = "compact"
@@ -116,47 +119,52 @@ def compact(opt, state_dict: dict) -> dict:
     return {**state_dict, "state": state, KEY: marker}
 
 
-def _expand_int8(entry: dict, where: str) -> dict:
-    """A compact int8 entry (plain tensors, or DTensors of a parameter's placements,
-    scales [blocks, 2] or (rows, blocks per row, 2)) as torch's float32 moments."""
-    first = entry.get(Int8Moments.COMPACT[0])
-    scales_key = Int8Moments.COMPACT[2]
+def _expand_blocks(entry: dict, where: str, store) -> dict:
+    """A compact entry of ``store``'s block-scaled codes (int8 or int4: plain tensors, or
+    DTensors of a parameter's placements, scales [blocks, 2] or (rows, blocks per row,
+    2)) as torch's float32 moments."""
+    first = entry.get(store.COMPACT[0])
+    scales_key = store.COMPACT[2]
     if not is_dtensor(first):
         scales = entry.get(scales_key)
         if isinstance(scales, torch.Tensor) and scales.dim() == 3:
             entry = {**entry, scales_key: scales.reshape(-1, 2)}
-        return Int8Moments.expand(entry, where)
+        return store.expand(entry, where)
     from torch.distributed.tensor import DTensor
     return {k: DTensor.from_local(v, first.device_mesh, first.placements, run_check=False,
                                   shape=first.shape, stride=first.stride())
-            for k, v in _local_moments(entry, where).items()}
+            for k, v in _local_moments(entry, where, store).items()}
 
 
-def _local_moments(entry: dict, where: str) -> dict:
-    """A DTensor compact int8 entry's local codes as float32 moments: each element decoded
-    by the scale of its block of its row, whichever of the scales' columns this rank
-    holds (``engine_home.scales_placements``: a block split as the codes, or every block of the rows)."""
-    first, second, scales = (entry.get(k) for k in Int8Moments.COMPACT)
-    ok = (is_dtensor(second) and is_dtensor(scales) and first.dtype == quant.FIRST.dtype
-          and second.dtype == quant.SECOND.dtype and second.shape == first.shape
+def _local_moments(entry: dict, where: str, store) -> dict:
+    """A DTensor compact entry's local codes (``store``'s) as float32 moments: each element
+    decoded by the scale of its block of its row, whichever of the scales' columns this
+    rank holds (``engine_home.scales_placements``: a block split as the codes, or every
+    block of the rows)."""
+    first, second, scales = (entry.get(k) for k in store.COMPACT)
+    fmts, size = store.CODES, store.block
+    ok = (is_dtensor(second) and is_dtensor(scales) and first.dtype == fmts[0].dtype
+          and second.dtype == fmts[1].dtype and second.shape == first.shape
+          and scales.dtype == store.SCALE_DTYPE
           and first.dim() >= 1 and tuple(scales.shape) == (
-              first.shape[0], math.prod(first.shape[1:]) // BLOCK, 2))
+              first.shape[0], math.prod(first.shape[1:]) // size, 2))
     if not ok:
+        dtype = str(store.SCALE_DTYPE).replace("torch.", "")
         raise ValueError(
-            f"{where}: a compact int8 entry of a DTensor parameter holds exp_avg_codes (int8) "
-            "and exp_avg_sq_codes (uint8) of the parameter's shape and moment_scales "
-            "(float32, (rows, row length / 256, 2)) as DTensors; this one does not. Save it "
-            "again inside zero_triton.compact_state_dicts")
+            f"{where}: a compact {store.format} entry of a DTensor parameter holds "
+            f"{store.COMPACT[0]} (int8) and {store.COMPACT[1]} (uint8) of the parameter's "
+            f"shape and {store.COMPACT[2]} ({dtype}, (rows, row length / {size}, 2)) as "
+            "DTensors; this one does not. Save it again inside zero_triton.compact_state_dicts")
     rows = row_map(first, where, 0)
-    rows.check("a compact int8 entry")
+    rows.check(f"a compact {store.format} entry")
     r, w = rows.rows.numel(), rows.width
     table = scales.to_local()
     columns = local_indices(scales, 1) if table.shape[1] != scales.shape[1] else None
     k_lo = int(columns[0]) if columns is not None and columns.numel() else 0
-    block = (rows.c0 + torch.arange(w, device=table.device)) // BLOCK - k_lo
-    each = table[:, block, :].reshape(r * w, 2)
+    block = (rows.c0 + torch.arange(w, device=table.device)) // size - k_lo
+    each = table[:, block, :].reshape(r * w, 2).float()
     out = {}
-    for key, codes, fmt, col in ((FIRST, first, quant.FIRST, 0), (SECOND, second, quant.SECOND, 1)):
+    for key, codes, fmt, col in ((FIRST, first, fmts[0], 0), (SECOND, second, fmts[1], 1)):
         local = codes.to_local()
         values = quant.decode_each(local.reshape(-1), each[:, col].to(local.device), fmt)
         out[key] = values.view(local.shape)
@@ -165,18 +173,18 @@ def _local_moments(entry: dict, where: str) -> dict:
 
 def expand(state_dict: dict) -> dict:
     """A compact state dict in torch's format (float32 moments); any other as it is.
-    Without the top-level marker (DCP drops it) an entry holding int8 codes is still
+    Without the top-level marker (DCP drops it) an entry holding int8 or int4 codes is still
     expanded: it is known by its keys."""
     marker = state_dict.get(KEY)
     if marker is None:
         entries = state_dict.get("state") if isinstance(state_dict, dict) else None
         if not isinstance(entries, dict) or not any(
-                isinstance(e, dict) and Int8Moments.COMPACT[0] in e for e in entries.values()):
+                _coded(e) is not None for e in entries.values()):
             return state_dict
         return {**state_dict, "state": {
-            key: ({**{k: v for k, v in e.items() if k not in Int8Moments.COMPACT},
-                   **_expand_int8(e, f"state {key!r} of the state dict")}
-                  if isinstance(e, dict) and Int8Moments.COMPACT[0] in e else e)
+            key: ({**{k: v for k, v in e.items() if k not in _coded(e).COMPACT},
+                   **_expand_blocks(e, f"state {key!r} of the state dict", _coded(e))}
+                  if _coded(e) is not None else e)
             for key, e in entries.items()}}
     named = marker.get("moments") if isinstance(marker, dict) else None
     formats = named if isinstance(named, list) else [named]
@@ -195,11 +203,21 @@ def expand(state_dict: dict) -> dict:
         store = next((s for s in stores if isinstance(entry, dict) and
                       _holds(s, entry, mixed=len(formats) > 1)), None)
         if store is not None:
-            unpack = _expand_int8 if store is Int8Moments else store.expand
+            where = f"state {key!r} of the compact state dict"
             kept = {k: v for k, v in entry.items() if k not in store.COMPACT}
-            entry = {**kept, **unpack(entry, f"state {key!r} of the compact state dict")}
+            entry = {**kept, **(_expand_blocks(entry, where, store) if store in BLOCK_STORES
+                                else store.expand(entry, where))}
         state[key] = entry
     return {**rest, "state": state}
+
+
+BLOCK_STORES = (Int8Moments, Int4Moments)  # block-scaled codes: DTensor entries too
+
+
+def _coded(entry):
+    """The block store whose codes ``entry`` holds (known by its keys: DCP keeps no
+    marker), or None."""
+    return next((s for s in BLOCK_STORES if isinstance(entry, dict) and s.COMPACT[0] in entry), None)
 
 
 def _holds(store, entry: dict, mixed: bool) -> bool:

@@ -35,7 +35,6 @@ from zero_triton.optim.flat_home import one_kind
 from zero_triton.optim.launch import ListLaunch, RowsLaunch, settle
 from zero_triton.optim.rows import row_map
 from zero_triton.state.flat import FlatLayout
-from zero_triton.state.int8 import BLOCK, Int8Moments
 from zero_triton.state.moments import FIRST, SECOND
 
 _DTENSOR = []  # torch's DTensor class once looked up (None where torch has none)
@@ -138,8 +137,8 @@ def _check_local(p, t, i: int) -> None:
 
 
 def scales_placements(p, shared: bool) -> list:
-    """The placements of DTensor ``p``'s int8 scales, a DTensor of global shape (rows,
-    row length / 256, 2): its rows split as ``p``'s (``Shard(0)``, ``_StridedShard(0)``);
+    """The placements of DTensor ``p``'s moments' block scales, a DTensor of global shape
+    (rows, row length / block, 2): its rows split as ``p``'s (``Shard(0)``, ``_StridedShard(0)``);
     a cut of its rows splits the blocks as ``Shard(1)`` where each rank holds whole blocks,
     and replicates them where ranks share blocks (``shared``: each then holds the agreed
     scales of every block of its rows, ``zero_triton.state.int8_rows``)."""
@@ -382,7 +381,7 @@ class EngineHome:
     def compact_entry(self, moments, i: int, entry: dict) -> dict | None:
         """DTensor parameter ``i``'s moments as ``moments`` (the shard's store) keeps them,
         as DTensors, for the compact state dict (``optim.compact``): the codes with its mesh
-        and placements, the scales of shape (rows, row length / 256, 2)
+        and placements, the scales of shape (rows, row length / block, 2)
         (``scales_placements``); None for fp32 moments (torch's ``entry`` as it is). The
         same keys and global shapes at every layout: DCP moves them between layouts."""
         from torch.distributed.tensor import DTensor
@@ -400,18 +399,19 @@ class EngineHome:
         if fmt == "bf16":
             return {FIRST: shared(moments.exp_avg[s0:s0 + n].view(local.shape).clone()),
                     SECOND: shared(moments.exp_avg_sq[s0:s0 + n].view(local.shape).clone())}
-        shape = tuple(p.shape)
-        global_scales = (shape[0], math.prod(shape[1:]) // BLOCK, 2)
+        shape, block = tuple(p.shape), moments.block
+        global_scales = (shape[0], math.prod(shape[1:]) // block, 2)
         if self.rows:
             if s0 in moments.pending:  # loaded in torch's format, not stepped since: agree now
                 settle(moments, s0, self.maps[i])
             scales = moments.table(s0)
         else:
-            per_row = math.prod(local.shape[1:]) // BLOCK
-            scales = moments.scales[s0 // BLOCK:(s0 + n) // BLOCK].reshape(local.shape[0], per_row, 2)
-        first, second, scales_key = Int8Moments.COMPACT
-        return {first: shared(moments.exp_avg[s0:s0 + n].view(local.shape).clone()),
-                second: shared(moments.exp_avg_sq[s0:s0 + n].view(local.shape).clone()),
+            per_row = math.prod(local.shape[1:]) // block
+            scales = moments.scales[s0 // block:(s0 + n) // block].reshape(local.shape[0], per_row, 2)
+        first, second, scales_key = moments.COMPACT
+        codes = moments.codes(s0, s0 + n)
+        return {first: shared(codes[0].view(local.shape).clone()),
+                second: shared(codes[1].view(local.shape).clone()),
                 scales_key: shared(scales.clone(), global_scales, (global_scales[1] * 2, 2, 1),
                                    scales_placements(p, self.rows))}
 

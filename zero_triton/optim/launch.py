@@ -59,14 +59,16 @@ class ListLaunch(DeviceLaunch):
 
 class RowsLaunch:
     """DTensor local shards whose elements are not one run of their parameter's canonical
-    layout, or whose int8 blocks other ranks hold a part of (``maps``: each home
+    layout, or whose int8 or int4 blocks other ranks hold a part of (``maps``: each home
     segment's ``RowMap``). Each is stepped by ``backend``'s float32 step (the function
     every format's kernel computes per element) on its moments widened to float32, then:
 
     - a parameter rounded stochastically (``master_weights="stochastic"``) and bf16
       moments are rounded keyed by each element's canonical index (``RowMap.index``), as
       the kernels key a run, from the step count on the device;
-    - int8 moments are encoded with the scales the ranks that cut the row agree on: the
+    - int8 and int4 moments are encoded with the scales the ranks that cut the row agree on
+      (int4's second moment rounded stochastically, keyed per element and block,
+      ``state.int4_rows``): the
       largest magnitude of each rank's part of each block, one MAX all-reduce of the
       table of its rows' blocks per mesh dimension that cuts them (``state.int8_rows``).
 
@@ -123,19 +125,20 @@ class RowsLaunch:
                 if skip is not None:
                     torch.where(skip, target, into, out=target)
         if blocks is not None:
-            _agree(blocks, m, v, rows, skip, tmp)
+            _agree(blocks, m, v, rows, skip, tmp, keys=blocks.keys(ops.step, args.seed, tmp))
 
 
-def _agree(blocks: RowBlocks, m: torch.Tensor, v: torch.Tensor, rows, skip=None, tmp=None) -> None:
+def _agree(blocks: RowBlocks, m: torch.Tensor, v: torch.Tensor, rows, skip=None, tmp=None,
+           keys=None) -> None:
     """Encode ``m`` and ``v`` into ``blocks`` with the scales the ranks that cut ``rows``
     agree on (a rank that skips the step, ``skip`` set, contributes nothing and keeps its
-    codes)."""
+    codes); ``keys``: the step's rounding keys (``RowBlocks.keys``)."""
     agreed = blocks.maxima(m, v, tmp)
     if skip is not None:
         agreed.masked_fill_(skip, 0)
     for group in rows.groups:
         agreed = _all_reduce_max(agreed, group)
-    blocks.narrow(m, v, agreed, skip, tmp)
+    blocks.narrow(m, v, agreed, skip, tmp, keys)
 
 
 def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
@@ -150,7 +153,7 @@ def _all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
             dist.all_reduce(on, op=dist.ReduceOp.MAX, group=group)
     except RuntimeError as exc:
         raise RuntimeError(
-            f"zero_triton: the int8 scales' agreement of a DTensor parameter stepped through "
+            f"zero_triton: the moments' scales' agreement of a DTensor parameter stepped through "
             f"its rows failed on rank {dist.get_rank()}: {exc} (a peer rank probably died or "
             "stopped calling the collective)") from exc
     return on if on is t else on.to(t.device)
@@ -160,5 +163,5 @@ def settle(store, s0: int, rows) -> None:
     """Encode piece ``s0`` of an ``Int8RowMoments`` whose moments were loaded in torch's
     format and not stepped since, with the scales its sharers agree on (collective over
     ``rows.groups``, as the step's agreement)."""
-    blocks = RowBlocks(store, s0, rows)
+    blocks = store.blocks(store, s0, rows)
     _agree(blocks, *blocks.widen(), rows)

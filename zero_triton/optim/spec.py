@@ -279,11 +279,6 @@ class Spec:
                                      f"{MASTER_STRINGS[mode]}; parameter {i} "
                                      f"{tuple(p.shape)} is {p.dtype}: {fix}")
         self._check_compressed(params)
-        if self.moments == "int4" and any(is_dtensor(p) for p in params):
-            raise ValueError("moments='int4' is for plain tensors (a flat buffer's blocks) so far: "
-                             "DTensor parameters (FSDP2, tensor parallel) need their blocks cut "
-                             "by rows, which the 4-bit store does not do yet; use moments='int8' "
-                             "for them (a param group of its own can keep 'int4' for the rest)")
         if self.release and any(is_dtensor(p) for p in params):
             raise ValueError("grad_release=True is for plain tensors: FSDP2 and tensor parallel "
                              "make DTensor gradients in their own hooks after backward's, and "

@@ -13,8 +13,11 @@ step of a block reads only that block, so the state is the same bit for bit at 1
 an odd length leaves the high nibble of its last byte, a padding element's, zero).
 
 Kernel operands (``operands``): the run's packed codes of each moment (uint8) and its
-scales, bfloat16 [blocks, 2]. ``export`` dequantizes (a copy, float32 in torch's keys);
-``commit`` encodes it back. No amsgrad maximum, no float64 moments (refused with the fix).
+scales, bfloat16 [blocks, 2]; the step rounds ``exp_avg_sq`` stochastically, keyed by each
+element's canonical index (``keyed``). ``export`` dequantizes (a copy, float32 in torch's
+keys); ``commit`` encodes it back (to nearest: an exported state comes back bit for bit).
+No amsgrad maximum, no float64 moments (refused with the fix). DTensor parameters stepped
+through their rows (a tensor-parallel cut): ``zero_triton.state.int4_rows``.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ class Int4Moments(NoMaximum):
     align = ALIGN
     block = BLOCK
     live = False   # export() is a dequantized copy
-    keyed = False  # rounding to nearest: the step takes no element index
+    keyed = True   # exp_avg_sq is rounded stochastically, keyed by element
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False):
         self.check(dtype, amsgrad)
@@ -80,6 +83,14 @@ class Int4Moments(NoMaximum):
     # One code a byte, shaped as the parameter (packing them two to a byte, as the store
     # does, would lose the parameter's shape): int8's bytes, a quarter of torch's.
     COMPACT = ("exp_avg_codes4", "exp_avg_sq_codes4", "moment_scales4")
+    CODES = (quant4.FIRST, quant4.SECOND)  # each moment's codes
+    SCALE_DTYPE = quant4.SCALE_DTYPE
+
+    def codes(self, a: int, b: int) -> tuple:
+        """The codes of state elements [a, b) (``a`` on a block boundary), one per element
+        (int8, uint8): unpacked copies."""
+        return tuple(quant4.unpack(t[a // 2:quant4.packed(b)], b - a, fmt)
+                     for t, fmt in zip((self.exp_avg, self.exp_avg_sq), self.CODES))
 
     @staticmethod
     def compact(first: torch.Tensor, second: torch.Tensor, shape, stride) -> dict:

@@ -138,6 +138,12 @@ class Int8Moments(NoMaximum):
 
     # -- the compact state dict (zero_triton.optim.compact) -------------------------
     COMPACT = ("exp_avg_codes", "exp_avg_sq_codes", "moment_scales")
+    CODES = (quant.FIRST, quant.SECOND)  # each moment's codes
+    SCALE_DTYPE = torch.float32
+
+    def codes(self, a: int, b: int) -> tuple:
+        """The codes of state elements [a, b), one per element (int8, uint8)."""
+        return self.exp_avg[a:b], self.exp_avg_sq[a:b]
 
     @staticmethod
     def decoded(first: torch.Tensor, second: torch.Tensor, scales: torch.Tensor) -> dict:

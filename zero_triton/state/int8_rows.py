@@ -29,7 +29,7 @@ import torch
 from zero_triton.kernels import quant
 
 from .buffers import PLAIN, Scratch
-from .int8 import ALIGN, BLOCK
+from .int8 import ALIGN, BLOCK, Int8Moments
 from .keys import FIRST, SECOND
 from .lowbit import NoMaximum
 
@@ -39,13 +39,16 @@ MAGNITUDE = 0x7FFFFFFF
 class RowBlocks:
     """The int8 moments of one piece whose blocks are cut (its launch's third operand):
     decoded before the step, encoded after it with the scales its sharers agree on. The
-    intermediates come from ``tmp`` (``Scratch``: kept ones under capturable=True)."""
+    intermediates come from ``tmp`` (``Scratch``: kept ones under capturable=True). The
+    store's class says the codes (``CODES``), their blocks (``block``) and the scales'
+    dtype; ``zero_triton.state.int4_rows`` steps 4-bit ones with this class's geometry."""
 
     def __init__(self, store: "Int8RowMoments", s0: int, rows):
         self.store, self.s0, self.map = store, s0, rows
-        self.first = rows.first_block(BLOCK)
-        self.count = rows.blocks(BLOCK)
-        self.offset = rows.c0 - self.first * BLOCK  # where the part starts in its first block
+        self.block = block = store.block
+        self.first = rows.first_block(block)
+        self.count = rows.blocks(block)
+        self.offset = rows.c0 - self.first * block  # where the part starts in its first block
         self.shape = (rows.rows.numel(), rows.width)  # the local part, as rows
 
     @property
@@ -56,17 +59,15 @@ class RowBlocks:
         return tmp or Scratch(PLAIN, None, self.store.device)
 
     def _codes(self) -> tuple:
-        n = self.map.numel
-        return tuple(t[self.s0:self.s0 + n].view(self.shape)
-                     for t in (self.store.exp_avg, self.store.exp_avg_sq))
+        return tuple(t.view(self.shape) for t in self.store.codes(self.s0, self.s0 + self.map.numel))
 
     def _per_element(self, table: torch.Tensor, col: int, tmp) -> torch.Tensor:
         """Each local element's scale of moment ``col``, float32 [rows, width] (a view
         of ``tmp``'s "wide"), from a table of its rows."""
         rows = self.shape[0]
-        wide = tmp("wide", (rows, self.count * BLOCK), torch.float32)
+        wide = tmp("wide", (rows, self.count * self.block), torch.float32)
         mine = table[:, self.first:self.first + self.count, col, None]
-        wide.view(rows, self.count, BLOCK).copy_(mine.expand(-1, -1, BLOCK))
+        wide.view(rows, self.count, self.block).copy_(mine.expand(-1, -1, self.block))
         return wide[:, self.offset:self.offset + self.map.width]
 
     def widen(self, tmp=None) -> tuple:
@@ -77,10 +78,15 @@ class RowBlocks:
         pending = self.store.pending.get(self.s0)
         if pending is not None:
             return m.copy_(pending[0]), v.copy_(pending[1])
-        for codes, x, col, fmt in zip(self._codes(), (m, v), (0, 1), (quant.FIRST, quant.SECOND)):
+        for codes, x, col, fmt in zip(self._codes(), (m, v), (0, 1), self.store.CODES):
             quant.decode_each(codes, self._per_element(self.table, col, tmp), fmt,
                               out=x.view(self.shape), tmp=tmp.shaped(self.shape, "scratch"))
         return m, v
+
+    def keys(self, step: torch.Tensor, seed: int, tmp=None):
+        """The step's rounding keys ``narrow`` takes (the step count on the device): none,
+        the int8 codes round to nearest."""
+        return None
 
     def maxima(self, m: torch.Tensor, v: torch.Tensor, tmp=None) -> torch.Tensor:
         """int32 [rows, cols / 256, 2]: the largest magnitude's bits of this rank's part of
@@ -88,37 +94,54 @@ class RowBlocks:
         kernels), for a MAX all-reduce among the ranks that share the rows."""
         tmp = self._scratch(tmp)
         rows, width = self.shape
-        out = tmp("maxima", (rows, self.map.cols // BLOCK, 2), torch.int32).zero_()
+        out = tmp("maxima", (rows, self.map.cols // self.block, 2), torch.int32).zero_()
         if not rows or not width:
             return out
-        padded = tmp("padded", (rows, self.count * BLOCK), torch.int32)
+        padded = tmp("padded", (rows, self.count * self.block), torch.int32)
         part = tmp("part", (rows, self.count), torch.int32)
         for col, x in enumerate((m, v)):
             padded.zero_()
             torch.bitwise_and(x.view(torch.int32).view(self.shape), MAGNITUDE,
                               out=padded[:, self.offset:self.offset + width])
-            torch.amax(padded.view(rows, self.count, BLOCK), -1, out=part)
+            torch.amax(padded.view(rows, self.count, self.block), -1, out=part)
             out[:, self.first:self.first + self.count, col].copy_(part)
         return out
 
     def narrow(self, m: torch.Tensor, v: torch.Tensor, agreed: torch.Tensor, skip=None,
-               tmp=None) -> None:
+               tmp=None, keys=None) -> None:
         """Keep the agreed scales (``agreed``: ``maxima``'s all-reduced bits) and encode
         ``m`` and ``v`` with them; where ``skip`` (bool [1] on the device: this rank
-        skipped the step) is set, the codes and scales stay as they were."""
+        skipped the step) is set, the codes and scales stay as they were. ``keys``: the
+        step's rounding keys, for a store that rounds stochastically (None: to nearest)."""
         tmp = self._scratch(tmp)
-        agreed = agreed.to(self.table.device).view(torch.float32)
-        for codes, x, col, fmt in zip(self._codes(), (m, v), (0, 1), (quant.FIRST, quant.SECOND)):
-            into = codes if skip is None else tmp(("codes", col), self.shape, codes.dtype)
-            quant.encode_each(x.view(self.shape), self._per_element(agreed, col, tmp), fmt,
-                              out=into, tmp=tmp.shaped(self.shape, "scratch"))
+        agreed = agreed.to(self.table.device)
+        scales = self._scales(agreed, keys, tmp)
+        for codes, x, col, fmt in zip(self._codes(), (m, v), (0, 1), self.store.CODES):
+            into = tmp(("codes", col), self.shape, codes.dtype)
+            self._encode(x.view(self.shape), col, fmt, scales, agreed, keys, into, tmp)
             if skip is not None:
-                torch.where(skip, codes, into, out=codes)
+                torch.where(skip, codes, into, out=into)
+            self._write(col, into)
         if skip is None:
-            self.table.copy_(agreed)
+            self.table.copy_(scales)
         else:
-            torch.where(skip, self.table, agreed, out=self.table)
+            torch.where(skip, self.table, scales, out=self.table)
         self.store.pending.pop(self.s0, None)
+
+    def _scales(self, agreed: torch.Tensor, keys, tmp) -> torch.Tensor:
+        """The table's new scales from the agreed largest magnitudes' bits: those
+        magnitudes (float32)."""
+        return agreed.view(torch.float32)
+
+    def _encode(self, x, col: int, fmt, scales, agreed, keys, out, tmp) -> None:
+        """``x``'s codes of moment ``col`` under the new ``scales`` into ``out``."""
+        quant.encode_each(x, self._per_element(scales, col, tmp), fmt, out=out,
+                          tmp=tmp.shaped(self.shape, "scratch"))
+
+    def _write(self, col: int, codes: torch.Tensor) -> None:
+        n = self.map.numel
+        store = (self.store.exp_avg, self.store.exp_avg_sq)[col]
+        store[self.s0:self.s0 + n].copy_(codes.view(-1))
 
 
 class Int8RowMoments(NoMaximum):
@@ -131,15 +154,18 @@ class Int8RowMoments(NoMaximum):
     block = BLOCK
     live = False   # export() is a decoded copy
     keyed = False  # rounding to nearest
+    CODES = Int8Moments.CODES
+    COMPACT = Int8Moments.COMPACT
+    SCALE_DTYPE = Int8Moments.SCALE_DTYPE
+    blocks = RowBlocks  # a piece's launch operand
 
     def __init__(self, numel: int, dtype: torch.dtype, device, amsgrad: bool = False, *, maps: dict):
         self.check(dtype, amsgrad)
         self.numel, self.dtype, self.device = numel, dtype, device
-        self.exp_avg = torch.zeros(numel, dtype=quant.FIRST.dtype, device=device)
-        self.exp_avg_sq = torch.zeros(numel, dtype=quant.SECOND.dtype, device=device)
+        self.exp_avg, self.exp_avg_sq = self._codes_storage(numel, device)
         self.maps = dict(maps)
-        sizes = {s0: (m.rows.numel(), m.cols // BLOCK) for s0, m in self.maps.items()}
-        self.scales = torch.zeros(sum(r * k for r, k in sizes.values()), 2, dtype=torch.float32,
+        sizes = {s0: (m.rows.numel(), m.cols // self.block) for s0, m in self.maps.items()}
+        self.scales = torch.zeros(sum(r * k for r, k in sizes.values()), 2, dtype=self.SCALE_DTYPE,
                                   device=device)
         self.tables, at = {}, 0
         for s0, (r, k) in sizes.items():
@@ -147,13 +173,24 @@ class Int8RowMoments(NoMaximum):
             at += r * k
         self.pending: dict = {}  # state offset -> (exp_avg, exp_avg_sq) float32, not yet encoded
 
+    @staticmethod
+    def _codes_storage(numel: int, device) -> tuple:
+        return tuple(torch.zeros(numel, dtype=fmt.dtype, device=device) for fmt in Int8Moments.CODES)
+
+    def codes(self, a: int, b: int) -> tuple:
+        return Int8Moments.codes(self, a, b)
+
     def operands(self, a: int, b: int, amsgrad: bool) -> tuple:
         self.check(None, amsgrad)
         rows = self.maps.get(a)
         if rows is None or b - a != rows.numel:
-            raise ValueError(f"int8 moments of cut blocks are stepped a whole local shard at a "
-                             f"time, got state elements [{a}, {b})")
-        return self.exp_avg[a:b], self.exp_avg_sq[a:b], RowBlocks(self, a, rows)
+            raise ValueError(f"{self.format} moments of cut blocks are stepped a whole local "
+                             f"shard at a time, got state elements [{a}, {b})")
+        return (*self._held(a, b), self.blocks(self, a, rows))
+
+    def _held(self, a: int, b: int) -> tuple:
+        """The storage of state elements [a, b)."""
+        return self.exp_avg[a:b], self.exp_avg_sq[a:b]
 
     def reset(self, amsgrad: bool | None = None) -> None:
         self.check(None, amsgrad)
@@ -164,7 +201,7 @@ class Int8RowMoments(NoMaximum):
     def export(self) -> dict:
         out = {k: torch.zeros(self.numel, dtype=torch.float32, device=self.device) for k in (FIRST, SECOND)}
         for s0, rows in self.maps.items():
-            m, v = RowBlocks(self, s0, rows).widen()
+            m, v = self.blocks(self, s0, rows).widen()
             out[FIRST][s0:s0 + rows.numel] = m
             out[SECOND][s0:s0 + rows.numel] = v
         return out
@@ -185,16 +222,16 @@ class Int8RowMoments(NoMaximum):
         return [self.exp_avg, self.exp_avg_sq, self.scales]
 
     def table(self, s0: int) -> torch.Tensor:
-        """The scales of every block of piece ``s0``'s rows, [rows, cols / 256, 2]."""
+        """The scales of every block of piece ``s0``'s rows, [rows, cols / block, 2]."""
         return self.tables[s0]
 
     def stored(self) -> dict:
         raise NotImplementedError(
-            "int8 moments of blocks cut across ranks have no flat checkpoint file form; "
+            f"{self.format} moments of blocks cut across ranks have no flat checkpoint file form; "
             "save DTensor parameters' state through DCP (zero_triton.compact_state_dicts)")
 
     def carry_over(self, old) -> None:
-        if isinstance(old, Int8RowMoments) and old.numel == self.numel and old.maps.keys() == self.maps.keys():
+        if type(old) is type(self) and old.numel == self.numel and old.maps.keys() == self.maps.keys():
             for mine, theirs in zip(self.storage(), old.storage()):
                 mine.copy_(theirs)
             self.pending = {k: tuple(t.to(self.device) for t in v) for k, v in old.pending.items()}

@@ -95,8 +95,8 @@ FORMATS = {cls.format: cls for cls in (Fp32Moments, Bf16Moments, Int8Moments, In
 def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = False,
          rows: dict | None = None):
     """A store of ``format`` for a shard of ``numel`` state elements (``rows``: the
-    ``RowMap`` of each local shard stepped through its rows, by state offset: int8 keeps
-    their blocks' scales by row, ``zero_triton.state.int8_rows``)."""
+    ``RowMap`` of each local shard stepped through its rows, by state offset: int8 and
+    int4 keep their blocks' scales by row, ``zero_triton.state.int8_rows``)."""
     try:
         cls = FORMATS[format]
     except KeyError:
@@ -105,4 +105,7 @@ def make(format: str, numel: int, dtype: torch.dtype, device, amsgrad: bool = Fa
     if rows is not None and cls is Int8Moments:
         from .int8_rows import Int8RowMoments
         return Int8RowMoments(numel, dtype, device, amsgrad, maps=rows)
+    if rows is not None and cls is Int4Moments:
+        from .int4_rows import Int4RowMoments
+        return Int4RowMoments(numel, dtype, device, amsgrad, maps=rows)
     return cls(numel, dtype, device, amsgrad)
