@@ -48,7 +48,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         backend: "auto" | "triton" | "cuda" | "cpu" | "torch" (see zero_triton.native.backends).
         moments: "fp32" (default, torch's state) | "bf16" (4 bytes per parameter for both
             moments, stochastic rounding: zero_triton.state.bf16) | "int8" (block-scaled
-            8-bit codes, 2.03 bytes: zero_triton.state.int8).
+            8-bit codes, 2.03 bytes: zero_triton.state.int8) | "int4" (4-bit codes two
+            to a byte, 1.03 bytes: zero_triton.state.int4).
         offload: None (default) or "cpu": the master and moments in (pinned) host memory,
             stepped there (zero_triton.optim.offload); offload_fraction: the share offloaded
             (1, the default: all; 0.5: the last half, the rest stepped on the device meanwhile).

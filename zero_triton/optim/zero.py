@@ -80,8 +80,8 @@ class ZeroAdam(FusedAdam, Joinable):
         gather_dtype: None (default) or "int8": the parameters all-gathered as int8
             blocks (fp16/bf16 parameters with an fp32 master, which stays exact); every
             rank, the owner too, then holds the same dequantized parameters.
-        moments: "fp32" (default) | "bf16" | "int8": the Adam moments' format, as
-            FusedAdam's; int8's blocks and bf16's rounding are keyed by the layout, so the
+        moments: "fp32" (default) | "bf16" | "int8" | "int4": the Adam moments' format, as
+            FusedAdam's; the blocks and the rounding are keyed by the layout, so the
             result does not depend on the world size or the bucket size (bitwise).
         offload: None (default) or "cpu": this rank's master and moments in (pinned)
             host memory, stepped there bucket by bucket, each bucket's parameters copied
