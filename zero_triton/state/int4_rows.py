@@ -25,7 +25,11 @@ class RowBlocks4(RowBlocks):
     """The 4-bit moments of one piece stepped through its rows (``RowBlocks``' geometry)."""
 
     def keys(self, step: torch.Tensor, seed: int, tmp=None) -> tuple:
-        return quant4.step_keys(step, seed)
+        """The keys of the second moment's codes and of its scales at this step."""
+        tmp = self._scratch(tmp)
+        return tuple(rounding.key_at(step, seed, stream, tmp(("key", stream), (1,), torch.int64),
+                                     tmp(("key scratch", stream), (1,), torch.int64))
+                     for stream in (rounding.SECOND_STREAM, rounding.SCALE_STREAM))
 
     def _block_starts(self, shape) -> torch.Tensor:
         """The canonical index of the first element of each block of the table, int64."""

@@ -89,7 +89,7 @@ class RowBlocks:
         return None
 
     def maxima(self, m: torch.Tensor, v: torch.Tensor, tmp=None) -> torch.Tensor:
-        """int32 [rows, cols / 256, 2]: the largest magnitude's bits of this rank's part of
+        """int32 [rows, cols / block, 2]: the largest magnitude's bits of this rank's part of
         each block of its rows (zero where it holds none; NaN the largest, as in the
         kernels), for a MAX all-reduce among the ranks that share the rows."""
         tmp = self._scratch(tmp)
