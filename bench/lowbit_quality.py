@@ -39,8 +39,8 @@ Rows (each when it can run here; the peers' with ``pip install -e ".[peers]"``):
                   per block and the root) at 2 gloo ranks, each rank given the whole batch
                   (their average is the batch's gradient): the int8 blocks are the
                   parameters' rows, 1-D parameters keep fp32 moments
-                  (``docs/low-bit-state.md``); also ``zt_bf16p_rem_int8_fsdp2`` and
-                  ``zt_bf16p_sr_int8_fsdp2``
+                  (``docs/low-bit-state.md``); also ``zt_bf16p_rem_int8_fsdp2``,
+                  ``zt_bf16p_sr_int8_fsdp2`` and ``zt_int4_fsdp2`` (blocks of 128)
 
 Reported: the training loss averaged over the last ``--tail`` steps, the validation loss
 at the end (``--val-batches`` fixed batches), each over torch fp32's, and the state bytes
@@ -79,7 +79,7 @@ ROWS = ("torch_fp32", "zt_fp32", "zt_int8", "zt_bf16", "zt_bf16p_master", "zt_bf
         "zt_bf16p_sr_int8", "zt_bf16p_rem", "zt_bf16p_rem_int8", "zt_bf16p_rem8",
         "zt_bf16p_rem8_int8", "zt_bf16p_rem8_int8_release", "zt_int4", "zt_bf16p_rem8_int4",
         "bnb_8bit", "torchao_8bit", "torchao_4bit", "torchao_fp8",
-        "zt_int8_fsdp2", "zt_bf16p_rem_int8_fsdp2", "zt_bf16p_sr_int8_fsdp2")
+        "zt_int8_fsdp2", "zt_bf16p_rem_int8_fsdp2", "zt_bf16p_sr_int8_fsdp2", "zt_int4_fsdp2")
 FSDP2 = "_fsdp2"  # a row's suffix: the same optimizer under FSDP2 at 2 ranks
 LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8",
           "zt_bf16": "zt bf16", "zt_bf16p_master": "bf16p + master", "zt_bf16p_sr": "bf16p sr",
@@ -90,7 +90,8 @@ LABELS = {"torch_fp32": "torch fp32", "zt_fp32": "zt fp32", "zt_int8": "zt int8"
           "bnb_8bit": "bnb 8bit",
           "torchao_8bit": "torchao 8bit", "torchao_4bit": "torchao 4bit",
           "torchao_fp8": "torchao fp8", "zt_int8_fsdp2": "zt int8 FSDP2",
-          "zt_bf16p_rem_int8_fsdp2": "rem int8 FSDP2", "zt_bf16p_sr_int8_fsdp2": "sr int8 FSDP2"}
+          "zt_bf16p_rem_int8_fsdp2": "rem int8 FSDP2", "zt_bf16p_sr_int8_fsdp2": "sr int8 FSDP2",
+          "zt_int4_fsdp2": "zt int4 FSDP2"}
 # rows whose model is in bfloat16
 BF16_PARAMS = ("zt_bf16p_master", "zt_bf16p_sr", "zt_bf16p_sr_int8", "zt_bf16p_rem",
                "zt_bf16p_rem_int8", "zt_bf16p_rem8", "zt_bf16p_rem8_int8",
