@@ -100,9 +100,10 @@ def test_deepspeed_peers_train_to_ddps_loss(tmp_path):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install -e '.[peers]'); bench/e2e.py skips "
                     "its rows with that line")
-    # ZeRO-1 and 2; their overlap_comm rows (ds_z1_overlap, ds_z2_overlap: the same
-    # launches with DeepSpeed's own option, ~14 s each here) run in bench/e2e.py's full run
-    configs = ["ddp", "ds_z1", "ds_z2"]
+    # ZeRO-2 only: its ZeRO-1 and overlap_comm rows (ds_z1, ds_z1_overlap, ds_z2_overlap:
+    # the same launch with another stage or DeepSpeed's own option, ~20 s each on a busy
+    # two-core machine) run in bench/e2e.py's full run
+    configs = ["ddp", "ds_z2"]
     data, proc = _run(tmp_path, configs)
     assert [r["config"] for r in data["rows"]] == configs
     assert all(r["status"] == "ok" for r in data["rows"]), [r["note"] for r in data["rows"]]

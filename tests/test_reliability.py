@@ -522,7 +522,7 @@ def test_hyperparameters_that_differ_between_ranks_are_refused_on_every_rank(cas
 
 
 def _stalled_rank(rank, world, bucket_cap_mb):
-    """Rank 1 stalls (no collective) for 12 s before its backward and step, on a group made
+    """Rank 1 stalls (no collective) for 9 s before its backward and step, on a group made
     with a 3 s timeout. Returns (what happened, wall-clock time it happened, message)."""
     import datetime
 
@@ -532,7 +532,7 @@ def _stalled_rank(rank, world, bucket_cap_mb):
     opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=bucket_cap_mb, process_group=group)
     _train(model, opt, 1, torch.float32)
     if rank == 1:
-        time.sleep(12)
+        time.sleep(9)
         woke = time.time()
     try:
         _train(model, opt, 1, torch.float32)
