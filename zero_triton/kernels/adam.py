@@ -130,15 +130,27 @@ def _key(seed, step, STREAM_MIX: tl.constexpr):
 
 
 @triton.jit
-def _store_bf16_stochastic(ptrs, x, key, index, mask):
-    """rounding.to_bf16_stochastic of ``x`` with the bits of elements ``index`` (int64)."""
+def _bits_at(key, index):
+    """rounding.random_bits_at: 32 random bits (uint32) of canonical indices ``index``."""
     lo = (index & 0xFFFFFFFF).to(tl.uint32)
     hi = (index >> 32).to(tl.uint32)
-    bits = _fmix32(lo ^ key ^ (hi * 0xC2B2AE35))
+    return _fmix32(lo ^ key ^ (hi * 0xC2B2AE35))
+
+
+@triton.jit
+def _bf16_stochastic_bits(x, bits):
+    """rounding.to_bf16_stochastic: the bfloat16 bits (uint32) of ``x`` rounded up with
+    probability the fraction dropped (the low 16 of ``bits``); NaN 0x7FC0, infinities stay."""
     u = x.to(tl.uint32, bitcast=True)
     out = (u + (bits & 0xFFFF)) >> 16
     out = tl.where((u & 0x7FFFFFFF) == 0x7F800000, u >> 16, out)
-    out = tl.where(x != x, 0x7FC0, out)
+    return tl.where(x != x, 0x7FC0, out)
+
+
+@triton.jit
+def _store_bf16_stochastic(ptrs, x, key, index, mask):
+    """rounding.to_bf16_stochastic of ``x`` with the bits of elements ``index`` (int64)."""
+    out = _bf16_stochastic_bits(x, _bits_at(key, index))
     tl.store(ptrs, out.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
 
 

@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from zero_triton.kernels import quant4, rounding
-from zero_triton.kernels.adam import (INTERPRET, _adam_update, _check, _check_step, _flags,
-                                      _fmix32, _hyper, _key, _load_param, _param_flags, _scalars, _second_half,
+from zero_triton.kernels.adam import (INTERPRET, _adam_update, _bf16_stochastic_bits,
+                                      _bits_at, _check, _check_step, _flags, _hyper, _key, _load_param, _param_flags, _scalars, _second_half,
                                       _store_param)
 from zero_triton.kernels.adam8 import _decode, _encode
 from zero_triton.kernels.args import Operands, StepArgs
@@ -39,14 +39,6 @@ def _rounded_scale(x):
 
 
 @triton.jit
-def _bits_at(key, index):
-    """rounding.random_bits_at: 32 random bits (uint32) of canonical indices ``index``."""
-    lo = (index & 0xFFFFFFFF).to(tl.uint32)
-    hi = (index >> 32).to(tl.uint32)
-    return _fmix32(lo ^ key ^ (hi * 0xC2B2AE35))
-
-
-@triton.jit
 def _encode_second(v, index0, rows, offs, key_v, key_s, BIAS: tl.constexpr, MAN: tl.constexpr,
                    BLOCK: tl.constexpr):
     """exp_avg_sq's codes and its blocks' scales' bits, rounded stochastically
@@ -55,11 +47,8 @@ def _encode_second(v, index0, rows, offs, key_v, key_s, BIAS: tl.constexpr, MAN:
     element's (``key_v``); the row's largest takes the top code."""
     mag = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     most = tl.max(mag, axis=1)
-    u = most.to(tl.uint32)
-    sbits = _bits_at(key_s, index0 + rows * BLOCK)
-    rounded = ((u + (sbits & 0xFFFF)) >> 16).to(tl.int32)
-    rounded = tl.where(most >= 0x7F800000, most >> 16, rounded)  # infinities: truncated
-    scale_bits = tl.where(most > 0x7F800000, 0x7FC0, rounded)    # NaN: the canonical NaN
+    scale_bits = _bf16_stochastic_bits(most.to(tl.float32, bitcast=True),
+                                       _bits_at(key_s, index0 + rows * BLOCK)).to(tl.int32)
     scale = (scale_bits << 16).to(tl.float32, bitcast=True)[:, None]
     safe = tl.where(scale > 0, scale, 1.0)
     r = tl.where(scale > 0, tl.math.div_rn(tl.abs(v), safe), 0.0)

@@ -94,20 +94,27 @@ def stochastic_scales(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 def encode_stochastic(x: torch.Tensor, scale: torch.Tensor, bits: torch.Tensor,
                       fmt: quant.Minifloat = SECOND) -> torch.Tensor:
     """The codes (one per element) of float32 ``x`` (>= 0) under its blocks' ``scale``,
-    rounded stochastically: ``r = x / scale`` (0 where the scale is not positive) rounded
-    up to the next code with the probability of the fraction past the one below (the low
-    ``fmt.shift`` of ``bits``, int64 one per element, added to r's bits before they are
-    dropped); a positive value never code 0; the block's largest (by its bits) takes the
-    top code, which decodes to the scale."""
+    rounded stochastically (``encode_stochastic_each``) by ``bits`` (int64, one per
+    element); the block's largest (by its bits) takes the top code."""
     n = x.numel()
-    s = scale.float()[:, None]
     by_block = quant._by_block(x, BLOCK)
-    r = torch.where(s > 0, by_block.abs() / torch.where(s > 0, s, 1.0), 0.0).reshape(-1)[:n]
-    added = (bits & ((1 << fmt.shift) - 1)).to(torch.int32)
-    codes = quant._codes(x, r.contiguous(), fmt, added=added)
-    mag = by_block.view(torch.int32) & 0x7FFFFFFF
-    top = ((mag == mag.amax(dim=1, keepdim=True)) & (mag != 0)).reshape(-1)[:n]
-    return codes.masked_fill_(top, fmt.top)
+    each = scale.float()[:, None].expand(-1, BLOCK).reshape(-1)[:n]
+    most = (by_block.view(torch.int32) & 0x7FFFFFFF).amax(dim=1, keepdim=True)
+    return encode_stochastic_each(x, each, bits, most.expand(-1, BLOCK).reshape(-1)[:n], fmt)
+
+
+def encode_stochastic_each(x: torch.Tensor, scale: torch.Tensor, bits: torch.Tensor,
+                           most: torch.Tensor, fmt: quant.Minifloat = SECOND) -> torch.Tensor:
+    """``encode_stochastic`` with each element's block scale, bits and block's largest
+    magnitude (int32 bits) given beside it (all of ``x``'s shape): ``r = |x| / scale`` (0
+    where the scale is not positive) rounded up to the next code with the probability of
+    the fraction past the one below (the low ``fmt.shift`` of ``bits`` added to r's bits
+    before they are dropped); a positive value never code 0; the element whose magnitude
+    is ``most`` (not 0) takes the top code, which decodes to the scale."""
+    r = torch.where(scale > 0, x.abs() / torch.where(scale > 0, scale, 1.0), 0.0)
+    codes = quant._codes(x, r, fmt, added=(bits & ((1 << fmt.shift) - 1)).to(torch.int32))
+    mag = x.view(torch.int32) & 0x7FFFFFFF
+    return codes.masked_fill_((mag == most) & (mag != 0), fmt.top)
 
 
 def quantize_stochastic(x: torch.Tensor, packed_codes: torch.Tensor, scale: torch.Tensor,
@@ -126,13 +133,17 @@ def quantize_stochastic(x: torch.Tensor, packed_codes: torch.Tensor, scale: torc
     scale.copy_(s)
 
 
-def step_keys(step: torch.Tensor, seed: int) -> tuple:
+def step_keys(step: torch.Tensor, seed: int, tmp=None) -> tuple:
     """The keys ``quantize_stochastic`` takes at the step count ``step`` holds (float32
-    [1] on the device: nothing read on the host)."""
+    [1] on the device: nothing read on the host); ``tmp``: a ``state.buffers.Scratch``
+    to take them from (new tensors without)."""
     out = []
     for stream in (rounding.SECOND_STREAM, rounding.SCALE_STREAM):
-        k = torch.empty(1, dtype=torch.int64, device=step.device)
-        out.append(rounding.key_at(step, seed, stream, k, torch.empty_like(k)))
+        if tmp is None:
+            k, t = (torch.empty(1, dtype=torch.int64, device=step.device) for _ in range(2))
+        else:
+            k, t = (tmp((name, stream), (1,), torch.int64) for name in ("key", "key scratch"))
+        out.append(rounding.key_at(step, seed, stream, k, t))
     return tuple(out)
 
 

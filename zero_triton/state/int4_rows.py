@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_triton.kernels import quant, quant4, rounding
+from zero_triton.kernels import quant4, rounding
 
 from .int4 import Int4Moments
 from .int8_rows import Int8RowMoments, RowBlocks
@@ -25,11 +25,7 @@ class RowBlocks4(RowBlocks):
     """The 4-bit moments of one piece stepped through its rows (``RowBlocks``' geometry)."""
 
     def keys(self, step: torch.Tensor, seed: int, tmp=None) -> tuple:
-        """The keys of the second moment's codes and of its scales at this step."""
-        tmp = self._scratch(tmp)
-        return tuple(rounding.key_at(step, seed, stream, tmp(("key", stream), (1,), torch.int64),
-                                     tmp(("key scratch", stream), (1,), torch.int64))
-                     for stream in (rounding.SECOND_STREAM, rounding.SCALE_STREAM))
+        return quant4.step_keys(step, seed, self._scratch(tmp))
 
     def _block_starts(self, shape) -> torch.Tensor:
         """The canonical index of the first element of each block of the table, int64."""
@@ -54,12 +50,8 @@ class RowBlocks4(RowBlocks):
             return
         scale = self._per_element(scales, col, tmp).clone()
         most = self._per_element(agreed.view(torch.float32), col, tmp).view(torch.int32)
-        r = torch.where(scale > 0, x.abs() / torch.where(scale > 0, scale, 1.0), 0.0)
         bits = rounding.random_bits_at(keys[0], self.map.index(x.device)).view(self.shape)
-        codes = quant._codes(x, r, fmt, added=(bits & ((1 << fmt.shift) - 1)).to(torch.int32))
-        mag = x.view(torch.int32) & 0x7FFFFFFF
-        codes.masked_fill_((mag == most) & (mag != 0), fmt.top)
-        out.copy_(codes)
+        out.copy_(quant4.encode_stochastic_each(x, scale, bits, most, fmt))
 
     def _write(self, col: int, codes: torch.Tensor) -> None:
         n = self.map.numel
