@@ -72,6 +72,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
     # its first step (optim/edits.py); ZeroAdam refuses it.
     _rebuilds_replaced_groups = True
     _decoupled_weight_decay = False  # FusedAdamW: True
+    # The step of grad_release=True (ZeroAdam: zero_triton.optim.zero_release's).
+    _release_pipeline = release.ReleasePipeline
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
@@ -118,7 +120,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._shards = Shards(comm, spec, self._reducer, self._edits, self._rebuilds_replaced_groups)
         self._clipping = clipping.Clipping(spec.capture.buffers())  # this step's coefficient and norms
-        pipeline = release.ReleasePipeline if spec.release else StepPipeline
+        pipeline = self._release_pipeline if spec.release else StepPipeline
         self._pipeline = pipeline(self._seat, comm, self._shards, self._reducer, self._clipping,
                                   ranks, self._edits)
         defaults = {**hyper, **adam_state.group_keys(False, **spec.capture.keywords)}

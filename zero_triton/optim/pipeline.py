@@ -116,9 +116,7 @@ class StepPipeline:
                 self.edits.expose(s)
         cuda = any(s.fused for _, s in pairs)
         with phase("zero_triton.adam_step", cuda):
-            plans = {s.key: (s, s.prepare(group, grad_scale, found_inf, self.clipping.coef))
-                     for group, s in pairs}  # each shard moves the coefficient to its state
-            self._launch(plans)
+            self.update(pairs, grad_scale, found_inf)
         if self.comm.world_size > 1:
             if not overlapped:
                 with phase("zero_triton.all_gather", cuda):
@@ -133,6 +131,13 @@ class StepPipeline:
         self.clipping.reset()
         self.ranks.stepped(self.seat)
         return norm
+
+    def update(self, pairs: list, grad_scale, found_inf) -> None:
+        """Count the step and run the kernels of the shards of ``pairs``, starting each
+        bucket's all-gather over several ranks."""
+        plans = {s.key: (s, s.prepare(group, grad_scale, found_inf, self.clipping.coef))
+                 for group, s in pairs}  # each shard moves the coefficient to its state
+        self._launch(plans)
 
     def _launch(self, plans: dict) -> None:
         """Each shard's kernels (``plans``: shard key -> (shard, its prepared plan)); over

@@ -126,6 +126,9 @@ class AgreedRanks:
         # under them at once.
         self.owner = seat.optimizer
         self.step_flags = StepFlags(comm)
+        # grad_release=True: backward steps the shards, so its round's entry agrees on
+        # what the step's own entry agrees on before stepping (``_step_found``).
+        self.releases = spec.release
         self.served = None   # ServedState, once the optimizer is built (``built``)
         self.told = None     # the step's entry agreement's flags, until ``agree`` reads them
         self.shadowing = False
@@ -178,6 +181,8 @@ class AgreedRanks:
             self.told = agreed
         if error is not None:
             raise error
+        if entry == "backward" and agreed & agreement.DIFFER:
+            self._launches_differ(seat)
         self._follow(seat, entry, agreed, pairs)
         return bool(agreed & agreement.STALE)
 
@@ -216,6 +221,8 @@ class AgreedRanks:
             found.update(signature=reducer.last_signature if seat.grads_reduced else reducer.signature,
                          missing=agreement.missing_digest([f.stepped for _, f in pairs]),
                          hyper=join.digest(seat.param_groups))
+        if entry == "backward" and self.releases:  # the shards step in this backward
+            found.update(signature=seat.reducer.signature, hyper=join.digest(seat.param_groups))
         if entry == "clip_grad_norm_" and self.clip_args and seat.join_enabled:
             found["args"] = tuple(float(a) for a in self.clip_args)
         return found
@@ -224,7 +231,8 @@ class AgreedRanks:
         """What every rank does with what all found: hyperparameters shared (Join, or
         refused when they differ), an agreed reset of the state, ``opt.state`` made anew
         after edits, the masters of written parameters re-seeded, the server's counts."""
-        if entry == "step" and agreed & (agreement.JOINED | agreement.HYPER_DIFFER):
+        stepping = entry == "step" or (entry == "backward" and self.releases)
+        if stepping and agreed & (agreement.JOINED | agreement.HYPER_DIFFER):
             self._share_hyperparameters(seat)
         if agreed & agreement.RESET:
             for _, shard in pairs:

@@ -27,7 +27,8 @@ What it composes with, and what it refuses (each error says why and what to use)
   ``capturable``, ``offload``, ``differentiable``, DTensor parameters (FSDP2 and tensor
   parallel), and a process group of several ranks (DistributedDataParallel averages at
   the end of backward, after each parameter would have been stepped with its own rank's
-  gradient: ZeroAdamW with ``stage=2`` keeps only the averaged 1/N shard instead).
+  gradient: ``ZeroAdamW(..., stage=2, grad_release=True)`` steps each rank's shard as
+  its average lands instead, ``zero_triton.optim.zero_release``).
 """
 from __future__ import annotations
 
@@ -48,19 +49,8 @@ def refuse_process_group() -> None:
             f"grad_release=True in a process group of {dist.get_world_size()} ranks: each "
             "parameter would be stepped in backward with this rank's own gradient, before "
             "DistributedDataParallel (or any wrapper) averages it at the end of backward. Use "
-            "ZeroAdamW(..., stage=2), which keeps only this rank's averaged 1/N of the "
-            "gradients, or leave grad_release out")
-
-
-def refuse_over_ranks(grad_release) -> None:
-    """ZeroAdam's ``grad_release``: refused, saying why and what to use."""
-    if grad_release is not False:
-        raise ValueError(
-            "ZeroAdam(grad_release=...) is not supported: a bucket stepped in backward, as its "
-            "average lands, would be stepped before the ranks agree on what the step checks "
-            "(which parameters have gradients, the hyperparameters, the buckets launched). "
-            "With stage=2 each rank already keeps only its averaged 1/N of the gradients; "
-            "on one process, FusedAdamW(grad_release=True) releases them all")
+            "ZeroAdamW(..., stage=2, grad_release=True), which steps each rank's shard as "
+            "its average lands, or leave grad_release out")
 
 
 def _needs_every_gradient(what: str, fix: str) -> RuntimeError:

@@ -221,8 +221,6 @@ class Spec:
             raise ValueError(f"grad_release=True cannot be used with offload='cpu': {why}, and "
                              "the offloaded state is stepped in host memory once the step's "
                              "gradients are there; leave one of them out")
-        if self.stage != 1:
-            raise ValueError("grad_release=True is FusedAdam's (one process)")
         return dataclasses.replace(self, release=True)
 
     def with_wire(self, gather_dtype=None, error_feedback=True) -> "Spec":
@@ -327,7 +325,9 @@ class Spec:
     def grads(self) -> type:
         """How the gradients are held (``comm.protocol.GradHolder``): the class of this
         ``stage``. Everything that differs between the stages asks it, not the number."""
-        return grads.ReleasedGrads if self.release else grads.HOLDERS[self.stage]
+        if self.release and not grads.HOLDERS[self.stage].sharded:
+            return grads.ReleasedGrads  # one process: each parameter stepped as it arrives
+        return grads.HOLDERS[self.stage]
 
     def bucket_numel(self, dtype: torch.dtype, numel: int, world_size: int) -> int | None:
         """Elements per bucket of a flat buffer of ``numel`` elements of ``dtype``

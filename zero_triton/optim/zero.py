@@ -25,7 +25,7 @@ from zero_triton.comm.compressed import Int8Comm
 from zero_triton.comm.hybrid import HybridComm
 from zero_triton.native.compat import disable_dynamo
 from zero_triton.optim import compact as compact_state
-from zero_triton.optim import join, owners, release, sharded_state
+from zero_triton.optim import join, owners, sharded_state, zero_release
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.checks import (adam_hyperparameters, check_device_mesh, check_flag,
                                       check_no_dtensors, check_params_argument,
@@ -102,6 +102,11 @@ class ZeroAdam(FusedAdam, Joinable):
             ranks reach different parameters (data-dependent routing), where launches
             from backward would pair different buckets across ranks. The result does
             not depend on it (bitwise).
+        grad_release: with stage=2, each bucket's shard of the state is stepped in
+            backward as its average lands, and the average let go: between backward and
+            step() a rank holds only the averages in flight; step() steps what backward
+            did not and gathers the parameters (``zero_triton.optim.zero_release``: what
+            it refuses, and why). The same bits as without.
 
     Uneven inputs (ranks with different numbers of batches): wrap the loop in
     ``torch.distributed.algorithms.join.Join([optimizer])`` (or ``Join([ddp_model,
@@ -123,6 +128,7 @@ class ZeroAdam(FusedAdam, Joinable):
 
     _rebuilds_replaced_groups = False  # it shards what it was given, agreed by every rank
     _builds_differentiable = False  # refused by its constructor (FusedAdam's is a class: DifferentiableAdam)
+    _release_pipeline = zero_release.ZeroReleasePipeline
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
@@ -141,14 +147,15 @@ class ZeroAdam(FusedAdam, Joinable):
         if isinstance(params, torch.Tensor):  # one tensor: iterating it would give its rows
             raise TypeError("params argument given to the optimizer should be an iterable of "
                             f"Tensors or dicts, but got {torch.typename(params)}")
-        release.refuse_over_ranks(grad_release)
+        zero_release.check(stage, bucket_cap_mb, grad_release)
         check_process_group(process_group)
         check_device_mesh(device_mesh, process_group)
         spec = Spec.build(master_weights=master_weights, backend=backend,
                           reduce_dtype=reduce_dtype, bucket_cap_mb=bucket_cap_mb, stage=stage,
                           max_grad_norm=max_grad_norm, differentiable=differentiable,
                           moments=moments, capturable=capturable).with_wire(gather_dtype, error_feedback) \
-            .with_offload(offload=offload, offload_fraction=offload_fraction)
+            .with_offload(offload=offload, offload_fraction=offload_fraction) \
+            .with_release(grad_release)
         compress = _compressing(spec)
         if device_mesh is not None and device_mesh.ndim == 2:
             comm = HybridComm(device_mesh, wrap=compress, buffers=spec.capture.buffers())
@@ -186,6 +193,12 @@ class ZeroAdam(FusedAdam, Joinable):
         (``Join`` passes every joinable the same keywords; DDP's
         ``divide_by_initial_world_size`` is the one that concerns averaging)."""
         self._spec.capture.check_join()
+        if self._spec.release:
+            raise ValueError(
+                "ZeroAdam(grad_release=True) cannot be used under torch's Join: a rank out of "
+                "inputs steps its shard with zero gradients at step(), while the others' "
+                "backward stepped theirs as their averages landed; build the optimizer without "
+                "grad_release for uneven inputs")
         if not kwargs.get("divide_by_initial_world_size", True):
             raise ValueError(
                 "ZeroAdam under Join averages over the initial world size (a joined rank's "
@@ -259,8 +272,11 @@ class ZeroAdam(FusedAdam, Joinable):
         outside (the micro-batch that ends the accumulation) averages them, bucket by
         bucket as it goes, and ``step()`` waits for what is still in flight. Under
         stage 2 every micro-batch is averaged into the shard anyway (there is no full
-        gradient buffer to accumulate in): the context changes nothing there."""
-        with self._reducer.accumulating(self._spec.grads.sharded):
+        gradient buffer to accumulate in): the context changes nothing there, but
+        with ``grad_release=True``, where backward inside steps nothing and the first
+        backward outside steps each bucket with the sum of the averages."""
+        released = self._pipeline.accumulating() if self._spec.release else contextlib.nullcontext()
+        with self._reducer.accumulating(self._spec.grads.sharded), released:
             yield
 
     @property

@@ -1,0 +1,231 @@
+"""Gradient release over ranks: ``ZeroAdam(..., stage=2, grad_release=True)`` steps each
+bucket's shard of the state as its average lands in backward, and lets the average go.
+
+At stage 2 a rank holds no full gradients: backward's hooks add each ``.grad`` into its
+bucket's staging buffer and free it, and each bucket's average lands in this rank's 1/N
+shard (``comm.buckets``). Released, the shard is stepped as each bucket's average lands
+and the average is let go at once, so between backward and ``step()`` a rank holds no
+gradient shard either, only the averages still in flight; the Adam kernels run under
+backward instead of after it. ``step()`` steps what backward did not (the buckets whose
+average lands in ``step()``: a bucket some rank's backward did not finish, the last one
+in flight on CPUs), then gathers every bucket's parameters as the plain step does.
+
+How, with no thread, poll or new collective: the reducer already tells a watcher when
+each average starts and lands (``Bucket.watch``, which offload uses to copy averages to
+the host as they land): on CPUs at the host's wait for it, which backward makes for every
+average but the newest (``Reducer._settle``); on GPUs behind the average on the side
+stream. A bucket launched by a backward outside ``no_sync()`` is armed at its start and
+stepped when it lands (``_Landing``), parameter by parameter (``Shard.step_param``: the
+kernel of the whole step on that run, its count taken alone), so that it gets the bits
+the plain step gives it: the same kernel, average, count and hyperparameters.
+
+What the ranks must agree on before anything is stepped is agreed at the entry every
+rank already makes before a round of backward's launches (``Ranks.backward_entry``): the
+hyperparameters (a digest; different ones are refused there, nothing stepped) and the
+buckets launched so far this step (ranks that launched different ones refuse before
+stepping). Which parameters step needs no agreement in backward: a bucket is launched by
+backward only once every parameter of it has its gradient on this rank, and a parameter
+steps if any rank has its gradient; the rest is agreed at ``step()`` as without release.
+
+What it composes with and what it refuses (each error says why and what to use):
+
+- gradient accumulation: backward inside ``opt.no_sync()`` averages into the shard as
+  stage 2 always does, and steps nothing; the first backward outside it steps each
+  bucket with the sum of the averages;
+- refused: ``stage=1`` (it keeps the full local gradients, which is what release frees),
+  ``bucket_cap_mb=None`` (nothing is averaged in backward), ``max_grad_norm`` and
+  clipping (the global norm needs every average first), GradScaler (its inf check too),
+  ``capturable``, ``offload``, torch's Join, a second backward outside ``no_sync()``
+  before ``step()`` (the first one stepped this rank's shard, which only ``step()``
+  gathers to the other ranks), and gradients written after backward stepped with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from zero_triton.optim.pipeline import StepPipeline
+from zero_triton.optim.release import _FIXES, _needs_every_gradient
+from zero_triton.state.param_view import Run
+
+
+def check(stage: int, bucket_cap_mb, grad_release) -> None:
+    """ZeroAdam's ``grad_release`` against its stage and buckets, before anything is
+    built."""
+    if grad_release is not True:
+        return
+    if stage != 2:
+        raise ValueError(
+            "ZeroAdam(grad_release=True) needs stage=2: at stage 1 each rank keeps its full "
+            "local gradients until step(), which is what gradient release frees; pass "
+            "stage=2 (each rank then holds only the averages in flight)")
+    if bucket_cap_mb is None:
+        raise ValueError(
+            "ZeroAdam(grad_release=True) cannot be used with bucket_cap_mb=None: the "
+            "gradients are then averaged in step() only, so nothing lands during backward to "
+            "be stepped and released; pass a bucket size (the default, 25)")
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _stepped_twice(k: int, key: int) -> RuntimeError:
+    return RuntimeError(
+        f"ZeroAdam(grad_release=True): bucket {k} of flat buffer {key} was averaged again "
+        "after backward had stepped this rank's shard with its average: a second backward "
+        "outside opt.no_sync() before step() (or a .grad written, or zero_grad(), between "
+        "backward and step()). The shard stepped by the first backward is gathered to the "
+        "other ranks only by step(): call step() after each backward that releases, and "
+        "run the micro-batches before the last one inside opt.no_sync()")
+
+
+class _Landing:
+    """What one shard's buckets tell when an average starts and lands (``Bucket.watch``,
+    through ``FlatHome.watch_averages``): armed at a start in a releasing backward, the
+    bucket is stepped at its landing."""
+
+    def __init__(self, pipeline: "ZeroReleasePipeline", gi: int, shard):
+        self.pipeline = weakref.ref(pipeline)
+        self.gi, self.shard = gi, shard
+
+    def tell(self, k: int, landed: bool) -> None:
+        pipeline = self.pipeline()
+        if pipeline is not None:
+            pipeline.told(self.gi, self.shard, k, landed)
+
+
+class ZeroReleasePipeline(StepPipeline):
+    """ZeroAdam's step with ``grad_release=True``: each bucket's shard stepped as its
+    average lands in backward (``told``), ``step()`` stepping the rest and gathering
+    everything (``update``). The stages that need every average first (clipping,
+    GradScaler's unscale) refuse."""
+
+    def __init__(self, seat, comm, shards, reducer, clipping, ranks, edits):
+        super().__init__(seat, comm, shards, reducer, clipping, ranks, edits)
+        self.held = 0          # depth of no_sync() blocks: backward's averages step nothing
+        self.task = None       # the backward whose first releasing launch was seen
+        self.armed = set()     # (shard key, bucket) whose average in flight will be stepped
+        self.released = {}     # shard key -> buckets stepped by backward since the last step
+        self.counted = {}      # shard key -> parameters counted since the last step
+        self.landings = []     # held here: the buckets hold their ``tell`` weakly
+        shards.on_change(self.attach)
+
+    def attach(self, param_groups: list) -> None:
+        """The shards of ``param_groups`` (built or built again) tell their averages here."""
+        self.landings = []
+        for gi, shards in enumerate(self.shards.groups):
+            for shard in shards:
+                landing = _Landing(self, gi, shard)
+                shard.home.watch_averages(landing.tell)
+                self.landings.append(landing)
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward's averages go into the shard and step nothing inside this block; the
+        first backward after it steps with their sum."""
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+
+    # -- backward ----------------------------------------------------------------------------
+    def told(self, gi: int, shard, k: int, landed: bool) -> None:
+        """Bucket ``k`` of ``shard``'s average starts (``landed`` False: armed when a
+        backward outside ``no_sync()`` launched it) or has landed (stepped if armed)."""
+        key = (shard.key, k)
+        if not landed:
+            if k in self.released.get(shard.key, ()):
+                self.armed.discard(key)
+                raise _stepped_twice(k, shard.key)
+            if self.held or not _in_backward():
+                self.armed.discard(key)
+                return
+            task = torch._C._current_graph_task_id()
+            if task != self.task:
+                self._entered(task)
+            self.armed.add(key)
+            return
+        if key in self.armed:
+            self.armed.discard(key)
+            self.released.setdefault(shard.key, set()).add(k)
+            self.step_bucket(self.seat.param_groups[gi], shard, k, None)
+
+    def _entered(self, task: int) -> None:
+        """The first releasing launch of a backward. Over several ranks the round's entry
+        (``Ranks.backward_entry``) agreed just before it; one rank follows the user's edits
+        here, as ``step()`` would."""
+        self.task = task
+        pairs = self.shards.listed(self.seat.param_groups)
+        if self.comm.everyone.world_size == 1:
+            self.ranks.enter(self.seat, "backward", pairs)
+        for group, s in pairs:
+            if group["amsgrad"] and s.state.ensure_amsgrad():
+                self.edits.expose(s)
+
+    def step_bucket(self, group, shard, k: int, stepped) -> None:
+        """Step this rank's shard of bucket ``k`` with its average, parameter by parameter
+        (those ``stepped`` says have a gradient; None: all), each counted alone, then let
+        the average go."""
+        geometry = shard.layout.buckets[k]
+        lo, hi, s0 = shard.segments[k]
+        runs = {run.index: run for run in shard.by_param.runs(lo=s0, hi=s0 + hi - lo)}
+        grad = shard.home.grad(k)
+        counted = self.counted.setdefault(shard.key, bytearray(len(shard.params)))
+        for i in range(geometry.first, geometry.end):
+            if stepped is not None and not stepped[i]:
+                continue
+            run = runs.get(i, Run(i, 0, 0, 0))  # none of it on this rank: only counted
+            at = run.at - s0
+            shard.step_param(group, run, grad[at:at + run.b - run.a])
+            counted[i] = 1
+        shard.home.finished(k)
+
+    # -- the stages that need every average ----------------------------------------------------
+    def clip(self, max_norm: float, norm_type: float, grad_scale=None, in_step: bool = False):
+        what, fix = _FIXES["clip_grad_norm_"]
+        raise _needs_every_gradient(what, fix)
+
+    def global_norm(self, norm_type: float, averaged: bool = False):
+        return self.clip(0.0, norm_type)
+
+    def rescaled(self) -> None:
+        raise _needs_every_gradient(*_FIXES["GradScaler"])
+
+    # -- step() ------------------------------------------------------------------------------
+    def step(self, pairs: list, grad_scale, found_inf, max_grad_norm, overlapped: bool):
+        if grad_scale is not None or found_inf is not None:
+            self.rescaled()
+        return super().step(pairs, None, None, max_grad_norm, overlapped)
+
+    def update(self, pairs: list, grad_scale, found_inf) -> None:
+        """The buckets backward did not step, stepped as the plain step steps them (their
+        averages have landed: ``reduce`` waited for them), each bucket's gather started
+        as soon as it is stepped; the step counts labelled once for the whole step."""
+        self.armed.clear()
+        self.task = None
+        released, self.released = self.released, {}
+        if not released:  # nothing landed in a releasing backward: the plain step
+            self.counted = {}
+            return super().update(pairs, grad_scale, found_inf)
+        by_key = {s.key: (group, s) for group, s in pairs}
+        if self.comm.world_size == 1:
+            for group, s in pairs:
+                for k in range(len(s.segments)):
+                    if k not in released.get(s.key, ()):
+                        self.step_bucket(group, s, k, s.stepped)
+        else:
+            for b in self.reducer.start_gathers():
+                group, s = by_key[b.key[0]]
+                if b.key[1] not in released.get(s.key, ()):
+                    self.step_bucket(group, s, b.key[1], s.stepped)
+                s.gather_bucket(b.key[1])
+        counted, self.counted = self.counted, {}
+        for _, s in pairs:
+            mask = counted.get(s.key)
+            if mask is not None:
+                s.state.settle(list(map(bool, mask)))
