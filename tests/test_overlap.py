@@ -89,7 +89,7 @@ def loss_of(model, x, y):
 
 def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, no_sync=True,
           touch_grads=False, steps=STEPS, scaler=False, inf_at=None, device="cpu", clip="opt",
-          offload=None):
+          offload=None, grad_release=False):
     """Train a fresh Net; returns losses, parameters and the consolidated state. ``clip``:
     "opt" (max_grad_norm=0.5), "torch" (torch.nn.utils.clip_grad_norm_ after backward,
     after GradScaler.unscale_ with a scaler: nanoGPT's loop), "log" (max_grad_norm=0.5
@@ -99,12 +99,14 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
     imported before the optimizer was built), "split" (torch's two calls by such names:
     get_total_norm over each ``.grad``, then clip_grads_with_norm_), "split_opt" (the norm
     from the optimizer's total_grad_norm, then torch's clip_grads_with_norm_), "none",
-    or "unscale" (no clipping, GradScaler.unscale_ after backward). ``offload``: ZeroAdamW's."""
+    or "unscale" (no clipping, GradScaler.unscale_ after backward). ``offload`` and
+    ``grad_release``: ZeroAdamW's; ``held``: the gradient bytes (``memory_report``) after
+    the last backward, before its step."""
     model = Net().to(device)
     opt = ZeroAdamW(param_groups(model), lr=3e-3, betas=(0.9, 0.95),
                     max_grad_norm=0.5 if clip in ("opt", "log") else None,
                     reduce_dtype=torch.float32, backend="torch", bucket_cap_mb=bucket_cap_mb,
-                    stage=stage, offload=offload)
+                    stage=stage, offload=offload, grad_release=grad_release)
     amp = torch.amp.GradScaler(device, init_scale=2.0 ** 10) if scaler else None
     handle = zero_triton.overlap(model, opt) if use_overlap else None
     losses, launched, norms = [], [], []
@@ -123,6 +125,7 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
                 scaled.backward()
             losses.append(float(loss.detach()) if last else None)
         launched.append(sum(b.launched for b in opt._reducer.buckets))
+        held = opt.memory_report()["grads"]
         if touch_grads:  # after backward: what GradScaler.unscale_ or a user does
             for p in model.blocks[0].parameters():
                 p.grad.mul_(0.5)
@@ -157,7 +160,7 @@ def train(rank, world_size, bucket_cap_mb, use_overlap, stage=1, accumulate=1, n
     unused = {id(opt._reducer.bucket_of_param[id(p)]) for p in model.unused.parameters()}
     return {"losses": losses, "params": params, "state": state, "launched": launched, "norms": norms,
             "buckets": len(opt._reducer.buckets), "unused_buckets": len(unused),
-            "memory": opt.memory_report(), "scale": amp.get_scale() if amp is not None else None,
+            "memory": opt.memory_report(), "held": held, "scale": amp.get_scale() if amp is not None else None,
             "made": {role: n for (role, _), n in opt._reducer.made.items()}}
 
 

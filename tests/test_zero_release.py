@@ -1,0 +1,130 @@
+"""ZeroAdam(stage=2, grad_release=True) (zero_triton.optim.zero_release): each bucket's
+shard of the state stepped in backward as its average lands, the average let go; the
+bits of the plain stage-2 step at 3 ranks, in the CPU mode and the GPU mode's host logic,
+with micro-batches, a tied embedding, a frozen and an unused layer; and the refusals of
+what needs every average first, or would step a shard twice."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_utils import run_ranks  # noqa: E402
+from test_overlap import TINY, Net, assert_bitwise, batch, loss_of, packed, ranks, train  # noqa: E402
+from test_side_stream import HostSide  # noqa: E402
+
+import zero_triton  # noqa: E402
+import zero_triton.comm.streams  # noqa: E402
+from zero_triton import ZeroAdamW  # noqa: E402
+
+RUNS = {
+    "one backward a step, overlap()": dict(bucket_cap_mb=TINY, use_overlap=True, stage=2, clip="none"),
+    "micro-batches under no_sync": dict(bucket_cap_mb=TINY, use_overlap=False, stage=2, clip="none",
+                                        accumulate=3),
+}
+
+
+@packed
+def _job(rank, world_size):
+    out = {}
+    for name, kwargs in RUNS.items():
+        out[name] = [train(rank, world_size, **kwargs, grad_release=release) for release in (False, True)]
+    # The GPU mode's host logic: averages on a "side stream" whose events pass 2 launches
+    # later, each bucket stepped behind its average there (``Bucket.watch``).
+    original = zero_triton.comm.streams.side_stream
+    log = {"backward_waits": 0, "runs": 0, "landed": 0}
+    zero_triton.comm.streams.side_stream = lambda device: HostSide(log, 2)
+    try:
+        out["gpu mode"] = train(rank, world_size, **RUNS["micro-batches under no_sync"], grad_release=True)
+    finally:
+        zero_triton.comm.streams.side_stream = original
+    out["gpu mode"]["log"] = log
+    return out
+
+
+def test_release_over_ranks_is_the_plain_step_bit_for_bit():
+    """Losses, parameters and the whole state equal stage 2's without release; after the
+    releasing backward a rank holds at most the averages still in flight (on CPUs the
+    newest), not its whole gradient shard."""
+    for rank, out in enumerate(ranks(_job, 3, timeout=300)):
+        for name in RUNS:
+            plain, released = out[name]
+            assert_bitwise(released, plain, f"rank {rank}, {name}")
+            assert 0 < released["held"] < plain["held"] / 2, (name, released["held"], plain["held"])
+        gpu = out["gpu mode"]
+        assert gpu["log"]["landed"] > 0, gpu["log"]  # stepped behind the averages
+        assert_bitwise(gpu, out["micro-batches under no_sync"][0], f"rank {rank}, GPU mode")
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"stage": 1}, "needs stage=2"),
+    ({"bucket_cap_mb": None}, "bucket_cap_mb=None"),
+    ({"max_grad_norm": 1.0}, "max_grad_norm cannot"),
+    ({"offload": "cpu"}, "offload='cpu'"),
+    ({"capturable": True}, "capturable=True"),
+])
+def test_refused_at_construction_before_any_collective(kw, words):
+    p = torch.nn.Parameter(torch.randn(4))  # no process group: refused before needing one
+    with pytest.raises(ValueError, match=words):
+        ZeroAdamW([p], backend="torch", **{"stage": 2, "grad_release": True, **kw})
+
+
+def _refusals(rank, world_size):
+    """Each refusal on a fresh optimizer: what it said, and whether anything changed."""
+    out = {}
+
+    def build():
+        model = Net()
+        return model, ZeroAdamW(model.parameters(), lr=1e-2, backend="torch", stage=2,
+                                bucket_cap_mb=TINY, grad_release=True)
+
+    def state(model, opt):
+        sd = opt.state_dict()
+        return [p.detach().clone() for p in model.parameters()], \
+            [v.clone() for e in sd["state"].values() for v in e.values()]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1]))
+
+    x, y = batch(rank, 0)
+    model, opt = build()  # different lrs on the ranks: refused at backward, nothing stepped
+    loss_of(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.param_groups[0]["lr"] = 0.1 * (rank + 1)
+    before = state(model, opt)
+    with pytest.raises(RuntimeError, match="different hyperparameters") as err:
+        loss_of(model, x, y).backward()
+    out["hyper"] = (str(err.value), same(before, state(model, opt)))
+
+    model, opt = build()  # a second backward outside no_sync before step()
+    loss_of(model, x, y).backward()  # the first step learns the order: nothing released
+    opt.step()
+    loss_of(model, x, y).backward()
+    with pytest.raises(RuntimeError, match="averaged again after backward had stepped") as err:
+        loss_of(model, x, y).backward()
+        opt.step()
+    out["twice"] = str(err.value)
+
+    model, opt = build()  # clipping, Join and GradScaler need every average first
+    loss_of(model, x, y).backward()
+    with pytest.raises(RuntimeError, match="every gradient of the step before any parameter"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(ValueError, match="under torch's Join"):
+        from torch.distributed.algorithms.join import Join
+        with Join([opt]):
+            pass
+    opt.step()  # still usable: the refusals changed nothing
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # (a scaled backward would have stepped scaled averages)
+    with pytest.raises(RuntimeError, match="GradScaler cannot be used with grad_release"):
+        scaler.step(opt)
+    return out
+
+
+def test_what_needs_every_average_or_would_step_twice_is_refused():
+    for out in run_ranks(_refusals, 2, timeout=180):
+        message, unchanged = out["hyper"]
+        assert "lr is 0.1 on rank 0 and 0.2 on rank 1" in message and unchanged, out
+        assert "opt.no_sync()" in out["twice"], out
