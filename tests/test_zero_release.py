@@ -10,6 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import requires_cuda  # noqa: E402
 from dist_utils import run_ranks  # noqa: E402
 from test_overlap import TINY, Net, assert_bitwise, batch, loss_of, packed, ranks, train  # noqa: E402
 from test_side_stream import HostSide  # noqa: E402
@@ -55,6 +56,28 @@ def test_release_over_ranks_is_the_plain_step_bit_for_bit():
         gpu = out["gpu mode"]
         assert gpu["log"]["landed"] > 0, gpu["log"]  # stepped behind the averages
         assert_bitwise(gpu, out["micro-batches under no_sync"][0], f"rank {rank}, GPU mode")
+
+
+@packed
+def _job_cuda(rank, world_size):
+    torch.cuda.set_device(0)  # one GPU: both gloo ranks on it, the averages on side streams
+    out = {}
+    for release in (False, True):
+        result = train(rank, world_size, device="cuda", **RUNS["micro-batches under no_sync"],
+                       grad_release=release)
+        torch.cuda.synchronize()
+        out[release] = {"losses": result["losses"], "state": None, "held": result["held"],
+                        "params": {n: p.cpu() for n, p in result["params"].items()}}
+    return out
+
+
+@requires_cuda
+def test_cuda_release_on_side_streams_is_the_plain_step():
+    """Two gloo ranks on one GPU: each bucket stepped on the side stream behind its
+    average, its average freed there; the same bits as stage 2 without release."""
+    for rank, out in enumerate(ranks(_job_cuda, 2, timeout=300)):
+        assert_bitwise(out[True], out[False], f"rank {rank}: released on CUDA side streams")
+        assert out[True]["held"] < out[False]["held"], out
 
 
 @pytest.mark.parametrize("kw,words", [

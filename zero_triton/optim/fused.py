@@ -28,7 +28,6 @@ from zero_triton.optim.offload import split_host
 from zero_triton.optim.protocol import Ranks
 from zero_triton.optim.seat import Seat
 from zero_triton.optim.ranks import OneRank
-from zero_triton.optim.pipeline import StepPipeline
 from zero_triton.optim.shards import Shards
 from zero_triton.optim.spec import Spec
 
@@ -72,8 +71,6 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
     # its first step (optim/edits.py); ZeroAdam refuses it.
     _rebuilds_replaced_groups = True
     _decoupled_weight_decay = False  # FusedAdamW: True
-    # The step of grad_release=True (ZeroAdam: zero_triton.optim.zero_release's).
-    _release_pipeline = release.ReleasePipeline
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,
@@ -120,9 +117,8 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._shards = Shards(comm, spec, self._reducer, self._edits, self._rebuilds_replaced_groups)
         self._clipping = clipping.Clipping(spec.capture.buffers())  # this step's coefficient and norms
-        pipeline = self._release_pipeline if spec.release else StepPipeline
-        self._pipeline = pipeline(self._seat, comm, self._shards, self._reducer, self._clipping,
-                                  ranks, self._edits)
+        self._pipeline = spec.pipeline(self._seat, comm, self._shards, self._reducer,
+                                       self._clipping, ranks, self._edits)
         defaults = {**hyper, **adam_state.group_keys(False, **spec.capture.keywords)}
         # Groups are added one by one, each attaching .grad views: if a later group is
         # rejected, put the earlier groups' gradients back so that a failed constructor

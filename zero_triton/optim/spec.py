@@ -20,8 +20,11 @@ from zero_triton.comm import buckets, grads
 from zero_triton.comm.compressed import CODECS  # what can be sent compressed
 from zero_triton.native import backends
 from zero_triton.optim import offload as offloads
+from zero_triton.optim import release as releases
+from zero_triton.optim import zero_release
 from zero_triton.optim.capture import CAPTURED, EAGER, Captured, Eager
 from zero_triton.optim.checks import check_flag
+from zero_triton.optim.pipeline import StepPipeline
 from zero_triton.optim.engine_home import is_dtensor
 from zero_triton.state import master as master_formats
 from zero_triton.state import moments as moment_formats
@@ -320,6 +323,15 @@ class Spec:
                     f"become its quantized rounding; master_weights={self.master_weights!r} "
                     "keeps none (or keeps its low half beside the parameter's bits, which "
                     "the gather replaces): use master_weights=None with gather_dtype='int8'")
+
+    @property
+    def pipeline(self) -> type:
+        """The step's pipeline (``optim.pipeline``): the plain one, or gradient release's,
+        one process's (``optim.release``) or over ranks at stage 2 (``optim.zero_release``)."""
+        if not self.release:
+            return StepPipeline
+        over_ranks = self.grads is not grads.ReleasedGrads  # ZeroAdam's stage 2 holds them
+        return zero_release.ZeroReleasePipeline if over_ranks else releases.ReleasePipeline
 
     @property
     def grads(self) -> type:

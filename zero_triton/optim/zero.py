@@ -128,7 +128,6 @@ class ZeroAdam(FusedAdam, Joinable):
 
     _rebuilds_replaced_groups = False  # it shards what it was given, agreed by every rank
     _builds_differentiable = False  # refused by its constructor (FusedAdam's is a class: DifferentiableAdam)
-    _release_pipeline = zero_release.ZeroReleasePipeline
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, maximize=False, decoupled_weight_decay=False,

@@ -183,6 +183,8 @@ class ZeroReleasePipeline(StepPipeline):
             at = run.at - s0
             shard.step_param(group, run, grad[at:at + run.b - run.a])
             counted[i] = 1
+        if grad.is_cuda:  # read on this stream (the side stream, in backward): freed after it
+            grad.record_stream(torch.cuda.current_stream(grad.device))
         shard.home.finished(k)
 
     # -- the stages that need every average ----------------------------------------------------
