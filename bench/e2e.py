@@ -46,7 +46,10 @@ they are interleaved. Configurations:
                      the device, half in host memory, both stepped at once
 
 and the same seven for ZeRO-2 (``stage=2``: zero_s2, zero_s2_buckets, zero_s2_overlap,
-zero_s2_int8, zero_s2_hsdp, zero_s2_offload, zero_s2_offload_half).
+zero_s2_int8, zero_s2_hsdp, zero_s2_offload, zero_s2_offload_half), and
+
+  zero_s2_release    ZeRO-2's overlap configuration with grad_release=True: each bucket's
+                     shard stepped in backward as its average lands, the average let go
 The peers a user would pick instead:
 
   fsdp2              torch's FSDP2 (fully_shard per block and the root, reshard after
@@ -140,6 +143,9 @@ def zero_variants(bucket_cap_mb):
             (f"zero_s{s}_offload_half", {**st, "bucket_cap_mb": cap, "offload": "cpu",
                                          "offload_fraction": 0.5},
              f"ZeroAdamW (ZeRO-{s}, buckets, offload_fraction=0.5)", False)]
+    # Gradient release: each bucket's shard stepped in backward as its average lands.
+    variants.append(("zero_s2_release", {"stage": 2, "bucket_cap_mb": cap, "grad_release": True},
+                     "ZeroAdamW (ZeRO-2, buckets + overlap(), grad_release)", True))
     quantized = {"stage": 1, "bucket_cap_mb": cap, "reduce_dtype": "int8", "gather_dtype": GATHER}
     variants += [
         ("zero_s1_q", quantized, "ZeroAdamW (ZeRO-1, buckets, int8 wire)", False),
