@@ -95,7 +95,8 @@ else
     run_stage test-marked 70 "$PY" -m pytest tests -q -n0 -m cuda -p no:cacheprovider
     # test-named includes two gloo ranks on the GPU (tests/test_side_stream.py), the
     # low-bit moments' Triton and CUDA kernels (tests/test_int8.py: int8 and bf16;
-    # tests/test_int4.py: int4), and the
+    # tests/test_int4.py: int4), ZeroAdam's gradient release on side streams
+    # (tests/test_zero_release.py), and the
     # shard server's GPU path (tests/test_serve.py: the host copy after the state's event
     # while the main stream spins; rank 0's state_dict() of two gloo ranks on the GPU).
     run_stage test-named 90 "$PY" -m pytest tests -q -n0 -k cuda -m "not cuda" -p no:cacheprovider
