@@ -48,12 +48,17 @@ class StepPipeline:
         if self.reducer.round_agreed:  # finish what every rank started in backward first
             self.reducer.complete_round()
         again = self.ranks.enter(self.seat, entry, pairs, stale)
+        self.averaging_again(again)
         self.ranks.before_reduce(shards)
         if self.comm.everyone.world_size > 1 or any(s.separate_shard for s in shards):
             with phase("zero_triton.reduce_scatter", any(s.fused for s in shards)):
                 self.reducer.finish(buffers, again)
         self.reduced = True
         self.ranks.after_reduce(self.seat)
+
+    def averaging_again(self, again: bool) -> None:
+        """The ranks agreed whether every bucket is averaged again at this step (``again``:
+        a gradient changed after its bucket's average started): the plain step does so."""
 
     def rescaled(self) -> None:
         """GradScaler.unscale_ rescaled the local gradients in place, without bumping

@@ -73,14 +73,25 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_TWICE_FIX = ("a second backward outside opt.no_sync() before step(), or a .grad written or "
+              "zero_grad() between backward and step(). The shard a backward stepped reaches "
+              "the other ranks only through step()'s gathers: call step() after each backward "
+              "that releases, and run the micro-batches before the last one inside "
+              "opt.no_sync()")
+
+
 def _stepped_twice(k: int, key: int) -> RuntimeError:
     return RuntimeError(
         f"ZeroAdam(grad_release=True): bucket {k} of flat buffer {key} was averaged again "
-        "after backward had stepped this rank's shard with its average: a second backward "
-        "outside opt.no_sync() before step() (or a .grad written, or zero_grad(), between "
-        "backward and step()). The shard stepped by the first backward is gathered to the "
-        "other ranks only by step(): call step() after each backward that releases, and "
-        "run the micro-batches before the last one inside opt.no_sync()")
+        f"after backward had stepped this rank's shard with its average: {_TWICE_FIX}")
+
+
+def _averaged_again() -> RuntimeError:
+    return RuntimeError(
+        "ZeroAdam(grad_release=True): gradients changed after their buckets' averages "
+        "started, on some rank, so every bucket would be averaged again, and backward may "
+        f"have stepped with the first averages already: {_TWICE_FIX}. Nothing more was "
+        "stepped")
 
 
 class _Landing:
@@ -186,6 +197,12 @@ class ZeroReleasePipeline(StepPipeline):
         if grad.is_cuda:  # read on this stream (the side stream, in backward): freed after it
             grad.record_stream(torch.cuda.current_stream(grad.device))
         shard.home.finished(k)
+
+    def averaging_again(self, again: bool) -> None:
+        """Agreed on every rank: gradients changed after their buckets' averages started,
+        which backward may have stepped with already: refused alike everywhere."""
+        if again:
+            raise _averaged_again()
 
     # -- the stages that need every average ----------------------------------------------------
     def clip(self, max_norm: float, norm_type: float, grad_scale=None, in_step: bool = False):
