@@ -243,6 +243,29 @@ def test_a_dropped_optimizer_stops_its_server_and_side_group():
             (rank, before, during, after, channels)
 
 
+def _dropped_on_one_rank(rank, world):
+    """Rank 0's first optimizer is collected (its side channel closes), rank 1's is not
+    yet (garbage the collector has not reached, kept here): a new optimizer on the same
+    group must make one channel with every rank, then train and serve."""
+    from zero_triton.comm import side
+    model, opt = _trained(1)
+    kept = opt if rank == 1 else None
+    del opt
+    gc.collect()
+    closed = not side.open_channels()
+    model, opt = _trained(2)
+    state = opt.state_dict()  # the other rank's shard through the new channel's server
+    del kept
+    return closed, len(state["state"])
+
+
+def test_a_new_optimizer_agrees_on_its_side_channel_when_the_old_one_is_gone_on_some_ranks():
+    """Before the channel was agreed, rank 0 made a new one and waited for rank 1 in it
+    for ever, while rank 1 took its old one."""
+    (closed0, n0), (closed1, n1) = run_ranks(_dropped_on_one_rank, 2, timeout=60)
+    assert closed0 and not closed1 and n0 == n1 == 4
+
+
 # -- failures are loud and quick ------------------------------------------------------------
 def _provider_fails(rank, world):
     import torch.distributed as dist

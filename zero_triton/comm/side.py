@@ -71,10 +71,19 @@ def group_timeout(pg) -> datetime.timedelta:
     return dist.default_pg_timeout
 
 
-def channel(pg) -> "SideChannel":
-    """``pg``'s side channel in this process, made on first use (collectively: every
-    rank of ``pg`` makes it together)."""
+def held(pg) -> bool:
+    """Whether this process holds an open side channel of ``pg``."""
     ch = _channels.get(pg)
+    return ch is not None and not ch.closed
+
+
+def channel(pg, fresh: bool = False) -> "SideChannel":
+    """``pg``'s side channel in this process, made on first use (collectively: every
+    rank of ``pg`` makes it together); ``fresh``: made anew, closing the one held (every
+    rank agreed: some had none left, their last optimizer on ``pg`` collected)."""
+    ch = _channels.get(pg)
+    if ch is not None and fresh:
+        ch.close()
     if ch is None or ch.closed:
         ch = _channels[pg] = SideChannel(pg)
     return ch

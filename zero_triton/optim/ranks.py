@@ -112,10 +112,14 @@ class AgreedRanks:
         # Made after the model check, which every rank passes together: the ordinal (how
         # many ZeroAdams this process built on this group before) is the same on all. The
         # channel lives while an optimizer on this group does, and until the group is
-        # destroyed.
+        # destroyed. Whether this process's channel of the group is taken again is agreed
+        # by every rank: it closes when its last optimizer is collected, which the garbage
+        # collector may have done on some ranks and not yet on others, and a rank making a
+        # new channel while another takes the old one would wait for it for ever.
         # Over every rank (hybrid sharding: the whole mesh, not the shard group).
         everyone = comm.everyone
-        channel = side.channel(everyone.process_group)
+        held = everyone.all_gather_object(side.held(everyone.process_group), "side channel")
+        channel = side.channel(everyone.process_group, fresh=not all(held))
         self.agreement = agreement.Agreement(everyone, agreement.next_ordinal(everyone.process_group),
                                              channel)
         self.server = channel.server
