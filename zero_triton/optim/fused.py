@@ -9,7 +9,6 @@ and ``.grad`` becomes its view there, so further micro-batches accumulate straig
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -194,9 +193,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
         accumulation) steps each parameter with the sum and frees it; without, one process
         has nothing to hold back and the context changes nothing (ZeroAdam's holds back
         the averages)."""
-        if self._spec.release:
-            return self._pipeline.accumulating()
-        return contextlib.nullcontext()
+        return self._pipeline.accumulating()
 
     # -- the step -------------------------------------------------------------------
     @disable_dynamo  # eager under torch.compile, as torch.optim.Optimizer's

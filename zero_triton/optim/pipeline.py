@@ -11,6 +11,8 @@ clipping, GradScaler and the step itself share.
 """
 from __future__ import annotations
 
+import contextlib
+
 from zero_triton.comm.group import phase
 
 
@@ -22,6 +24,14 @@ class StepPipeline:
         self.seat, self.comm, self.shards, self.reducer = seat, comm, shards, reducer
         self.clipping, self.ranks, self.edits = clipping, ranks, edits
         self.reduced = False  # this step's gradients were averaged (once per step)
+
+    def accumulating(self):
+        """``no_sync()``'s part here: nothing held back (gradient release holds back its
+        steps)."""
+        return contextlib.nullcontext()
+
+    def check_join(self) -> None:
+        """torch's Join may shadow this step on a rank out of inputs."""
 
     def current(self, hint: bool = False) -> list:
         """(param group, shard) of every shard after following what the user moved or

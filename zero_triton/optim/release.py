@@ -194,10 +194,7 @@ class ReleasePipeline(StepPipeline):
         what, fix = _FIXES.get(entry, _FIXES["clip_grad_norm_"])
         raise _needs_every_gradient(what, fix)
 
-    def clip(self, max_norm: float, norm_type: float, grad_scale=None, in_step: bool = False):
-        return self.reduce(entry="clip_grad_norm_")
-
-    def global_norm(self, norm_type: float, averaged: bool = False):
+    def global_norm(self, norm_type: float, averaged: bool = False):  # clip()'s too
         return self.reduce(entry="clip_grad_norm_")
 
     def rescaled(self) -> None:

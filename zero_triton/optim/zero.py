@@ -192,12 +192,7 @@ class ZeroAdam(FusedAdam, Joinable):
         (``Join`` passes every joinable the same keywords; DDP's
         ``divide_by_initial_world_size`` is the one that concerns averaging)."""
         self._spec.capture.check_join()
-        if self._spec.release:
-            raise ValueError(
-                "ZeroAdam(grad_release=True) cannot be used under torch's Join: a rank out of "
-                "inputs steps its shard with zero gradients at step(), while the others' "
-                "backward stepped theirs as their averages landed; build the optimizer without "
-                "grad_release for uneven inputs")
+        self._pipeline.check_join()
         if not kwargs.get("divide_by_initial_world_size", True):
             raise ValueError(
                 "ZeroAdam under Join averages over the initial world size (a joined rank's "
@@ -274,8 +269,7 @@ class ZeroAdam(FusedAdam, Joinable):
         gradient buffer to accumulate in): the context changes nothing there, but
         with ``grad_release=True``, where backward inside steps nothing and the first
         backward outside steps each bucket with the sum of the averages."""
-        released = self._pipeline.accumulating() if self._spec.release else contextlib.nullcontext()
-        with self._reducer.accumulating(self._spec.grads.sharded), released:
+        with self._reducer.accumulating(self._spec.grads.sharded), self._pipeline.accumulating():
             yield
 
     @property

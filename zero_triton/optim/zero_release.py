@@ -144,6 +144,13 @@ class ZeroReleasePipeline(StepPipeline):
         finally:
             self.held -= 1
 
+    def check_join(self) -> None:
+        raise ValueError(
+            "ZeroAdam(grad_release=True) cannot be used under torch's Join: a rank out of "
+            "inputs steps its shard with zero gradients at step(), while the others' "
+            "backward stepped theirs as their averages landed; build the optimizer without "
+            "grad_release for uneven inputs")
+
     # -- backward ----------------------------------------------------------------------------
     def told(self, gi: int, shard, k: int, landed: bool) -> None:
         """Bucket ``k`` of ``shard``'s average starts (``landed`` False: armed when a
@@ -205,12 +212,8 @@ class ZeroReleasePipeline(StepPipeline):
             raise _averaged_again()
 
     # -- the stages that need every average ----------------------------------------------------
-    def clip(self, max_norm: float, norm_type: float, grad_scale=None, in_step: bool = False):
-        what, fix = _FIXES["clip_grad_norm_"]
-        raise _needs_every_gradient(what, fix)
-
-    def global_norm(self, norm_type: float, averaged: bool = False):
-        return self.clip(0.0, norm_type)
+    def global_norm(self, norm_type: float, averaged: bool = False):  # clip()'s too
+        raise _needs_every_gradient(*_FIXES["clip_grad_norm_"])
 
     def rescaled(self) -> None:
         raise _needs_every_gradient(*_FIXES["GradScaler"])
