@@ -159,7 +159,9 @@ class ZeroReleasePipeline(StepPipeline):
         if not landed:
             if k in self.released.get(shard.key, ()):
                 self.armed.discard(key)
-                raise _stepped_twice(k, shard.key)
+                if _in_backward():  # new gradients for a bucket this step already stepped
+                    raise _stepped_twice(k, shard.key)
+                return  # step()'s relaunch of every bucket: nothing staged since, zeros added
             if self.held or not _in_backward():
                 self.armed.discard(key)
                 return
@@ -206,9 +208,18 @@ class ZeroReleasePipeline(StepPipeline):
         shard.home.finished(k)
 
     def averaging_again(self, again: bool) -> None:
-        """Agreed on every rank: gradients changed after their buckets' averages started,
-        which backward may have stepped with already: refused alike everywhere."""
-        if again:
+        """Every bucket is averaged again (agreed: a gradient changed after its bucket's
+        average started, on some rank). Stage 2 does so for micro-batches whose launches
+        stopped at a bucket backward did not finish, and nothing was stepped then; but a
+        bucket backward stepped that has new gradients since (another backward, a .grad
+        written, ``zero_grad()``) would be stepped twice: asked of every rank (one
+        exchange, only at such a step) and refused alike everywhere."""
+        if not again:
+            return
+        buckets = {s.key: s.buckets for _, s in self.shards.listed(self.seat.param_groups)}
+        changed = any(buckets[key][k].stale for key, ks in self.released.items() for k in ks
+                      if key in buckets)
+        if any(self.comm.everyone.all_gather_object(changed, "grad_release")):
             raise _averaged_again()
 
     # -- the stages that need every average ----------------------------------------------------
@@ -240,11 +251,15 @@ class ZeroReleasePipeline(StepPipeline):
                 for k in range(len(s.segments)):
                     if k not in released.get(s.key, ()):
                         self.step_bucket(group, s, k, s.stepped)
+                    else:
+                        s.home.finished(k)
         else:
             for b in self.reducer.start_gathers():
                 group, s = by_key[b.key[0]]
                 if b.key[1] not in released.get(s.key, ()):
                     self.step_bucket(group, s, b.key[1], s.stepped)
+                else:  # an average of zeros, if step() averaged every bucket again
+                    s.home.finished(b.key[1])
                 s.gather_bucket(b.key[1])
         counted, self.counted = self.counted, {}
         for _, s in pairs:
