@@ -47,7 +47,7 @@ import weakref
 import torch
 
 from zero_triton.optim.pipeline import StepPipeline
-from zero_triton.optim.release import _FIXES, _needs_every_gradient
+from zero_triton.optim.release import _FIXES, _current_task, _needs_every_gradient
 from zero_triton.state.param_view import Run
 
 
@@ -70,7 +70,7 @@ def check(stage: int, bucket_cap_mb, grad_release) -> None:
 
 def _in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return _current_task() not in (None, -1)
 
 
 _TWICE_FIX = ("a second backward outside opt.no_sync() before step(), or a .grad written or "
@@ -123,11 +123,12 @@ class ZeroReleasePipeline(StepPipeline):
         self.released = {}     # shard key -> buckets stepped by backward since the last step
         self.counted = {}      # shard key -> parameters counted since the last step
         self.landings = []     # held here: the buckets hold their ``tell`` weakly
+        self.runs = {}         # (shard key, bucket) -> {parameter: its run on this rank}
         shards.on_change(self.attach)
 
     def attach(self, param_groups: list) -> None:
         """The shards of ``param_groups`` (built or built again) tell their averages here."""
-        self.landings = []
+        self.landings, self.runs = [], {}
         for gi, shards in enumerate(self.shards.groups):
             for shard in shards:
                 landing = _Landing(self, gi, shard)
@@ -165,7 +166,7 @@ class ZeroReleasePipeline(StepPipeline):
             if self.held or not _in_backward():
                 self.armed.discard(key)
                 return
-            task = torch._C._current_graph_task_id()
+            task = _current_task()
             if task != self.task:
                 self._entered(task)
             self.armed.add(key)
@@ -193,7 +194,10 @@ class ZeroReleasePipeline(StepPipeline):
         the average go."""
         geometry = shard.layout.buckets[k]
         lo, hi, s0 = shard.segments[k]
-        runs = {run.index: run for run in shard.by_param.runs(lo=s0, hi=s0 + hi - lo)}
+        runs = self.runs.get((shard.key, k))
+        if runs is None:  # once per bucket of a shard (re-built shards: ``attach``)
+            runs = self.runs[shard.key, k] = {
+                run.index: run for run in shard.by_param.runs(lo=s0, hi=s0 + hi - lo)}
         grad = shard.home.grad(k)
         counted = self.counted.setdefault(shard.key, bytearray(len(shard.params)))
         for i in range(geometry.first, geometry.end):
