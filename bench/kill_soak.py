@@ -9,7 +9,8 @@ Each run starts ``world`` plain processes (``env://``, gloo, CPU, no launcher th
 kill the others when one dies; the process group's timeout ``--pg-timeout``, 60 s) on a
 small training script with ``ZeroAdamW``, its configuration drawn by the seed: stage 1
 or 2, offloaded (``offload="cpu"``) or not, a flat group or a 2-D (replicate x shard)
-mesh where the world size allows, clipping on, one bucket or many. The last rank wraps
+mesh where the world size allows, clipping on, one bucket or many (``--release``: every run
+stage 2 with ``grad_release=True``, not offloaded, without clipping). The last rank wraps
 ``torch.distributed``'s collectives (every one a step calls: the agreement's all-reduce,
 each bucket's sends and receives, each gather, clipping's all-reduce) and counts the
 calls of its second ``step()``; in its third ``step()`` it SIGKILLs itself at the call
@@ -107,6 +108,8 @@ SCRIPT = textwrap.dedent(r"""
     kw = {"stage": cfg["stage"], "bucket_cap_mb": cfg["bucket_cap_mb"], "max_grad_norm": 1.0}
     if cfg["offload"]:
         kw["offload"] = "cpu"
+    if cfg["release"]:  # each bucket stepped in backward as its average lands; no clipping
+        kw.update(grad_release=True, max_grad_norm=None)
     if cfg["mesh"]:
         from torch.distributed.device_mesh import init_device_mesh
         kw["device_mesh"] = init_device_mesh("cpu", tuple(cfg["mesh"]), mesh_dim_names=("replicate", "shard"))
@@ -149,7 +152,7 @@ def draw(seed: int, world: int) -> dict:
     meshes = [None] + [[r, world // r] for r in (2,) if world % r == 0 and world // r >= 2]
     return {"stage": rng.choice([1, 2]), "offload": rng.random() < 0.5,
             "mesh": rng.choice(meshes), "bucket_cap_mb": rng.choice([0.004, 0.02, 25]),
-            "draw": rng.randrange(1 << 30)}
+            "draw": rng.randrange(1 << 30), "release": False}
 
 
 def _free_port() -> int:
@@ -199,7 +202,8 @@ def run_one(seed: int, world: int, pg_timeout: float, limit: float, phase: str |
         except (OSError, ValueError):
             offered = []
     victim = reports[world - 1]
-    result = {"seed": seed, "world": world, "cfg": {k: cfg[k] for k in ("stage", "offload", "mesh", "bucket_cap_mb")},
+    result = {"seed": seed, "world": world,
+              "cfg": {k: cfg[k] for k in ("stage", "offload", "mesh", "bucket_cap_mb", "release")},
               "phase": victim.get("phase"), "collective": victim.get("collective"),
               "raise": [], "exit": [], "bad": [], "offered": offered, "messages": []}
     if "killed" not in victim:
@@ -234,6 +238,9 @@ def main(argv=None) -> int:
                     help="kill at the first phase whose name holds this instead of a drawn one; "
                          "'serve': rank 0 alone calls state_dict() before the third step and the "
                          "last rank dies answering it (flat groups: every rank is asked)")
+    ap.add_argument("--release", action="store_true",
+                    help="every run ZeroAdamW(stage=2, grad_release=True) (not offloaded, no "
+                         "clipping): the kills fall in the releasing backward and in step()")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     results, phases, late = [], collections.Counter(), []
@@ -241,6 +248,8 @@ def main(argv=None) -> int:
     for world in worlds:
         for _ in range(args.runs):
             extra = {"mesh": None} if args.phase == "serve" else {}
+            if args.release:
+                extra.update(release=True, stage=2, offload=False)
             res = run_one(seed, world, args.pg_timeout, args.pg_timeout + 30, args.phase, **extra)
             seed += 1
             if res["raise"] and max(res["raise"]) > args.bar:

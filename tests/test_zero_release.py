@@ -196,3 +196,78 @@ def test_what_needs_every_average_or_would_step_twice_is_refused():
         message, unchanged = out["hyper"]
         assert "lr is 0.1 on rank 0 and 0.2 on rank 1" in message and unchanged, out
         assert "opt.no_sync()" in out["twice"], out
+
+
+def _moved_and_frozen(rank, world_size):
+    """Users' ways at stage 2, released and not: ``model.to(torch.bfloat16)`` after the
+    optimizer was built (against the optimizer built after it), and a layer frozen
+    halfway through training and thawed again (against release off)."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                                   torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+    def train_(release, way):
+        model = net()
+        if way == "bf16 first":
+            model.to(torch.bfloat16)
+        opt = ZeroAdamW(model.parameters(), lr=1e-2, backend="torch", stage=2, bucket_cap_mb=0.01,
+                        grad_release=release)
+        if way == "bf16 after":
+            model.to(torch.bfloat16)  # the buckets were made for fp32 gradients
+        dtype = next(model.parameters()).dtype
+        for t in range(6):
+            if way == "freeze" and t in (2, 4):
+                model[2].requires_grad_(t == 4)
+            x = torch.randn(6, 32, generator=torch.Generator().manual_seed(1000 * t + rank))
+            model(x.to(dtype)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        sd = opt.state_dict()
+        return [p.detach().clone() for p in model.parameters()] + \
+            [v for e in sd["state"].values() for v in e.values() if torch.is_tensor(v)]
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    return {release: {"bf16": same(train_(release, "bf16 after"), train_(release, "bf16 first")),
+                      "freeze": same(train_(release, "freeze"), train_(False, "freeze"))}
+            for release in (False, True)}
+
+
+def test_a_model_moved_after_construction_and_a_layer_frozen_halfway_step_as_stage_2():
+    """At 3 ranks (receive scratch per gradient dtype): a model cast to bf16 after the
+    optimizer was built steps as one built after the cast (its first backward's bf16
+    gradients are left in .grad for step() to re-home, not put into fp32 buckets: that was
+    a KeyError), released and not; a layer frozen and thawed steps as without release."""
+    for out in run_ranks(_moved_and_frozen, 3, timeout=180):
+        assert out == {False: {"bf16": True, "freeze": True}, True: {"bf16": True, "freeze": True}}, out
+
+
+def _under_ddp(rank, world_size):
+    """A DDP wrapper (as HF Trainer and accelerate's prepare add at 2+ processes), with
+    and without ddp_local_grads_hook: refused at the first releasing backward."""
+    out = {}
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if hooked:
+            ddp.register_comm_hook(None, zero_triton.ddp_local_grads_hook)
+        opt = ZeroAdamW(model.parameters(), lr=1e-2, backend="torch", stage=2, bucket_cap_mb=TINY,
+                        grad_release=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError) as err:
+            for _ in range(2):
+                ddp(torch.randn(4, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        out[hooked] = (str(err.value), all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    return out
+
+
+def test_a_ddp_wrapper_is_refused_before_the_releasing_backward_steps_anything():
+    for out in run_ranks(_under_ddp, 2, timeout=120):
+        for hooked, said in out.items():
+            message, unchanged = said
+            assert "under a DistributedDataParallel wrapper" in message and unchanged, (hooked, said)

@@ -66,7 +66,8 @@ HYPER_DIFFER = 32  # at step: ranks with inputs hold different hyperparameters (
 CATCH_UP = ("backward", "clip_grad_norm_")
 
 # Refusals a rank can send (with its own message raised locally).
-REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited"}
+REFUSALS = {1: "its param_groups were edited by hand", 3: "its opt.state was edited",
+            4: "a DistributedDataParallel wraps its model"}
 
 _FIXES = {
     "state_dict": "ZeroAdam.state_dict() right after opt.state was edited by hand is "

@@ -59,6 +59,10 @@ def grad_taken(reached: bytearray, i: int, j: int, lo: int, hi: int, bucket: Buc
     reducer = reducer_ref()
     if g is None or reducer is None:
         return
+    if g.dtype != bucket.grad_dtype or g.device != bucket.param_full.device:
+        # The parameter moved (model.to() after the optimizer was built): its .grad stays
+        # for step(), which re-homes the parameter and takes it then.
+        return
     reached[i] = 2  # taken by the hook (1: found at step)
     reducer.note_backward()
     reducer.accept(bucket, j, lo, hi, g, adopt=True)  # .grad is let go just below

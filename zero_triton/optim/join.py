@@ -86,11 +86,13 @@ class ZeroJoinHook(JoinHook):
         self.optimizer.wait_params()
 
 
-def averaging_ddp(params) -> bool:
+def averaging_ddp(params, hooked_too: bool = False) -> bool:
     """A live DistributedDataParallel wraps one of ``params`` and averages its gradients
-    (it has no ``zero_triton.ddp_local_grads_hook``). Looked up once, when the first step
-    finds the gradients identical on every rank: ranks that drew the same batches look
-    the same, and are no reason to refuse Join."""
+    (it has no ``zero_triton.ddp_local_grads_hook``; ``hooked_too``: or has one, and
+    still writes its buckets back into ``.grad``). Looked up once, when the first step
+    finds the gradients identical on every rank (ranks that drew the same batches look
+    the same, and are no reason to refuse Join), or at the first backward that releases
+    gradients (``optim.ranks``): a walk over the live objects, ~0.1 s."""
     import gc
 
     ddp_class = torch.nn.parallel.DistributedDataParallel
@@ -99,8 +101,9 @@ def averaging_ddp(params) -> bool:
         if not isinstance(obj, ddp_class):
             continue
         hooks = [hook for hook, _ in getattr(obj, "_comm_hooks", ())]
-        if any(getattr(h, "__qualname__", "") == "ddp_local_grads_hook"
-               and getattr(h, "__module__", "").startswith("zero_triton.") for h in hooks):
+        if not hooked_too and any(getattr(h, "__qualname__", "") == "ddp_local_grads_hook"
+                                  and getattr(h, "__module__", "").startswith("zero_triton.")
+                                  for h in hooks):
             continue
         module = getattr(obj, "module", None)
         if module is not None and any(id(p) in ids for p in module.parameters()):

@@ -133,6 +133,7 @@ class AgreedRanks:
         # grad_release=True: backward steps the shards, so its round's entry agrees on
         # what the step's own entry agrees on before stepping (``_step_found``).
         self.releases = spec.release
+        self.ddp_looked = False  # the first releasing backward looks for a DDP wrapper
         self.served = None   # ServedState, once the optimizer is built (``built``)
         self.told = None     # the step's entry agreement's flags, until ``agree`` reads them
         self.shadowing = False
@@ -173,6 +174,8 @@ class AgreedRanks:
         self._notify_join(seat, entry)
         pairs = pairs if pairs is not None else seat.shards(follow=True)
         flags, refuse, error = self._edits_found(seat, pairs)
+        if entry == "backward" and self.releases and not refuse and not self.ddp_looked:
+            refuse, error = self._wrapped_by_ddp(seat)
         if stale:
             flags |= agreement.STALE
         if self.shadowing:
@@ -189,6 +192,26 @@ class AgreedRanks:
             self._launches_differ(seat)
         self._follow(seat, entry, agreed, pairs)
         return bool(agreed & agreement.STALE)
+
+    def _wrapped_by_ddp(self, seat) -> tuple:
+        """At the first backward that releases: a DistributedDataParallel wrapper (HF
+        Trainer and accelerate's ``prepare`` add one at 2+ processes) writes its buckets
+        back into ``.grad`` after ZeroAdam took each gradient and stepped with it, which
+        the step would refuse only after this backward stepped the shards. Refused here,
+        before anything is stepped (a walk over the live objects, once)."""
+        self.ddp_looked = True
+        if not join.averaging_ddp([p for g in seat.param_groups for p in g["params"]],
+                                  hooked_too=True):
+            return 0, None
+        return 4, RuntimeError(
+            "ZeroAdam(stage=2, grad_release=True) under a DistributedDataParallel wrapper: "
+            "ZeroAdam takes each gradient in backward and steps with its average, and DDP "
+            "writes its own average back into .grad afterwards (with ddp_local_grads_hook "
+            "too), which would count twice. Do not wrap the model in DDP (ZeroAdam averages "
+            "the gradients itself; under accelerate, accelerator.prepare_model(model, "
+            "evaluation_mode=True) places it without the wrap), or, where a library always "
+            "wraps it (HF Trainer at 2+ processes), use ZeroAdamW(stage=1) without "
+            "grad_release. Nothing was stepped")
 
     def _notify_join(self, seat, entry: str) -> None:
         """Under Join: this rank still has inputs, said before the iteration's first
