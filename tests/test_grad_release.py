@@ -208,6 +208,49 @@ def test_clipping_and_grad_scaler_refused_with_why():
         scaler.step(opt)
 
 
+def test_the_norm_is_measured_not_clipped_by():
+    """The gradient norm asked for after a releasing backward (HF Trainer asks
+    clip_grad_norm_(params, inf) at every step, max_grad_norm=0 or not) is the norm of the
+    gradients the step took: torch's get_total_norm of the plain run's gradients, step
+    after step (kept per step, not summed over steps), with a .grad kept by no_sync()
+    counted; the steps the same bits as the plain run. Clipping by a finite norm, through
+    either of torch's functions, and another norm_type are refused."""
+    models = [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    plain, released = (zt.FusedAdamW(m.parameters(), lr=1e-2, backend="torch", grad_release=r)
+                       for m, r in zip(models, (False, True)))
+    for t in range(4):
+        x = torch.randn(6, 16, generator=torch.Generator().manual_seed(t))
+        models[0](x).square().mean().backward()
+        expected = torch.nn.utils.get_total_norm([p.grad for p in models[0].parameters()])
+        plain.step()
+        plain.zero_grad()
+        if t == 3:  # the last one accumulated: its .grad kept, stepped by step()
+            with released.no_sync():
+                models[1](x).square().mean().backward()
+        else:
+            models[1](x).square().mean().backward()
+        measured = torch.nn.utils.clip_grad_norm_(models[1].parameters(), float("inf"))
+        torch.testing.assert_close(measured, expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.nn.utils.get_total_norm(
+            [p.grad for p in models[1].parameters() if p.grad is not None] or [torch.zeros(1)]) if t == 3
+            else expected, expected, rtol=1e-6, atol=0)
+        released.step()
+        models[1].zero_grad()  # the model's, as HF Trainer calls it: the norms end with step()
+        assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models))), t
+    models[1](x).square().mean().backward()
+    before = [p.detach().clone() for p in models[1].parameters()]
+    with pytest.raises(RuntimeError, match="Clipping by the global"):
+        torch.nn.utils.clip_grad_norm_(models[1].parameters(), 1e-3)
+    total = released.total_grad_norm()
+    with pytest.raises(RuntimeError, match="Clipping by the global"):
+        torch.nn.utils.clip_grads_with_norm_(models[1].parameters(), 1e-3, total)
+    with pytest.raises(RuntimeError, match="norm_type=1.0 under grad_release"):
+        released.clip_grad_norm_(float("inf"), norm_type=1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, models[1].parameters()))
+
+
 def _under_ddp(rank, world):
     import torch.distributed as dist
     lin = torch.nn.Linear(8, 8)

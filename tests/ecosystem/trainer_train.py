@@ -16,6 +16,8 @@ Two processes: python -m torch.distributed.run --nproc_per_node=2
                         zero_triton.ddp_local_grads_hook on the Trainer's DDP wrapper at
                         on_train_begin (DDP then communicates nothing; the Trainer's own
                         clipping would see local gradients, hence max_grad_norm=0)
+--release               the optimizer releases gradients: FusedAdamW(grad_release=True),
+                        ZeroAdamW(stage=2, grad_release=True)
 --clip C                TrainingArguments(max_grad_norm=C) (0 switches clipping off): the
                         Trainer clips with accelerate's clip_grad_norm_ on the DDP-wrapped
                         model, whose gradients DDP has already averaged over the ranks.
@@ -68,6 +70,7 @@ def parse():
     ap.add_argument("--noclip", action="store_true", help="also a run with max_grad_norm=0")
     ap.add_argument("--save-at", type=int, default=3)
     ap.add_argument("--ckpt", action="store_true")
+    ap.add_argument("--release", action="store_true")
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -75,6 +78,8 @@ def parse():
 def run(args, how, clip, output_dir, *, seed=0, save=False, resume=None):
     model = common.Net(seed)
     kwargs = dict(lr=common.LR, betas=common.BETAS, weight_decay=common.WEIGHT_DECAY)
+    if args.release:
+        kwargs.update(grad_release=True, **({"stage": 2} if args.opt == "zero" else {}))
     if how in ("optclip", "hook"):  # the optimizer clips (global norm inside step), the Trainer not
         kwargs["max_grad_norm"], clip = clip, 0.0
     targs = TrainingArguments(

@@ -15,7 +15,7 @@ import torch
 from zero_triton.comm import buckets, grads
 from zero_triton.comm.group import LocalComm
 from zero_triton.native.compat import disable_dynamo
-from zero_triton.optim import clipping, owners, release
+from zero_triton.optim import owners, release
 from zero_triton.optim import differentiable as plain
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim import compact as compact_state
@@ -115,7 +115,7 @@ class FusedAdam(torch.optim.Optimizer, plain.BuildsDifferentiable):
                                         early=spec.capture.early(spec.bucket_cap_mb))
         self._overlap = None  # a ParamPrefetch once zero_triton.overlap(model, opt) is called
         self._shards = Shards(comm, spec, self._reducer, self._edits, self._rebuilds_replaced_groups)
-        self._clipping = clipping.Clipping(spec.capture.buffers())  # this step's coefficient and norms
+        self._clipping = spec.clipping(spec.capture.buffers())  # this step's coefficient and norms
         self._pipeline = spec.pipeline(self._seat, comm, self._shards, self._reducer,
                                        self._clipping, ranks, self._edits)
         defaults = {**hyper, **adam_state.group_keys(False, **spec.capture.keywords)}

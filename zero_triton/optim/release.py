@@ -22,8 +22,12 @@ What it composes with, and what it refuses (each error says why and what to use)
   outside it steps each parameter with the sum and frees it;
 - ``step()`` steps what backward did not release (a ``.grad`` set by hand, or kept by
   ``no_sync()``) and ``zero_grad()`` clears those: training loops run unchanged;
-- refused: ``max_grad_norm`` and torch's clipping over the parameters (the global norm
-  needs every gradient before any step), GradScaler (its inf check and unscale too),
+- the gradient norm, measured (``clip_grad_norm_(params, inf)``, as HF Trainer logs it at
+  every step, or ``get_total_norm``): each released gradient's 2-norm is kept as it is
+  stepped (``ReleasedNorms``), so the norm after backward is the norm of the gradients the
+  step took;
+- refused: ``max_grad_norm`` and torch's clipping over the parameters by a finite norm
+  (the global norm needs every gradient before any step), GradScaler (its inf check and unscale too),
   ``capturable``, ``offload``, ``differentiable``, DTensor parameters (FSDP2 and tensor
   parallel), and a process group of several ranks (DistributedDataParallel averages at
   the end of backward, after each parameter would have been stepped with its own rank's
@@ -33,11 +37,13 @@ What it composes with, and what it refuses (each error says why and what to use)
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from zero_triton.optim.clipping import Clipping
 from zero_triton.optim.pipeline import StepPipeline
 from zero_triton.state.param_view import Run
 
@@ -64,8 +70,59 @@ _FIXES = {
     "GradScaler": ("GradScaler", "this backward's steps took the scaled gradients. Train with "
                    "bfloat16 autocast, which needs no scaler, or leave grad_release out"),
     "clip_grad_norm_": ("Clipping by the global gradient norm",
-                        "leave grad_release out to clip (or clip nothing)"),
+                        "leave grad_release out to clip, or clip nothing (HF Trainer: "
+                        "TrainingArguments(max_grad_norm=0)); the norm itself, "
+                        "clip_grad_norm_(params, float('inf')) or get_total_norm, is kept"),
 }
+
+
+def _norm(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's 2-norm, at least in float32 (a complex one's over its real view)."""
+    if grad.is_complex():
+        grad = torch.view_as_real(grad)
+    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(grad, 2.0, dtype=wide)
+
+
+class ReleasedNorms(Clipping):
+    """Clipping under gradient release (one process): nothing can be clipped, since each
+    parameter was stepped in backward before the global norm was known, but the norm can be
+    measured: each released gradient's 2-norm is kept (``note``, a 0-d float32 tensor a
+    parameter, no host sync) until the step ends or ``zero_grad``, and the norm asked for
+    after backward is the 2-norm of those and of any ``.grad`` still to be stepped (torch's
+    ``clip_grad_norm_`` stacks per-tensor norms the same way; here at least in float32
+    whatever the gradients' dtype). Clipping by a finite norm is refused."""
+
+    def __init__(self, buffers):
+        super().__init__(buffers)
+        self.norms: list = []
+
+    def note(self, grad: torch.Tensor) -> None:
+        self.norms.append(_norm(grad))
+
+    def reset(self) -> None:
+        super().reset()
+        self.norms.clear()
+
+    def released_norm(self, grads: list):
+        """The 2-norm of the gradients released since the step began and of ``grads``
+        (the ``.grad``s ``step()`` will step); None if there are none."""
+        norms = self.norms + [_norm(g) for g in grads]
+        if not norms:
+            return None
+        device = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+
+    def clip(self, total: torch.Tensor, max_norm: float, grad_scale) -> torch.Tensor:
+        if grad_scale is not None:
+            raise _needs_every_gradient(*_FIXES["GradScaler"])
+        if not math.isinf(max_norm):
+            raise _needs_every_gradient(*_FIXES["clip_grad_norm_"])
+        return total
+
+    def clip_with(self, max_norm: float, total_norm, local_is_averaged: bool) -> None:
+        if not math.isinf(float(max_norm)):
+            raise _needs_every_gradient(*_FIXES["clip_grad_norm_"])
 
 
 def _refuse_written_back(shard, present, released) -> None:
@@ -151,6 +208,7 @@ class ReleasePipeline(StepPipeline):
         task = _current_task()
         if task is None or task != self.task:
             self._enter(task)
+        self.clipping.note(g)
         shard.step_param(self.seat.param_groups[gi], runs[i], shard.by_param.elements(i, g))
         self.stepped.setdefault(shard.key, bytearray(len(shard.params)))[i] = 1
         self.released.setdefault(shard.key, bytearray(len(shard.params)))[i] = 1
@@ -195,7 +253,16 @@ class ReleasePipeline(StepPipeline):
         raise _needs_every_gradient(what, fix)
 
     def global_norm(self, norm_type: float, averaged: bool = False):  # clip()'s too
-        return self.reduce(entry="clip_grad_norm_")
+        """The 2-norm of the gradients this step took and will take (``ReleasedNorms``):
+        measured, not clipped by (``ReleasedNorms.clip`` refuses a finite norm)."""
+        if float(norm_type) != 2.0:
+            raise RuntimeError(
+                f"a gradient norm of norm_type={norm_type} under grad_release=True: backward "
+                "released each gradient as it stepped it, keeping only its 2-norm; ask for "
+                "norm_type=2.0, or leave grad_release out")
+        pairs = self.shards.listed(self.seat.param_groups)
+        return self.clipping.released_norm(
+            [p.grad for _, s in pairs for p in s.params if p.grad is not None])
 
     def rescaled(self) -> None:
         self.reduce(entry="GradScaler")
@@ -226,4 +293,5 @@ class ReleasePipeline(StepPipeline):
                     s.step_param(group, runs[i], s.by_param.elements(i, p.grad))
                     self.stepped.setdefault(s.key, bytearray(len(s.params)))[i] = 1
         self.settle()
+        self.clipping.reset()  # the next backward's norms are the next step's
         return None

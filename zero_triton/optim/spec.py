@@ -24,6 +24,7 @@ from zero_triton.optim import release as releases
 from zero_triton.optim import zero_release
 from zero_triton.optim.capture import CAPTURED, EAGER, Captured, Eager
 from zero_triton.optim.checks import check_flag
+from zero_triton.optim.clipping import Clipping
 from zero_triton.optim.pipeline import StepPipeline
 from zero_triton.optim.engine_home import is_dtensor
 from zero_triton.state import master as master_formats
@@ -332,6 +333,13 @@ class Spec:
             return StepPipeline
         over_ranks = self.grads is not grads.ReleasedGrads  # ZeroAdam's stage 2 holds them
         return zero_release.ZeroReleasePipeline if over_ranks else releases.ReleasePipeline
+
+    def clipping(self, buffers) -> Clipping:
+        """This step's clipping (``optim.clipping``): under one process's gradient release,
+        ``ReleasedNorms``, which keeps each released gradient's norm and clips by none."""
+        if self.pipeline is releases.ReleasePipeline:
+            return releases.ReleasedNorms(buffers)
+        return Clipping(buffers)
 
     @property
     def grads(self) -> type:

@@ -228,7 +228,10 @@ class ZeroReleasePipeline(StepPipeline):
 
     # -- the stages that need every average ----------------------------------------------------
     def global_norm(self, norm_type: float, averaged: bool = False):  # clip()'s too
-        raise _needs_every_gradient(*_FIXES["clip_grad_norm_"])
+        raise _needs_every_gradient(
+            "The global gradient norm (clipping by it, or measuring it)",
+            "under ZeroAdam each rank stepped its buckets' averaged shards as they landed. "
+            "Leave grad_release out to clip or measure the norm")
 
     def rescaled(self) -> None:
         raise _needs_every_gradient(*_FIXES["GradScaler"])
