@@ -77,7 +77,9 @@ _TWICE_FIX = ("a second backward outside opt.no_sync() before step(), or a .grad
               "zero_grad() between backward and step(). The shard a backward stepped reaches "
               "the other ranks only through step()'s gathers: call step() after each backward "
               "that releases, and run the micro-batches before the last one inside "
-              "opt.no_sync()")
+              "opt.no_sync() (under accelerate's accumulate(), set model.no_sync = "
+              "opt.no_sync before accelerator.prepare_model(model, evaluation_mode=True): "
+              "accelerate enters it for the micro-batches that do not sync)")
 
 
 def _stepped_twice(k: int, key: int) -> RuntimeError:
