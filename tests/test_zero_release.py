@@ -271,3 +271,75 @@ def test_a_ddp_wrapper_is_refused_before_the_releasing_backward_steps_anything()
         for hooked, said in out.items():
             message, unchanged = said
             assert "under a DistributedDataParallel wrapper" in message and unchanged, (hooked, said)
+
+
+class _RandomLag(HostSide):
+    """The GPU mode's host logic with each average's event passing after a seeded random
+    number (0 to 4) of later launches, not a fixed two."""
+
+    def __init__(self, log, rng):
+        super().__init__(log, 0)
+        self.rng, self.left = rng, []
+
+    def run(self, start, landed=None):
+        done = super().run(start, landed)
+        done.passed = False  # HostSide passed it at lag 0: passes at its own count here
+        self.left = [(n - 1, d) for n, d in self.left]
+        for n, d in self.left:
+            if n <= 0:
+                d.passed = True
+        self.left = [(n, d) for n, d in self.left if n > 0] + [(self.rng.randint(0, 4), done)]
+        return done
+
+
+@packed
+def _job_schedules(rank, world_size, seeds):
+    """Seeded schedules, different on every rank: sleeps (0 to 2 ms) before each gradient
+    is taken by its bucket and before each landing is stepped, in the CPU mode; and, in
+    the GPU mode's host logic, events that pass after a random number of launches."""
+    import random
+    import time
+
+    from zero_triton.comm import hooks
+    from zero_triton.optim import zero_release
+
+    kwargs = RUNS["micro-batches under no_sync"]
+    out = {"plain": train(rank, world_size, **kwargs)}
+    taken, told = hooks.grad_taken, zero_release.ZeroReleasePipeline.told
+    original = zero_triton.comm.streams.side_stream
+    slept = out["slept"] = {"taken": 0, "told": 0}
+    for seed in seeds:
+        rng = random.Random(1000 * seed + rank)
+
+        def grad_taken(*args):
+            slept["taken"] += 1
+            time.sleep(rng.random() * 2e-3)
+            return taken(*args)
+
+        def landed(self, *args):
+            slept["told"] += 1
+            time.sleep(rng.random() * 2e-3)
+            return told(self, *args)
+
+        hooks.grad_taken, zero_release.ZeroReleasePipeline.told = grad_taken, landed
+        try:
+            out["sleeps", seed] = train(rank, world_size, **kwargs, grad_release=True)
+        finally:
+            hooks.grad_taken, zero_release.ZeroReleasePipeline.told = taken, told
+        log = {"backward_waits": 0, "runs": 0, "landed": 0}
+        zero_triton.comm.streams.side_stream = lambda device: _RandomLag(log, rng)
+        try:
+            out["lags", seed] = {**train(rank, world_size, **kwargs, grad_release=True), "log": log}
+        finally:
+            zero_triton.comm.streams.side_stream = original
+    return out
+
+
+def test_random_schedules_of_the_landings_change_no_bit():
+    for rank, out in enumerate(ranks(_job_schedules, 3, (1, 2), timeout=300)):
+        assert min(out.pop("slept").values()) > 0  # the schedules were the ones run
+        for key, run in out.items():
+            if key != "plain":
+                assert_bitwise(run, out["plain"], f"rank {rank}, {key}")
+                if key[0] == "lags":
+                    assert run["log"]["landed"] > 0, run["log"]
