@@ -132,10 +132,11 @@ def test_per_group_formats_and_micro_batches_that_miss_a_parameter_step_as_stage
     ({"offload": "cpu"}, "offload='cpu'"),
     ({"capturable": True}, "capturable=True"),
 ])
-def test_refused_at_construction_before_any_collective(kw, words):
+@pytest.mark.parametrize("flag", [True, 1])
+def test_refused_at_construction_before_any_collective(kw, words, flag):
     p = torch.nn.Parameter(torch.randn(4))  # no process group: refused before needing one
-    with pytest.raises(ValueError, match=words):
-        ZeroAdamW([p], backend="torch", **{"stage": 2, "grad_release": True, **kw})
+    with pytest.raises(ValueError, match=words):  # 1 is a flag too, as torch's flags take it
+        ZeroAdamW([p], backend="torch", **{"stage": 2, "grad_release": flag, **kw})
 
 
 def _refusals(rank, world_size):

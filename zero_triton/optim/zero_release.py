@@ -54,7 +54,7 @@ from zero_triton.state.param_view import Run
 def check(stage: int, bucket_cap_mb, grad_release) -> None:
     """ZeroAdam's ``grad_release`` against its stage and buckets, before anything is
     built."""
-    if grad_release is not True:
+    if not grad_release or not isinstance(grad_release, int):  # check_flag says what is wrong
         return
     if stage != 2:
         raise ValueError(
