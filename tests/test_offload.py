@@ -168,10 +168,11 @@ def _rank_delays(rank, world, seeds):
     return rows
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_random_delays_in_the_pipeline_change_no_bit(world):
     """Seeded schedules of sleeps before each gradient copy, host step, copy back and
-    all-gather, different on every rank."""
+    all-gather, different on every rank (at 4 ranks; 2 ranks' pipeline is the same code,
+    and the world sizes' bits are compared without delays above)."""
     for rank, rows in enumerate(run_ranks(_rank_delays, world, [11, 12, 13], timeout=RANK_TIMEOUT_S)):
         for seed, name, same in rows:
             assert same, f"{name}: schedule {seed}, rank {rank} of {world}"

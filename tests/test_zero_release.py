@@ -26,8 +26,7 @@ RUNS = {
 }
 
 
-@packed
-def _job(rank, world_size):
+def _bits(rank, world_size):
     out = {}
     for name, kwargs in RUNS.items():
         out[name] = [train(rank, world_size, **kwargs, grad_release=release) for release in (False, True)]
@@ -44,11 +43,24 @@ def _job(rank, world_size):
     return out
 
 
-def test_release_over_ranks_is_the_plain_step_bit_for_bit():
+@packed
+def _three(rank, world_size):
+    """Every check at 3 ranks, in one start of the ranks (each start costs seconds)."""
+    return {"bits": _bits(rank, world_size), "groups": _groups(rank, world_size),
+            "moved": _moved_and_frozen(rank, world_size),
+            "schedules": _schedules(rank, world_size, (1, 2))}
+
+
+@pytest.fixture(scope="module")
+def three():
+    return ranks(_three, 3, timeout=600)
+
+
+def test_release_over_ranks_is_the_plain_step_bit_for_bit(three):
     """Losses, parameters and the whole state equal stage 2's without release; after the
     releasing backward a rank holds at most the averages still in flight (on CPUs the
     newest), not its whole gradient shard."""
-    for rank, out in enumerate(ranks(_job, 3, timeout=300)):
+    for rank, out in enumerate(r["bits"] for r in three):
         for name in RUNS:
             plain, released = out[name]
             assert_bitwise(released, plain, f"rank {rank}, {name}")
@@ -121,8 +133,8 @@ def _groups(rank, world_size):
     return all(torch.equal(a, b) for a, b in zip(*out))
 
 
-def test_per_group_formats_and_micro_batches_that_miss_a_parameter_step_as_stage_2():
-    assert all(run_ranks(_groups, 3, timeout=180))
+def test_per_group_formats_and_micro_batches_that_miss_a_parameter_step_as_stage_2(three):
+    assert all(r["groups"] for r in three)
 
 
 @pytest.mark.parametrize("kw,words", [
@@ -236,12 +248,12 @@ def _moved_and_frozen(rank, world_size):
             for release in (False, True)}
 
 
-def test_a_model_moved_after_construction_and_a_layer_frozen_halfway_step_as_stage_2():
+def test_a_model_moved_after_construction_and_a_layer_frozen_halfway_step_as_stage_2(three):
     """At 3 ranks (receive scratch per gradient dtype): a model cast to bf16 after the
     optimizer was built steps as one built after the cast (its first backward's bf16
     gradients are left in .grad for step() to re-home, not put into fp32 buckets: that was
     a KeyError), released and not; a layer frozen and thawed steps as without release."""
-    for out in run_ranks(_moved_and_frozen, 3, timeout=180):
+    for out in (r["moved"] for r in three):
         assert out == {False: {"bf16": True, "freeze": True}, True: {"bf16": True, "freeze": True}}, out
 
 
@@ -293,8 +305,7 @@ class _RandomLag(HostSide):
         return done
 
 
-@packed
-def _job_schedules(rank, world_size, seeds):
+def _schedules(rank, world_size, seeds):
     """Seeded schedules, different on every rank: sleeps (0 to 2 ms) before each gradient
     is taken by its bucket and before each landing is stepped, in the CPU mode; and, in
     the GPU mode's host logic, events that pass after a random number of launches."""
@@ -336,8 +347,8 @@ def _job_schedules(rank, world_size, seeds):
     return out
 
 
-def test_random_schedules_of_the_landings_change_no_bit():
-    for rank, out in enumerate(ranks(_job_schedules, 3, (1, 2), timeout=300)):
+def test_random_schedules_of_the_landings_change_no_bit(three):
+    for rank, out in enumerate(r["schedules"] for r in three):
         assert min(out.pop("slept").values()) > 0  # the schedules were the ones run
         for key, run in out.items():
             if key != "plain":
