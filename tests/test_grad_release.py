@@ -239,7 +239,14 @@ def test_the_norm_is_measured_not_clipped_by():
         released.step()
         models[1].zero_grad()  # the model's, as HF Trainer calls it: the norms end with step()
         assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models))), t
-    models[1](x).square().mean().backward()
+    for t in range(3):  # a loop that never calls step(): the norms of the last backward alone
+        x = torch.randn(6, 16, generator=torch.Generator().manual_seed(100 + t))
+        snapshot = copy.deepcopy(models[1])  # the parameters this backward's gradients are at
+        models[1](x).square().mean().backward()
+    grads = torch.autograd.grad(snapshot(x).square().mean(), list(snapshot.parameters()))
+    torch.testing.assert_close(released.total_grad_norm(), torch.nn.utils.get_total_norm(grads),
+                               rtol=1e-6, atol=0)
+    assert len(released._clipping.norms) == 4  # this backward's: one a parameter
     before = [p.detach().clone() for p in models[1].parameters()]
     with pytest.raises(RuntimeError, match="Clipping by the global"):
         torch.nn.utils.clip_grad_norm_(models[1].parameters(), 1e-3)

@@ -88,7 +88,8 @@ class ReleasedNorms(Clipping):
     """Clipping under gradient release (one process): nothing can be clipped, since each
     parameter was stepped in backward before the global norm was known, but the norm can be
     measured: each released gradient's 2-norm is kept (``note``, a 0-d float32 tensor a
-    parameter, no host sync) until the step ends or ``zero_grad``, and the norm asked for
+    parameter, no host sync) until the step ends, ``zero_grad`` or the next releasing
+    backward, and the norm asked for
     after backward is the 2-norm of those and of any ``.grad`` still to be stepped (torch's
     ``clip_grad_norm_`` stacks per-tensor norms the same way; here at least in float32
     whatever the gradients' dtype). Clipping by a finite norm is refused."""
@@ -102,6 +103,11 @@ class ReleasedNorms(Clipping):
 
     def reset(self) -> None:
         super().reset()
+        self.norms.clear()
+
+    def forget_norms(self) -> None:
+        """A new backward releases: the norms kept are this backward's alone (a loop may
+        never call ``step()``, since release steps in backward: they would pile up)."""
         self.norms.clear()
 
     def released_norm(self, grads: list):
@@ -219,6 +225,8 @@ class ReleasePipeline(StepPipeline):
         (the user's edits, written parameters), and the end of this backward queued."""
         refuse_process_group()
         self.settle()  # a backward that raised midway was never settled
+        if task is not None:  # a loop that never calls step(): the norms of this backward
+            self.clipping.forget_norms()
         self.task = task
         pairs = self.shards.listed(self.seat.param_groups)
         self.edits.check_frozen()
