@@ -264,6 +264,9 @@ def _deepspeed(key, model, args):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    if args.no_deepspeed_shm:  # its collectives through torch.distributed (gloo) alone
+        import deepspeed.comm.torch as ds_torch
+        ds_torch.build_shm_op = lambda: None
     bucket = int((args.bucket_cap_mb or 25) * 2**20) // DTYPES[args.dtype].itemsize
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
@@ -806,6 +809,10 @@ def parse_args(argv) -> argparse.Namespace:
                          "configurations may take, and one configuration's profiled run (300)")
     ap.add_argument("--out", default=os.path.join("bench", "results", "e2e"),
                     help="folder for e2e_<device>.csv/.json/.png (bench/results/e2e)")
+    ap.add_argument("--no-deepspeed-shm", action="store_true",
+                    help="DeepSpeed on CPUs without its shared-memory all-reduce op, which it "
+                         "compiles on first use in each new environment (about a minute of a "
+                         "core): the test suite's runs; timed runs keep it, as users run")
     args = ap.parse_args([str(a) for a in argv])
     args.argv = [str(a) for a in argv]
     if launch.start_env_problem():

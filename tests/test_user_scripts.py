@@ -721,7 +721,11 @@ def _job_deepspeed_client(rank, world_size, stage, root):
                            LOCAL_SIZE=world_size, DS_ACCELERATOR="cpu").items():
         os.environ[key] = str(value)
     import deepspeed
+    import deepspeed.comm.torch as ds_torch
     deepspeed.utils.logger.setLevel(logging.ERROR)
+    # DeepSpeed's shared-memory all-reduce op is compiled on its first use in each new
+    # environment (about a minute of a core); gloo does its collectives here instead.
+    ds_torch.build_shm_op = lambda: None
 
     def engine(cls):
         model = _model()
