@@ -85,6 +85,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib
 import json
 import math
 import os
@@ -265,8 +266,9 @@ def _deepspeed(key, model, args):
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if args.no_deepspeed_shm:  # its collectives through torch.distributed (gloo) alone
-        import deepspeed.comm.torch as ds_torch
-        ds_torch.build_shm_op = lambda: None
+        # (by sys.modules: ``import deepspeed.comm.torch as m`` binds torch itself, which
+        # deepspeed.comm holds under that name)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     bucket = int((args.bucket_cap_mb or 25) * 2**20) // DTYPES[args.dtype].itemsize
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise
