@@ -17,8 +17,9 @@ TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--vocab", "256", "--s
         "--batch", "2"]
 
 
-OURS = ["ddp", "torch_zero", "zero_s1", "zero_s1_buckets", "zero_s1_overlap", "zero_s2",
-        "zero_s2_buckets", "zero_s2_overlap", "compute"]
+# (zero_s1_buckets and zero_s2_buckets, the same launch with buckets and no overlap(), run
+# in bench/e2e.py's full run)
+OURS = ["ddp", "torch_zero", "zero_s1", "zero_s1_overlap", "zero_s2", "zero_s2_overlap", "compute"]
 
 
 def _run(tmp_path, configs, *extra):
@@ -63,7 +64,7 @@ def smoke(tmp_path_factory):
 def test_smoke_two_ranks_writes_a_row_per_configuration(smoke):
     data, proc, _ = smoke
     # ZeroAdamW's own bytes beside the memory model's formula, one line per variant
-    assert "ZeroAdamW's bytes per rank" in proc.stdout and proc.stdout.count("(formula ") == 8, proc.stdout
+    assert "ZeroAdamW's bytes per rank" in proc.stdout and proc.stdout.count("(formula ") == 6, proc.stdout
     configs = [r["config"] for r in data["rows"]]  # in the script's order: DDP first, compute last
     assert sorted(configs) == sorted(SMOKE) and configs[0] == "ddp" and configs[-1] == "compute", configs
     for r in data["rows"]:

@@ -3,7 +3,7 @@ Reliability): torchrun scripts ending with or without ``destroy_process_group()`
 all-gathers in flight under ``overlap()``, or with an exception; and ranks started as
 plain processes (no launcher to kill the rest) whose peers end every way (later, a save as rank
 0's last line, SIGKILL, ``sys.exit(3)``, an exception, a rank failing mid-training, one
-under ``torch.multiprocessing.spawn``). One run of seven of them here (~35 s): the five
+under ``torch.multiprocessing.spawn``). One run of five of them here (~30 s): the seven
 left to the script repeat a mechanism these run (``LEFT_TO_THE_SCRIPT``). ``python
 bench/exit_soak.py --runs 200`` is the long measurement of all twelve, with the time a
 rank that is done stays after its peers end.
@@ -17,14 +17,16 @@ SOAK = Path(__file__).resolve().parents[1] / "bench" / "exit_soak.py"
 VARIANTS = ("destroy", "no-destroy", "overlap+destroy", "overlap", "raise", "lone-end",
             "lone-save-last", "lone-peer-killed", "lone-peer-exit", "lone-peer-raises",
             "lone-raise-mid-training", "lone-spawn-raise")  # bench/exit_soak.py's twelve
-# Left to the script, each repeating a mechanism the ones run here run: ``overlap``
-# without destroy (``overlap+destroy``, ``no-destroy``); a peer ending with an error
-# status after its rank is done (``lone-peer-raises``, ``lone-peer-exit``: ``lone-peer-killed``
-# ends it harder); a rank failing mid-training (``lone-spawn-raise``, the same under
-# spawn); ``lone-end``, the baseline of the script's teardown figure, which ends as
-# ``destroy`` does.
+# Left to the script (``python bench/exit_soak.py --runs 1`` runs all twelve in ~1.5
+# minutes), each repeating a mechanism one run here runs: ``overlap`` without destroy
+# (``overlap+destroy``, ``no-destroy``); a peer ending with an error status after its
+# rank is done (``lone-peer-raises``, ``lone-peer-exit``: ``lone-peer-killed`` ends it
+# harder); a rank or every rank failing (``raise``, ``lone-raise-mid-training``,
+# ``lone-spawn-raise``: a script's exception ends it as ``destroy``'s last line does,
+# and a dead peer is ``lone-peer-killed``); ``lone-end``, the baseline of the script's
+# teardown figure, which ends as ``destroy`` does.
 LEFT_TO_THE_SCRIPT = ("overlap", "lone-peer-raises", "lone-peer-exit", "lone-raise-mid-training",
-                      "lone-end")
+                      "lone-end", "raise", "lone-spawn-raise")
 
 
 def test_every_ending_exits_with_its_own_status():
