@@ -77,22 +77,26 @@ _FIXES = {
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient's 2-norm, at least in float32 (a complex one's over its real view)."""
+    """A gradient's 2-norm (a complex one's over its real view), summed in float32 and
+    returned in the gradient's dtype as torch's ``clip_grad_norm_`` returns it (bfloat16
+    has float32's range, and its norm is half the cost of one returned in float32);
+    float16's in float32, which its range could not hold."""
     if grad.is_complex():
         grad = torch.view_as_real(grad)
-    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    return torch.linalg.vector_norm(grad, 2.0, dtype=wide)
+    if grad.dtype == torch.float16:
+        return torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(grad, 2.0)
 
 
 class ReleasedNorms(Clipping):
     """Clipping under gradient release (one process): nothing can be clipped, since each
     parameter was stepped in backward before the global norm was known, but the norm can be
-    measured: each released gradient's 2-norm is kept (``note``, a 0-d float32 tensor a
+    measured: each released gradient's 2-norm is kept (``note``, a 0-d tensor a
     parameter, no host sync) until the step ends, ``zero_grad`` or the next releasing
     backward, and the norm asked for
     after backward is the 2-norm of those and of any ``.grad`` still to be stepped (torch's
-    ``clip_grad_norm_`` stacks per-tensor norms the same way; here at least in float32
-    whatever the gradients' dtype). Clipping by a finite norm is refused."""
+    ``clip_grad_norm_`` stacks per-tensor norms the same way; here the total in float32).
+    Clipping by a finite norm is refused."""
 
     def __init__(self, buffers):
         super().__init__(buffers)
@@ -117,7 +121,7 @@ class ReleasedNorms(Clipping):
         if not norms:
             return None
         device = norms[0].device
-        return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+        return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]), 2.0)
 
     def clip(self, total: torch.Tensor, max_norm: float, grad_scale) -> torch.Tensor:
         if grad_scale is not None:
