@@ -279,8 +279,9 @@ def _under_ddp(rank, world_size):
     return out
 
 
-def test_a_ddp_wrapper_is_refused_before_the_releasing_backward_steps_anything():
-    for out in run_ranks(_under_ddp, 2, timeout=120):
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_ddp_wrapper_is_refused_before_the_releasing_backward_steps_anything(world):
+    for out in run_ranks(_under_ddp, world, timeout=120):
         for hooked, said in out.items():
             message, unchanged = said
             assert "under a DistributedDataParallel wrapper" in message and unchanged, (hooked, said)

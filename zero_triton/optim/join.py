@@ -111,6 +111,24 @@ def averaging_ddp(params, hooked_too: bool = False) -> bool:
     return False
 
 
+def release_under_ddp(param_groups):
+    """The error for ``ZeroAdam(stage=2, grad_release=True)`` when a live
+    DistributedDataParallel wraps its parameters (None when none does), asked before the
+    first releasing backward steps anything (``optim.ranks``; ``optim.zero_release`` at one
+    rank)."""
+    if not averaging_ddp([p for g in param_groups for p in g["params"]], hooked_too=True):
+        return None
+    return RuntimeError(
+        "ZeroAdam(stage=2, grad_release=True) under a DistributedDataParallel wrapper: "
+        "ZeroAdam takes each gradient in backward and steps with its average, and DDP "
+        "writes its own average back into .grad afterwards (with ddp_local_grads_hook "
+        "too), which would count twice. Do not wrap the model in DDP (ZeroAdam averages "
+        "the gradients itself; under accelerate, accelerator.prepare_model(model, "
+        "evaluation_mode=True) places it without the wrap), or, where a library always "
+        "wraps it (HF Trainer at 2+ processes), use ZeroAdamW(stage=1) without "
+        "grad_release. Nothing was stepped")
+
+
 def _values(param_groups):
     """Every group's hyperparameters, in ``HYPERPARAMETERS``' order."""
     for group in param_groups:

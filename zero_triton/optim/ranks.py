@@ -200,18 +200,8 @@ class AgreedRanks:
         the step would refuse only after this backward stepped the shards. Refused here,
         before anything is stepped (a walk over the live objects, once)."""
         self.ddp_looked = True
-        if not join.averaging_ddp([p for g in seat.param_groups for p in g["params"]],
-                                  hooked_too=True):
-            return 0, None
-        return 4, RuntimeError(
-            "ZeroAdam(stage=2, grad_release=True) under a DistributedDataParallel wrapper: "
-            "ZeroAdam takes each gradient in backward and steps with its average, and DDP "
-            "writes its own average back into .grad afterwards (with ddp_local_grads_hook "
-            "too), which would count twice. Do not wrap the model in DDP (ZeroAdam averages "
-            "the gradients itself; under accelerate, accelerator.prepare_model(model, "
-            "evaluation_mode=True) places it without the wrap), or, where a library always "
-            "wraps it (HF Trainer at 2+ processes), use ZeroAdamW(stage=1) without "
-            "grad_release. Nothing was stepped")
+        error = join.release_under_ddp(seat.param_groups)
+        return (0, None) if error is None else (4, error)
 
     def _notify_join(self, seat, entry: str) -> None:
         """Under Join: this rank still has inputs, said before the iteration's first

@@ -46,6 +46,7 @@ import weakref
 
 import torch
 
+from zero_triton.optim import join
 from zero_triton.optim.pipeline import StepPipeline
 from zero_triton.optim.release import _FIXES, _current_task, _needs_every_gradient
 from zero_triton.state.param_view import Run
@@ -126,6 +127,7 @@ class ZeroReleasePipeline(StepPipeline):
         self.counted = {}      # shard key -> parameters counted since the last step
         self.landings = []     # held here: the buckets hold their ``tell`` weakly
         self.runs = {}         # (shard key, bucket) -> {parameter: its run on this rank}
+        self.ddp_looked = False  # one rank: the first releasing backward looks for a DDP
         shards.on_change(self.attach)
 
     def attach(self, param_groups: list) -> None:
@@ -182,10 +184,15 @@ class ZeroReleasePipeline(StepPipeline):
         """The first releasing launch of a backward. Over several ranks the round's entry
         (``Ranks.backward_entry``) agreed just before it; one rank follows the user's edits
         here, as ``step()`` would."""
-        self.task = task
         pairs = self.shards.listed(self.seat.param_groups)
         if self.comm.everyone.world_size == 1:
+            if not self.ddp_looked:  # over ranks, the entry's row refuses it (optim.ranks)
+                self.ddp_looked = True
+                error = join.release_under_ddp(self.seat.param_groups)
+                if error is not None:
+                    raise error
             self.ranks.enter(self.seat, "backward", pairs)
+        self.task = task
         for group, s in pairs:
             if group["amsgrad"] and s.state.ensure_amsgrad():
                 self.edits.expose(s)
