@@ -60,7 +60,7 @@ import torch
 from zero_triton.kernels import quant
 from zero_triton.optim.engine_home import is_dtensor
 from zero_triton.optim.rows import local_indices, row_map
-from zero_triton.optim.state_dict import packed_groups
+from zero_triton.optim.export import packed_groups
 from zero_triton.state import moments as moment_formats
 from zero_triton.state.int4 import Int4Moments
 from zero_triton.state.int8 import Int8Moments

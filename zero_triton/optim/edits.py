@@ -14,6 +14,7 @@ import operator
 
 import torch
 
+from zero_triton.optim import export
 from zero_triton.optim import state_dict as adam_state
 from zero_triton.optim.shard import Shard
 from zero_triton.state.keys import GROUP_FORMATS, formats_of
@@ -71,13 +72,13 @@ class UserEdits:
                          **{k: v[i] for k, v in views.items()}}
                 old = dict.get(table, p)
                 if old and len(old) > len(entry):  # keys a user or a wrapper added stay
-                    entry.update({k: v for k, v in old.items() if k not in adam_state.OWN_KEYS})
+                    entry.update({k: v for k, v in old.items() if k not in export.OWN_KEYS})
                 table.set_entry(p, entry)
             shard.exposed_steps = shard.state.steps
 
     def table(self, shards, others: dict, per_param: dict) -> watch.TrackedState:
         """``opt.state`` anew, to assign: our entries (world size 1), each parameter's
-        extra keys and the entries that are not parameters (``state_dict.extras``)."""
+        extra keys and the entries that are not parameters (``export.extras``)."""
         table = self.tracked
         dict.clear(table)
         self.expose(*shards)
@@ -99,7 +100,7 @@ class UserEdits:
         """``opt.state`` anew after the user's edits were followed, keeping whatever in
         ``state`` is not ours."""
         user = state if isinstance(state, dict) else {}
-        return self.table(shards, *adam_state.extras(user, [p for f in shards for p in f.params]))
+        return self.table(shards, *export.extras(user, [p for f in shards for p in f.params]))
 
     def edited(self, state) -> bool:
         """Whether ``opt.state`` (``state``) was replaced or edited since we last wrote it."""
@@ -228,7 +229,7 @@ def sharded_state_edit(table, tracked, shards):
     params = {id(p) for _, f in shards for p in f.params}
     assigned = not isinstance(table, dict) or any(
         isinstance(k, torch.Tensor) and id(k) in params and isinstance(v, dict)
-        and not adam_state.OWN_KEYS.isdisjoint(v) for k, v in dict.items(table))
+        and not export.OWN_KEYS.isdisjoint(v) for k, v in dict.items(table))
     if assigned:
         return RuntimeError(
             "ZeroAdam keeps its optimizer state sharded over the ranks: entries "

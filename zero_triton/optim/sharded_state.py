@@ -11,10 +11,9 @@ theirs), and whose global metadata lists every rank's boxes (computed here from 
 layout, no communication). DCP then writes each rank's boxes only, and loads into any
 other layout (another world size or bucket size) by the boxes' overlaps.
 
-``sharded_state_dict(opt)`` builds it (torch.optim.Adam's format, parameters numbered as
-``state_dict()`` numbers them); ``localized(state_dict)`` turns the ShardedTensors of a
-loaded one into ``state_dict.Pieces`` (this rank's boxes, copied) that ``load_shard``
-reads its ranges from.
+``sharded_state_dict(opt)`` builds it, the optimizer's export (``optim/export.py``) over
+the ``boxed`` source; ``localized(state_dict)`` turns the ShardedTensors of a loaded one
+into ``Pieces`` (this rank's boxes, copied) that ``ParamView.pack`` reads its runs from.
 """
 from __future__ import annotations
 
@@ -23,7 +22,8 @@ import warnings
 
 import torch
 
-from zero_triton.optim.state_dict import Pieces, packed_groups
+from zero_triton.optim.export import exported
+from zero_triton.state.param_view import Pieces
 
 # torch marks ShardedTensor deprecated in favour of DTensor, but a DTensor cuts a tensor
 # only where torch.chunk does, and a rank's part of a parameter ends at any element.
@@ -81,10 +81,17 @@ def sharded_state_dict(opt, shards) -> dict:
     tensor per parameter (the same on every rank), each state tensor a ShardedTensor of
     the parameter's shape over every rank's boxes, its local shards views of the state.
     ``shards``: the optimizer's (group, Shard) pairs."""
-    comm = opt.comm
-    groups, ids = packed_groups(opt)
-    state = {}
-    for _, shard in shards:
+    return exported(opt, [shard for _, shard in shards], boxed(opt.comm))
+
+
+def boxed(comm):
+    """The source (``export.exported``'s) of each parameter's state as ShardedTensors over
+    every rank of ``comm``: this rank's boxes views of its state, the others' named."""
+    # A placement names a global rank (of the group's shard r; hybrid sharding: this
+    # copy's, whose boxes DCP keeps once over the copies).
+    ranks = _global_ranks(comm)
+
+    def values(shard):
         layout = shard.layout
         for i, p in enumerate(shard.params):
             if layout.strides[i] is not None or p.is_complex():
@@ -96,14 +103,11 @@ def sharded_state_dict(opt, shards) -> dict:
                     "size), or take optimizer.state_dict() (the whole state on every rank)")
         everyone = [shard.by_param.owned(r) for r in range(comm.world_size)]
         mine = everyone[comm.rank]
-        # A placement names a global rank (of the group's shard r; hybrid sharding: this
-        # copy's, whose boxes DCP keeps once over the copies).
-        ranks = _global_ranks(comm)
-        steps = shard.state.param_steps()
         buffers = shard.state.buffers()
+        out = []
         for i, p in enumerate(shard.params):
             shape = tuple(p.shape)
-            entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
+            entry = {}
             if p.numel() == 0:
                 entry.update({k: torch.empty(shape, dtype=b.dtype, device=b.device)
                               for k, b in buffers.items()})
@@ -130,8 +134,9 @@ def sharded_state_dict(opt, shards) -> dict:
                     else:
                         local = [(buf[:0].view(empty), ranks[comm.rank], corner, empty)]
                     entry[key] = _sharded(local, spread, shape, buf.dtype, buf.device, comm.group)
-            state[ids[id(p)]] = entry
-    return {"state": state, "param_groups": groups}
+            out.append(entry)
+        return out
+    return values
 
 
 def _global_ranks(comm) -> list:

@@ -17,6 +17,7 @@ import torch
 
 from zero_triton.comm import serve
 from zero_triton.optim.checks import adam_hyperparameters
+from zero_triton.optim.export import OWN_KEYS, assembled, exported, live, packed_groups, state_chunks
 from zero_triton.optim.shard import written_values
 from zero_triton.state.keys import GROUP_FORMATS
 from zero_triton.state.flat import real_shape
@@ -38,68 +39,6 @@ def group_keys(differentiable: bool, **chosen) -> dict:
 # Elements gathered per rank per round: bounds the receiver's transient buffers to
 # world_size * this * 4 bytes on top of the one full copy it returns.
 GATHER_CHUNK = 4 << 20
-
-
-class Pieces:
-    """This rank's part of one state tensor of a parameter, as a DCP load gives it
-    (``zero_triton.optim.sharded_state.localized``): runs of its elements in flat order,
-    ``(first element, 1-D tensor)``, under the parameter's ``shape``."""
-
-    def __init__(self, shape, runs):
-        self.shape = torch.Size(shape)
-        self.runs = runs
-
-    def is_complex(self) -> bool:
-        return False
-
-    def covers(self, a: int, b: int) -> bool:
-        """Whether the runs hold every element of [a, b)."""
-        for start, run in self.runs:
-            end = start + run.numel()
-            if start <= a < end:
-                a = end
-            if a >= b:
-                return True
-        return a >= b
-
-    def range(self, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b), flat (``covers(a, b)`` was checked)."""
-        parts = [run[max(a, start) - start:min(b, start + run.numel()) - start]
-                 for start, run in self.runs if start < b and a < start + run.numel()]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def packed_groups(opt):
-    """torch's param_groups with parameters replaced by their state-dict index, and
-    the map id(param) -> index."""
-    groups, ids, start = [], {}, 0
-    for group in opt.param_groups:  # as torch.optim.Optimizer.state_dict numbers them
-        packed = {k: v for k, v in group.items() if k != "params"}
-        ids.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in ids})
-        packed["params"] = [ids[id(p)] for p in group["params"]]
-        start += len(packed["params"])
-        groups.append(packed)
-    return groups, ids
-
-
-# The per-parameter state keys this optimizer keeps in its flat buffers; anything else a
-# user or a wrapper puts in ``opt.state`` (a parameter's extra entry, a key that is not a
-# parameter) is kept beside them and round-trips through the state dict as in torch.
-OWN_KEYS = frozenset(("step", *MOMENT_KEYS, MASTER))
-
-
-def extras(table, params) -> tuple[dict, dict]:
-    """(entries of ``table`` not keyed by one of ``params``, {id(p): p's extra keys})."""
-    by_id = {id(p) for p in params}
-    others, per_param = {}, {}
-    for key, entry in dict.items(table):
-        if not (isinstance(key, torch.Tensor) and id(key) in by_id):
-            others[key] = entry
-        elif isinstance(entry, dict):
-            extra = {k: v for k, v in entry.items() if k not in OWN_KEYS}
-            if extra:
-                per_param[id(key)] = extra
-    return others, per_param
 
 
 def with_state_dict_hooks(opt, build) -> dict:
@@ -150,20 +89,7 @@ def local_state_dict(opt) -> dict:
             "state_dict() of a sharded optimizer would hold only this rank's shard; use "
             "consolidated_state_dict() for torch.optim.Adam's format, or "
             "zero_triton.checkpoint.save for a sharded checkpoint")
-    groups, ids = packed_groups(opt)
-    state = {}
-    shards = [shard for _, shard in opt.shards(follow=True)]
-    others, per_param = extras(opt.state, [p for shard in shards for p in shard.params])
-    for shard in shards:
-        views, steps = shard.state_views(), shard.state.param_steps()
-        for i, p in enumerate(shard.params):
-            # A step tensor of its own per parameter: torch.optim.Adam increments
-            # each one, a shared one would count N times per step.
-            state[ids[id(p)]] = {"step": torch.tensor(steps[i], dtype=torch.float32),
-                                 **{k: v[i] for k, v in views.items()}, **per_param.get(id(p), {})}
-    for key, entry in others.items():  # as torch: a parameter's index, any other key as is
-        state[ids.get(id(key), key) if isinstance(key, torch.Tensor) else key] = entry
-    return {"state": state, "param_groups": groups}
+    return exported(opt, [shard for _, shard in opt.shards(follow=True)], live)
 
 
 def copyable(state_dict: dict) -> dict:
@@ -264,15 +190,16 @@ def plan_load(opt, state_dict) -> list:
                     raise ValueError(f"state '{key}' of parameter {i} in param group {gi} "
                                      f"has shape {tuple(e[key].shape)}, the parameter "
                                      f"{tuple(p.shape)}")
-        for i, a, b, _ in shard.by_param.runs():  # a DCP load's pieces hold this rank's runs
-            for key, value in (entries[i] or {}).items():
-                if isinstance(value, Pieces) and not value.covers(a, b):
-                    raise ValueError(
-                        f"state '{key}' of parameter {i} in param group {gi}: the "
-                        f"loaded shards lack elements of [{a}, {b}), which this rank "
-                        "owns. Load the checkpoint into the state dict this "
-                        "optimizer's get_optimizer_state_dict returns (dcp.load), "
-                        "then call set_optimizer_state_dict")
+        for key in dict.fromkeys(k for e in entries if e is not None for k in e):
+            gap = shard.by_param.uncovered([None if e is None else e.get(key) for e in entries])
+            if gap is not None:
+                i, a, b = gap
+                raise ValueError(
+                    f"state '{key}' of parameter {i} in param group {gi}: the "
+                    f"loaded shards lack elements of [{a}, {b}), which this rank "
+                    "owns. Load the checkpoint into the state dict this "
+                    "optimizer's get_optimizer_state_dict returns (dcp.load), "
+                    "then call set_optimizer_state_dict")
         plan.append((shard, entries, steps))
     return plan
 
@@ -302,15 +229,10 @@ def load_shard(shard, entries, step) -> None:
     state.master.seed()
     if entries is None:
         return
-    targets, view = state.buffers(), shard.by_param
-    for i, a, b, at in view.runs():
-        for key, buf in targets.items():
-            if entries[i] is not None and key in entries[i]:
-                given = shard.local_value(entries[i][key], i)
-                # A DCP load's pieces hold this rank's runs; a whole value is read in the
-                # parameter's memory order (channels_last keeps its own; complex: pairs).
-                given = given.range(a, b) if isinstance(given, Pieces) else view.elements(i, given)[a:b]
-                buf[at:at + b - a].copy_(given)
+    targets = state.buffers()
+    for key, buf in targets.items():
+        shard.by_param.pack([shard.local_value(e[key], i) if e is not None and key in e else None
+                             for i, e in enumerate(entries)], buf)
     state.commit(targets)
     # Every rank decides this from the same state dict: the all-gather is collective.
     if shard.has_master and any(e is not None and MASTER in e for e in entries):
@@ -341,19 +263,16 @@ def gathered_state_dict(opt, to_rank: int | None = 0, chunk_elems: int = GATHER_
         comm.gather(part, out, to_rank, "consolidated_state_dict gather")
         return out
 
-    return _assembled(opt, [shard for _, shard in opt.shards(follow=True)], chunk_elems, pieces, me,
-                      on_host=False)
+    return exported(opt, [shard for _, shard in opt.shards(follow=True)],
+                    assembled(pieces, comm.world_size, chunk_elems, me, on_host=False))
 
 
 def shard_chunks(shards, chunk_elems: int = GATHER_CHUNK):
-    """This rank's shards of every state of ``shards``, as ``_assembled`` takes them: per
-    flat buffer, per state, ``chunk_elems`` elements at a time."""
+    """This rank's shards of every state of ``shards``, in the chunks ``assembled`` takes
+    them (``export.state_chunks``)."""
     for shard in shards:
-        numel = shard.layout.shard_numel
-        chunk = max(1, min(numel, chunk_elems))
-        for buf in shard.state.buffers().values():
-            for c in range(0, numel, chunk):
-                yield buf[c:c + min(chunk, numel - c)]
+        for _, _, part in state_chunks(shard.state.buffers(), shard.layout.shard_numel, chunk_elems):
+            yield part
 
 
 def layout_digest(shards) -> int:
@@ -391,7 +310,8 @@ def served_state_dict(opt, server, ordinal: int, counts: list, chunk_elems: int 
             out[comm.rank] = part
             return out
 
-        state_dict = _assembled(opt, shards, chunk_elems, pieces, True, on_host=True)
+        state_dict = exported(opt, shards, assembled(pieces, comm.world_size, chunk_elems, True,
+                                                     on_host=True))
     ids = packed_groups(opt)[1]
     for shard in shards:
         written = shard.versions.written() if shard.state.has_master else ()
@@ -448,47 +368,6 @@ def _refusal(peer: int, header: list, rank: int, counts: list, reason: str | Non
                        "only?): add param groups on every rank alike. Nothing was changed")
     return head + (f"it failed to read them ({reason or 'its stderr shows the error'}). "
                    "Nothing was changed")
-
-
-def _assembled(opt, shards, chunk_elems, pieces, me: bool, on_host: bool):
-    """torch.optim.Adam's format from every rank's shards of ``shards``: ``pieces(part,
-    rows)`` returns, for this rank's ``part`` (a chunk of one state), every rank's chunk
-    at the same place (a list or a tensor of rows, in rank order; None where this rank
-    does not assemble: ``me`` False), received into ``rows`` (world_size x chunk, on
-    the host or the flat buffer's device; None where ``me`` is False)."""
-    world = opt.comm.world_size
-    groups, ids = packed_groups(opt)
-    state = {}
-    for shard in shards:
-        bufs, view = shard.state.buffers(), shard.by_param
-        numel = shard.layout.shard_numel
-        chunk = max(1, min(numel, chunk_elems))
-        rows = torch.empty(world, chunk, dtype=shard.state.dtype,
-                           device="cpu" if on_host else shard.device) if me else None
-        if me:
-            out, steps = [], shard.state.param_steps()
-            for i, p in enumerate(shard.params):
-                entry = {"step": torch.tensor(steps[i], dtype=torch.float32)}
-                entry.update({k: view.empty(i, b.dtype) for k, b in bufs.items()})
-                state[ids[id(p)]] = entry
-                out.append(entry)
-        for key, buf in bufs.items():
-            for c in range(0, numel, chunk):
-                n = min(chunk, numel - c)
-                part = buf[c:c + n]
-                if not on_host and part.device != shard.device:  # offloaded state: sent from the device
-                    part = part.to(shard.device)
-                got = pieces(part, rows)
-                if not me:
-                    continue
-                for r in range(world):
-                    for i, a, b, at in view.runs(r, c, c + n):
-                        view.elements(i, out[i][key])[a:b].copy_(got[r][at - c:at - c + b - a])
-        if me:
-            for p, entry in zip(shard.params, out):
-                if p.is_complex():
-                    entry.update({k: torch.view_as_complex(entry[k]) for k in bufs})
-    return {"state": state, "param_groups": groups} if me else None
 
 
 def plan_user_state(shard, user):

@@ -11,10 +11,13 @@ bucket: ``Run(index, a, b, at)``, elements [a, b) of parameter ``index``, held a
 (the parameter's shape, any strides, complex for a complex parameter), is read and
 written through ``elements(i, value)``: its elements in that memory order, 1-D.
 
-Copying a rank's part in, gathering every rank's parts out, naming DCP's boxes and
-checking a load's coverage are each a loop over ``runs``; checkpoint files read and
-write ``canonical`` ranges; none of them computes where a parameter's elements sit in
-a shard on its own (``tests/test_layers.py`` holds that).
+The two directions every way out of the state takes are here: ``unpack`` copies a
+rank's state (a chunk of it) out into whole per-parameter values, ``pack`` copies this
+rank's elements of given values (whole ones, or ``Pieces`` of them as a DCP load gives)
+in. ``optim/export.py`` builds torch's format on them; DCP's boxes are cut from
+``owned`` runs; checkpoint files read and write ``canonical`` ranges; none of them
+computes where a parameter's elements sit in a shard on its own
+(``tests/test_layers.py`` holds that).
 """
 from __future__ import annotations
 
@@ -33,6 +36,35 @@ class Run(NamedTuple):
     a: int
     b: int
     at: int
+
+
+class Pieces:
+    """Runs of one per-parameter value's elements in flat order, ``(first element, 1-D
+    tensor)``, under the parameter's ``shape``: this rank's part of it, as a DCP load
+    gives it (``zero_triton.optim.sharded_state.localized``)."""
+
+    def __init__(self, shape, runs):
+        self.shape = torch.Size(shape)
+        self.runs = runs
+
+    def is_complex(self) -> bool:
+        return False
+
+    def covers(self, a: int, b: int) -> bool:
+        """Whether the runs hold every element of [a, b)."""
+        for start, run in self.runs:
+            end = start + run.numel()
+            if start <= a < end:
+                a = end
+            if a >= b:
+                return True
+        return a >= b
+
+    def range(self, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b), flat (``covers(a, b)`` was checked)."""
+        parts = [run[max(a, start) - start:min(b, start + run.numel()) - start]
+                 for start, run in self.runs if start < b and a < start + run.numel()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class ParamView:
@@ -99,3 +131,28 @@ class ParamView:
         if tuple(value.stride()) == tuple(stride):
             return value.as_strided((value.numel(),), (1,))
         return memory_order(value, stride)
+
+    def unpack(self, rank: int, c: int, part: torch.Tensor, values: list) -> None:
+        """Copy ``part``, elements [c, c + part.numel()) of ``rank``'s state, into the whole
+        per-parameter ``values`` (by parameter index, each laid out as ``empty`` makes)."""
+        for i, a, b, at in self.runs(rank, c, c + part.numel()):
+            self.elements(i, values[i])[a:b].copy_(part[at - c:at - c + b - a])
+
+    def pack(self, values: list, buf: torch.Tensor) -> None:
+        """Copy this rank's elements of each given per-parameter value (by parameter index;
+        None: none given) into ``buf``, this rank's state: a whole value is read in the
+        flat buffer's memory order (channels_last keeps its own; complex: pairs),
+        ``Pieces`` by their runs (``uncovered`` was checked)."""
+        for i, a, b, at in self.runs():
+            value = values[i]
+            if value is not None:
+                given = value.range(a, b) if isinstance(value, Pieces) else self.elements(i, value)[a:b]
+                buf[at:at + b - a].copy_(given)
+
+    def uncovered(self, values: list) -> tuple[int, int, int] | None:
+        """The first (index, a, b) of this rank's runs whose elements a ``Pieces`` value
+        of ``values`` lacks (a DCP load that was not resharded to this layout), or None."""
+        for i, a, b, _ in self.runs():
+            if isinstance(values[i], Pieces) and not values[i].covers(a, b):
+                return i, a, b
+        return None
