@@ -1,24 +1,12 @@
 """The one export of the optimizer state: torch.optim.Adam's format, ``{"state": {index:
-entry}, "param_groups": [...]}``, built by ``exported`` from the shards, each parameter's
-values made by a source the way out hands in. ``state/param_view.py`` says where each
-parameter's elements are; ``exported`` numbers the parameters, gives each its step and
-keeps what the user put in ``opt.state`` beside our keys, for every way out alike.
-
-The ways out of torch's format are ``exported`` over one source each:
-
-- ``live``: views of this process's buffers, shaped as the parameters (``state_dict()``
-  on one rank; for DTensor parameters DTensors of their placements, which is what DCP
-  saves and reshards for FSDP2 and tensor parallel);
-- ``assembled``: whole values from every rank's chunks of the state, however they
-  arrive (``consolidated_state_dict`` gathers them, ``state_dict()`` at several ranks
-  asks the shard servers: ``optim/state_dict.py``);
-- ``boxed``: DCP's ShardedTensors, this rank's runs as views of its state and every
-  rank's as metadata (``optim/sharded_state.py``).
-
-The compact form is the export with each entry's moments as their store keeps them
-(``optim/compact.py``). Checkpoint files are not per-parameter values: each rank writes
-its state as ``ParamView.canonical`` ranges (a few long ones, read back at any layout
-without building a parameter's value), which is why they are not a source here.
+entry}, "param_groups": [...]}``, built by ``exported`` (which numbers the parameters as
+torch does, gives each its own ``step`` and keeps what the user put in ``opt.state``),
+each parameter's values made by the source a way out hands in: ``live`` (views of this
+process's buffers: ``state_dict()`` on one rank, DTensors for FSDP2 and tensor
+parallel), ``assembled`` (whole values from every rank's chunks, gathered or served:
+``optim/state_dict.py``) or ``boxed`` (DCP's ShardedTensors: ``optim/sharded_state.py``).
+The compact form re-encodes the export's moments (``optim/compact.py``); checkpoint files
+keep ``ParamView.canonical`` ranges instead (docs/architecture.md: the ways out).
 """
 from __future__ import annotations
 
@@ -83,17 +71,15 @@ def exported(opt, shards, values) -> dict | None:
     return {"state": state, "param_groups": groups}
 
 
-def per_param(views: dict) -> list[dict]:
-    """``{key: [value of each parameter]}`` as ``[{key: value} of each parameter]``."""
-    keys = list(views)
-    return [dict(zip(keys, row)) for row in zip(*views.values())] if keys else []
+def each_param(views: dict, n: int) -> list[dict]:
+    """``{key: [value of each of n parameters]}`` as ``[{key: value} of each]``."""
+    return [{k: v[i] for k, v in views.items()} for i in range(n)]
 
 
 def live(shard) -> list[dict]:
     """The source of views of this process's live state, as the shard's home presents its
     parameters (``Shard.state_views``): world size 1, or DTensor parameters' local shards."""
-    views = shard.state_views()
-    return per_param(views) if views else [{} for _ in shard.params]
+    return each_param(shard.state_views(), len(shard.params))
 
 
 def assembled(pieces, world: int, chunk_elems: int, me: bool, on_host: bool):
@@ -116,7 +102,7 @@ def assembled(pieces, world: int, chunk_elems: int, me: bool, on_host: bool):
             got = pieces(part, rows)
             for r in range(world if me else 0):
                 view.unpack(r, c, got[r], out[key])
-        return per_param(shard.home.views(out)) if me else None
+        return each_param(shard.home.views(out), len(shard.params)) if me else None
     return values
 
 
