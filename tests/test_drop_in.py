@@ -344,8 +344,14 @@ def test_the_step_operator_traces_fullgraph_and_matches_torchs_adamw(amsgrad, lp
         op(*eager[:2], torch.zeros(3), *eager[3:], *hyper)
 
 
-def _compiled_zero_job(rank, world_size, stage):
+def _compiled_zero_job(rank, world_size):
+    """Per stage: the largest difference from eager of the compiled step, without and with
+    overlap()."""
     from zero_triton import overlap
+    return {stage: _compiled_zero_stage(rank, stage, overlap) for stage in (1, 2)}
+
+
+def _compiled_zero_stage(rank, stage, overlap):
     out = []
     for compiled, overlapped in ((False, False), (True, False), (True, True)):
         torch._dynamo.reset()
@@ -368,10 +374,10 @@ def _compiled_zero_job(rank, world_size, stage):
     return [float((o - out[0]).abs().max()) for o in out[1:]]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_a_compiled_training_step_with_zero_adamw_matches_eager(stage):
+def test_a_compiled_training_step_with_zero_adamw_matches_eager():
     """Backward's bucket hooks and overlap()'s forward waits run as they are inside a
     compiled step: the parameters end where eager's do (to the compiled forward's
-    rounding), with and without overlap()."""
-    for rank, diffs in enumerate(run_ranks(_compiled_zero_job, 2, stage, timeout=300)):
-        assert max(diffs) < 1e-6, (rank, diffs)
+    rounding), with and without overlap(), at stage 1 and 2 (one start of the ranks)."""
+    for rank, by_stage in enumerate(run_ranks(_compiled_zero_job, 2, timeout=400)):
+        for stage, diffs in by_stage.items():
+            assert max(diffs) < 1e-6, (rank, stage, diffs)

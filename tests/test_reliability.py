@@ -522,17 +522,17 @@ def test_hyperparameters_that_differ_between_ranks_are_refused_on_every_rank(cas
 
 
 def _stalled_rank(rank, world, bucket_cap_mb):
-    """Rank 1 stalls (no collective) for 9 s before its backward and step, on a group made
-    with a 3 s timeout. Returns (what happened, wall-clock time it happened, message)."""
+    """Rank 1 stalls (no collective) for 6 s before its backward and step, on a group made
+    with a 2 s timeout. Returns (what happened, wall-clock time it happened, message)."""
     import datetime
 
     import torch.distributed as dist
-    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=3))
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
     model = _mlp()
     opt = ZeroAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=bucket_cap_mb, process_group=group)
     _train(model, opt, 1, torch.float32)
     if rank == 1:
-        time.sleep(9)
+        time.sleep(6)
         woke = time.time()
     try:
         _train(model, opt, 1, torch.float32)
@@ -545,12 +545,12 @@ def _stalled_rank(rank, world, bucket_cap_mb):
 def test_a_stalled_rank_fails_the_others_within_the_groups_own_timeout(bucket_cap_mb):
     """The agreement waits for a peer as long as the user's process group would (its
     ``timeout=``), not torch's 30-minute default: a rank stuck outside any collective
-    fails the others after the group's 3 s, while it is still stuck."""
+    fails the others after the group's 2 s, while it is still stuck."""
     (what0, when0, message0), (_, woke1, _) = run_ranks(
         _stalled_rank, 2, bucket_cap_mb, timeout=120, pg_timeout_s=600)
     assert what0 == "raised", "rank 0 waited for the stalled rank and trained on"
     assert when0 < woke1, "rank 0 raised only once the stalled rank came back"
-    assert "within the process group's timeout (3 s)" in message0, message0
+    assert "within the process group's timeout (2 s)" in message0, message0
 
 
 @pytest.mark.parametrize("world, phase, overrides", [
