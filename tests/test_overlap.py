@@ -554,14 +554,17 @@ def _job_reads_between_step_and_forward(rank, world_size, stage):
 
 
 class _ModesSeen(torch.utils.data.Dataset):
-    """Each item: how many torch function modes the worker process that made it holds."""
+    """Each item: how many torch function modes and open side channels the worker process
+    that made it holds."""
 
     def __len__(self):
         return 4
 
     def __getitem__(self, i):
         from torch.overrides import _get_current_function_mode_stack
-        return torch.tensor([len(_get_current_function_mode_stack())])
+
+        from zero_triton.comm import side
+        return torch.tensor([len(_get_current_function_mode_stack()), len(side.open_channels())])
 
 
 def _job_fork_after_step(rank, world_size):
@@ -579,19 +582,23 @@ def _job_fork_after_step(rank, world_size):
         # An epoch's iter(loader) forks its workers right after the last step().
         loader = torch.utils.data.DataLoader(_ModesSeen(), batch_size=2, num_workers=1,
                                              multiprocessing_context="fork")
-        out[f"worker modes {epoch}"] = [int(b.max()) for b in loader]
+        out[f"worker modes {epoch}"] = [int(b[:, 0].max()) for b in loader]
+        out[f"worker channels {epoch}"] = [int(b[:, 1].max()) for b in loader]
     opt.wait_params()
     return out
 
 
-def test_a_process_forked_after_step_holds_no_guard():
+def test_a_process_forked_after_step_holds_no_guard_and_no_side_channel():
     """A DataLoader worker forked between step() and the next forward (each epoch's
     iter(loader)) drops the guard it inherits: it has no gathers to wait for, and its
-    operations are not checked against the parent's buffers."""
+    operations are not checked against the parent's buffers. Nor does it hold the
+    parent's side channel: at its end it left it, an all-gather none of its threads
+    ran, and each worker's end took 5 s (20 s an epoch with four workers)."""
     for rank, out in enumerate(run_ranks(_job_fork_after_step, 2, timeout=120)):
         for epoch in range(2):
             assert out[f"guarded {epoch}"], (rank, out)  # the parent holds one
             assert out[f"worker modes {epoch}"] == [0, 0], (rank, out)
+            assert out[f"worker channels {epoch}"] == [0, 0], (rank, out)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

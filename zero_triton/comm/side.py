@@ -54,6 +54,7 @@ LINGER_S = 120.0  # the longest a leaving rank waits for its peers to leave
 _channels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pg -> SideChannel
 _made: dict = {}  # group name -> channels this process made for it (their store prefixes)
 _hooked = False
+_inherited: list = []  # a forked child's copies of its parent's channels, never ended here
 
 
 def group_timeout(pg) -> datetime.timedelta:
@@ -220,6 +221,24 @@ def _at_main_thread_end() -> None:
             ch.close()
         else:
             ch.leave()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker: fork is its default on Linux) holds copies of
+    its parent's channels, whose sockets and store connection it shares and whose threads
+    it lacks. It must neither leave (an all-gather no thread of its would run: each
+    worker's end waited 5 s, DataLoader's join limit, each epoch) nor close (a shutdown
+    acts on the sockets the parent still uses): they are marked closed, and kept
+    referenced so that nothing in the child ends them."""
+    for ch in list(_channels.values()):
+        ch.closed = True
+        ch._destroyed.detach()
+        _inherited.append(ch)
+    _channels.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def close_all() -> None:
