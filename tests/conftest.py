@@ -64,10 +64,12 @@ def pytest_runtest_protocol(item, nextitem):
 
 # The longest files first (seconds on two busy cores, slowest first), so that the
 # workers, which take a file at a time in this order, end together.
-LONGEST_FIRST = ("test_ext_cache.py", "test_exit.py", "test_e2e_bench.py", "test_bench.py",
-                 "test_reliability.py", "test_offload.py", "test_overlap.py",
-                 "test_ecosystem.py", "test_serve.py", "test_fsdp2_blocks.py",
-                 "test_drop_in.py", "test_cli.py")
+LONGEST_FIRST = ("test_overlap.py", "test_reliability.py", "test_ext_cache.py", "test_serve.py",
+                 "test_offload.py", "test_ecosystem.py", "test_fsdp2_blocks.py", "test_drop_in.py",
+                 "test_e2e_bench.py", "test_exit.py", "test_profile.py", "test_lowbit_bench.py",
+                 "test_hybrid.py", "test_cli.py", "test_bench.py", "test_dtensor.py", "test_zero.py",
+                 "test_user_scripts.py", "test_compressed.py", "test_checkpoint.py",
+                 "test_checkpoint_hardening.py", "test_cli_errors.py", "test_int8.py")
 
 
 def pytest_collection_modifyitems(config, items):
