@@ -31,7 +31,7 @@ def _rank(rank, world_size, params):
     model = model.to(torch.bfloat16)
     opt = zero_triton.ZeroAdam(model.parameters(), lr=1e-4, backend="torch")
     for p in model.parameters():
-        p.grad.normal_()
+        p.grad = torch.randn_like(p)  # as a backward would leave it
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     base, peak, stop = _rss(), [0], threading.Event()
