@@ -95,3 +95,22 @@ def test_every_way_out_keeps_what_the_user_put_in_opt_state_at_two_ranks():
             note = None if way == "dcp" else "kept"  # deleted before: DCP names keys by parameter
             assert seen[way] == (2.0 + rank, note, ours), (rank, way, seen[way])
         assert seen["loaded"] == 2.0 + rank
+
+
+def test_a_load_whose_pieces_lack_this_ranks_elements_is_refused_before_anything_changes():
+    """A DCP load gives each rank ``Pieces`` of a state tensor; one that lacks elements this
+    rank owns (loaded into a state dict of another layout) is refused, naming the
+    parameter, the range and the fix, and the state is as it was."""
+    from zero_triton import FusedAdamW
+    p = torch.nn.Parameter(torch.randn(4, 5))
+    opt = FusedAdamW([p], lr=0.1)
+    p.grad = torch.randn(4, 5)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    sd = opt.state_dict()
+    sd["state"][0] = dict(sd["state"][0], exp_avg=Pieces((4, 5), [(0, torch.zeros(12))]))
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter 0 in param group 0: the "
+                                         r"loaded shards lack elements of \[0, 20\).*dcp.load"):
+        opt.load_state_dict(sd)
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
