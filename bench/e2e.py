@@ -85,7 +85,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib
 import json
 import math
 import os
@@ -99,6 +98,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zero_triton.tools.bench.providers import deepspeed_without_shm
 from zero_triton.tools.gpt import GPT, build_gpt, synthetic_batch
 from zero_triton.tools.profiling import launch, timeline
 from zero_triton.tools.profiling.harness import (BETAS, DTYPES, LR, WEIGHT_DECAY, model_config,
@@ -265,10 +265,8 @@ def _deepspeed(key, model, args):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    if args.no_deepspeed_shm:  # its collectives through torch.distributed (gloo) alone
-        # (by sys.modules: ``import deepspeed.comm.torch as m`` binds torch itself, which
-        # deepspeed.comm holds under that name)
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    if args.no_deepspeed_shm:
+        deepspeed_without_shm()
     bucket = int((args.bucket_cap_mb or 25) * 2**20) // DTYPES[args.dtype].itemsize
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 unless told otherwise

@@ -8,9 +8,14 @@ made a no-op, in blocks of 8 iterations alternated, the median block of each.
 16 Linear(1024, 1024) layers (16.8M parameters), a batch of 8, fp32 and bf16 with
 ``master_weights="remainder8", moments="int8"``; two threads.
 """
-import time, statistics, torch, sys
+import statistics
+import time
+
+import torch
+
 from zero_triton import FusedAdamW
 from zero_triton.optim import release
+
 torch.set_num_threads(2)
 real = release.ReleasedNorms.note
 for fmt in ({}, {"master_weights": "remainder8", "moments": "int8"}):

@@ -720,15 +720,11 @@ def _job_deepspeed_client(rank, world_size, stage, root):
     for key, value in dict(LOCAL_RANK=rank, RANK=rank, WORLD_SIZE=world_size,
                            LOCAL_SIZE=world_size, DS_ACCELERATOR="cpu").items():
         os.environ[key] = str(value)
-    import importlib
-
     import deepspeed
+
+    from zero_triton.tools.bench.providers import deepspeed_without_shm
     deepspeed.utils.logger.setLevel(logging.ERROR)
-    # DeepSpeed's shared-memory all-reduce op is compiled on its first use in each new
-    # environment (about a minute of a core); gloo does its collectives here instead. (By
-    # module name: ``import deepspeed.comm.torch as m`` binds torch, which deepspeed.comm
-    # holds under that name.)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed_without_shm()  # gloo does its collectives (no op compiled in a new environment)
 
     def engine(cls):
         model = _model()

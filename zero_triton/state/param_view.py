@@ -76,6 +76,7 @@ class ParamView:
     def __init__(self, layout: FlatLayout, segments):
         self.layout = layout
         self.segments = list(segments)
+        self._mine = None  # this rank's runs over all of its state (read per state by a load)
 
     def segments_of(self, rank: int | None = None) -> list[tuple[int, int, int]]:
         """(buffer lo, buffer hi, state offset) of each segment of ``rank``'s state (this
@@ -85,6 +86,9 @@ class ParamView:
     def runs(self, rank: int | None = None, lo: int = 0, hi: int | None = None) -> list[Run]:
         """The runs of ``rank``'s state [lo, hi) (this rank's for None; all of it by
         default), in state order."""
+        whole = rank is None and lo == 0 and hi is None  # this rank's, all: computed once
+        if whole and self._mine is not None:
+            return list(self._mine)
         layout = self.layout
         hi = layout.shard_numel if hi is None else hi
         out = []
@@ -95,6 +99,8 @@ class ParamView:
             start = b_lo + s_a - s0
             out.extend(Run(i, a, b, layout.offsets[i] + a - b_lo + s0)
                        for i, a, b in layout.ranges_in(start, start + s_b - s_a))
+        if whole:
+            self._mine = tuple(out)
         return out
 
     def owned(self, rank: int | None = None) -> dict[int, Run]:

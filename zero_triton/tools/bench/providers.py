@@ -288,6 +288,16 @@ def make_deepspeed(p0s, g0s, case):
     return opt.step, lambda: _torch_state(opt, params)
 
 
+def deepspeed_without_shm() -> None:
+    """DeepSpeed on CPUs with its collectives through torch.distributed (gloo) alone, not
+    its shared-memory all-reduce op, which it compiles on first use in each new
+    environment (about a minute of a core): the test suite's runs. Patched by module name:
+    ``import deepspeed.comm.torch as m`` binds torch itself, which ``deepspeed.comm``
+    holds under that name."""
+    import importlib
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def make_apex(p0s, g0s, case):
     from apex.optimizers import FusedAdam as ApexFusedAdam
     params = _params_with_grads(p0s, g0s)
